@@ -1,0 +1,253 @@
+//! Application state, the one router, and the server's life cycle.
+
+use std::future::Future;
+use std::ops::Deref;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use axum::extract::Request;
+use axum::middleware::from_fn_with_state;
+use axum::routing::{delete, get, post};
+use axum::Router;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::trace::TraceLayer;
+
+use crate::config::Config;
+use crate::keys::Authenticator;
+use crate::metrics::Metrics;
+use crate::store::{self, Store};
+use crate::upstream::Upstreams;
+use crate::usage::{LogSink, SharedSink};
+use crate::{middleware, routes};
+
+/// Everything a handler needs; one cheap clone.
+#[derive(Clone)]
+pub struct AppState(Arc<Inner>);
+
+/// The shared state behind [`AppState`].
+pub struct Inner {
+    /// The validated configuration.
+    pub config: Config,
+    /// Tenants and keys.
+    pub store: Arc<dyn Store>,
+    /// Key snapshot and lookup.
+    pub auth: Arc<Authenticator>,
+    /// Tiers, replicas and the HTTP client.
+    pub upstreams: Upstreams,
+    /// Prometheus metrics.
+    pub metrics: Metrics,
+    /// Where settlement events go.
+    pub sink: SharedSink,
+    /// Pipelines and stream drivers, awaited on shutdown so no usage is lost.
+    pub tasks: TaskTracker,
+    /// Fired when the server shuts down (stops background loops).
+    pub shutdown: CancellationToken,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState")
+            .field("listen", &self.config.server.listen)
+            .field("upstreams", &self.upstreams)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Deref for AppState {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.0
+    }
+}
+
+/// Optional collaborators a caller (tests, `gateway demo`, the ledger) can supply.
+#[derive(Default, Clone)]
+pub struct Deps {
+    /// Use this store instead of opening `config.store.url`.
+    pub store: Option<Arc<dyn Store>>,
+    /// Use this sink instead of logging events.
+    pub sink: Option<SharedSink>,
+}
+
+impl AppState {
+    /// Build the state: open (and for SQLite migrate) the store, load keys, build the upstream
+    /// tiers, and start the key refresher.
+    pub async fn build(config: Config, deps: Deps) -> anyhow::Result<Self> {
+        config.validate()?;
+        let store = match deps.store {
+            Some(s) => s,
+            None => store::open(&config.store.url)
+                .await
+                .with_context(|| format!("opening store {}", redact_url(&config.store.url)))?,
+        };
+        let auth = Arc::new(Authenticator::new(Arc::clone(&store)).await?);
+        let upstreams = Upstreams::new(&config)?;
+        for name in config.tiers.keys() {
+            if let Some(t) = upstreams.tier(name) {
+                t.tokenizer.warm();
+            }
+        }
+        let shutdown = CancellationToken::new();
+        tokio::spawn(Arc::clone(&auth).refresh_every(
+            Duration::from_millis(config.store.key_refresh_ms),
+            shutdown.clone(),
+        ));
+        Ok(Self(Arc::new(Inner {
+            config,
+            store,
+            auth,
+            upstreams,
+            metrics: Metrics::new()?,
+            sink: deps.sink.unwrap_or_else(|| Arc::new(LogSink)),
+            tasks: TaskTracker::new(),
+            shutdown,
+        })))
+    }
+}
+
+/// A database URL with any password replaced, for logs.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            format!("{}://***@{}", &url[..scheme], &url[at + 1..])
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// The whole HTTP surface. Layers, outermost first:
+/// 1. `SetRequestIdLayer`: gives every request an `x-request-id` (keeps the client's if sent);
+/// 2. `TraceLayer`: one span per request (method, path) for logs;
+/// 3. `PropagateRequestIdLayer`: copies `x-request-id` onto the response;
+/// 4. per route group: `/v1/*` requires a tenant API key (`middleware::auth::require_api_key` puts the
+///    resolved key in the request extensions); `/admin/v1/*` requires the admin token
+///    (`middleware::auth::require_admin`).
+///
+/// Unauthenticated allowlist: `GET /healthz`, `GET /readyz`, `GET /metrics`.
+/// Body size limits are enforced in the handlers (`server.max_body_bytes`, 413 in OpenAI shape).
+pub fn build_router(state: AppState) -> Router {
+    let v1 = Router::new()
+        .route(
+            "/v1/chat/completions",
+            post(routes::openai::chat_completions),
+        )
+        .route("/v1/completions", post(routes::openai::completions))
+        .route("/v1/embeddings", post(routes::openai::embeddings))
+        .route("/v1/models", get(routes::openai::list_models))
+        .route("/v1/models/{model}", get(routes::openai::get_model))
+        .route_layer(from_fn_with_state(
+            state.clone(),
+            middleware::auth::require_api_key,
+        ));
+    let admin = Router::new()
+        .route(
+            "/admin/v1/tenants",
+            post(routes::admin::create_tenant).get(routes::admin::list_tenants),
+        )
+        .route(
+            "/admin/v1/tenants/{tenant}",
+            delete(routes::admin::delete_tenant),
+        )
+        .route(
+            "/admin/v1/keys",
+            post(routes::admin::create_key).get(routes::admin::list_keys),
+        )
+        .route("/admin/v1/keys/{key}", delete(routes::admin::revoke_key))
+        .route("/admin/v1/replicas", get(routes::admin::replicas))
+        .route_layer(from_fn_with_state(
+            state.clone(),
+            middleware::auth::require_admin,
+        ));
+    let open = Router::new()
+        .route("/healthz", get(routes::health::healthz))
+        .route("/readyz", get(routes::health::readyz))
+        .route("/metrics", get(routes::health::metrics));
+    v1.merge(admin)
+        .merge(open)
+        .fallback(routes::health::not_found)
+        .with_state(state)
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(TraceLayer::new_for_http().make_span_with(|req: &Request| {
+            tracing::info_span!("request", method = %req.method(), path = %req.uri().path())
+        }))
+        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+}
+
+/// Serve on `listener` until `shutdown` resolves, then drain: stop accepting, let in-flight
+/// requests finish, and wait (up to `server.shutdown_grace_secs`) for background settlement.
+pub async fn serve(
+    listener: TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let app = build_router(state.clone());
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .context("HTTP server failed")?;
+    state.shutdown.cancel();
+    state.tasks.close();
+    let grace = Duration::from_secs(state.config.server.shutdown_grace_secs);
+    if tokio::time::timeout(grace, state.tasks.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            pending = state.tasks.len(),
+            "shutdown grace expired with requests still settling"
+        );
+    }
+    Ok(())
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    tracing::info!("shutting down: draining in-flight requests");
+}
+
+/// `gateway serve`: build the state from `config`, bind `server.listen`, serve until a signal.
+pub async fn run(config: Config) -> anyhow::Result<()> {
+    let listen = config.server.listen;
+    let state = AppState::build(config, Deps::default()).await?;
+    let listener = TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("binding server.listen = {listen}"))?;
+    tracing::info!(address = %listen, "gateway listening");
+    serve(listener, state, shutdown_signal()).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact_url;
+
+    #[test]
+    fn passwords_are_redacted_from_urls() {
+        assert_eq!(
+            redact_url("postgres://u:secret@h/db"),
+            "postgres://***@h/db"
+        );
+        assert_eq!(redact_url("sqlite://gateway.db"), "sqlite://gateway.db");
+    }
+}

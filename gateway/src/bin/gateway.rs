@@ -1,0 +1,145 @@
+//! `gateway`: the server, its migrations, the backend simulator and the demo.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use gateway::config::Config;
+use gateway::simulator::{SimOptions, SimProfile};
+
+/// LLM gateway and cost-control proxy.
+#[derive(Debug, Parser)]
+#[command(name = "gateway", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve the OpenAI-compatible API.
+    Serve {
+        /// TOML configuration file.
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+        /// Override `server.listen`.
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+    },
+    /// Apply the Postgres migrations (SQLite is migrated at start).
+    Migrate {
+        /// TOML configuration file (its `store.url`).
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+        /// Database URL; overrides the config's `store.url`.
+        #[arg(long, env = "DATABASE_URL")]
+        database_url: Option<String>,
+    },
+    /// Run a SIMULATED OpenAI-compatible model server (for demos, tests and benchmarks).
+    Simulate {
+        /// Timing profile: small, large or zero (no latency).
+        #[arg(long, default_value = "small")]
+        profile: String,
+        /// Port on 127.0.0.1 (0 = any free port).
+        #[arg(long, default_value_t = 9001)]
+        port: u16,
+        /// Model name to serve (default: sim-<profile>).
+        #[arg(long)]
+        model: Option<String>,
+        /// Never report usage (like some servers), to exercise token counting.
+        #[arg(long)]
+        no_usage: bool,
+        /// Probability of answering 500.
+        #[arg(long, default_value_t = 0.0)]
+        error_rate: f64,
+        /// Probability of a latency spike.
+        #[arg(long, default_value_t = 0.0)]
+        spike_rate: f64,
+        /// Latency spike size in ms.
+        #[arg(long, default_value_t = 500)]
+        spike_ms: u64,
+    },
+    /// Run the gateway on its embedded default in front of simulated model servers.
+    Demo {
+        /// Port on 127.0.0.1.
+        #[arg(long, default_value_t = 8080)]
+        port: u16,
+        /// Store URL.
+        #[arg(long, default_value = "sqlite://gateway-demo.db")]
+        store: String,
+    },
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    gateway::telemetry::init();
+    gateway::telemetry::install_crypto_provider();
+    match Cli::parse().command {
+        Command::Serve { config, listen } => {
+            let mut config = Config::load(config.as_deref())?;
+            if let Some(listen) = listen {
+                config.server.listen = listen;
+            }
+            gateway::run(config).await
+        }
+        Command::Migrate {
+            config,
+            database_url,
+        } => {
+            let url = match database_url {
+                Some(u) => u,
+                None => Config::load(config.as_deref())?.store.url,
+            };
+            if url.starts_with("sqlite:") {
+                gateway::store::sqlite::SqliteStore::open(&url).await?;
+            } else {
+                gateway::store::postgres::PostgresStore::migrate(&url)
+                    .await
+                    .context("migrating postgres")?;
+            }
+            println!("migrated {}", gateway::app::redact_url(&url));
+            Ok(())
+        }
+        Command::Simulate {
+            profile,
+            port,
+            model,
+            no_usage,
+            error_rate,
+            spike_rate,
+            spike_ms,
+        } => {
+            let mut p = SimProfile::by_name(&profile).with_context(|| {
+                format!("unknown --profile {profile:?}: use small, large or zero")
+            })?;
+            if let Some(m) = model {
+                p.model = m;
+            }
+            let options = SimOptions {
+                profile: p,
+                report_usage: !no_usage,
+                error_rate,
+                spike_rate,
+                spike_ms,
+            };
+            let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+                .await
+                .with_context(|| format!("binding 127.0.0.1:{port}"))?;
+            println!(
+                "SIMULATED model server ({profile}) on http://{}/v1",
+                listener.local_addr()?
+            );
+            gateway::simulator::serve(listener, gateway::simulator::Simulator::new(options))
+                .await?;
+            Ok(())
+        }
+        Command::Demo { port, store } => {
+            gateway::demo::run(gateway::demo::DemoOptions {
+                listen: SocketAddr::from(([127, 0, 0, 1], port)),
+                store_url: store,
+            })
+            .await
+        }
+    }
+}

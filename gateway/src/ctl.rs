@@ -1,0 +1,286 @@
+//! `gatewayctl`: the admin CLI. It talks only to the admin API (`--url`, `GATEWAY_ADMIN_TOKEN`),
+//! so it works the same against one gateway or a fleet behind a load balancer.
+
+use std::io::Write;
+
+use anyhow::{anyhow, bail, Context as _};
+use clap::{Parser, Subcommand};
+use comfy_table::{presets::UTF8_BORDERS_ONLY, Table};
+use serde_json::{json, Value};
+
+/// Admin CLI for the LLM gateway: tenants and API keys.
+#[derive(Debug, Parser)]
+#[command(name = "gatewayctl", version, about)]
+pub struct Cli {
+    /// Base URL of a gateway.
+    #[arg(
+        long,
+        env = "GATEWAY_URL",
+        default_value = "http://127.0.0.1:8080",
+        global = true
+    )]
+    pub url: String,
+    /// Admin token (`admin.token` of the gateway).
+    #[arg(
+        long,
+        env = "GATEWAY_ADMIN_TOKEN",
+        hide_env_values = true,
+        global = true
+    )]
+    pub token: Option<String>,
+    /// Print JSON instead of tables (for scripts).
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Top-level commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Manage tenants.
+    Tenants {
+        /// Tenant command.
+        #[command(subcommand)]
+        command: TenantCommand,
+    },
+    /// Manage API keys.
+    Keys {
+        /// Key command.
+        #[command(subcommand)]
+        command: KeyCommand,
+    },
+}
+
+/// `gatewayctl tenants …`
+#[derive(Debug, Subcommand)]
+pub enum TenantCommand {
+    /// Create a tenant.
+    Create {
+        /// Unique name (letters, digits, '-', '_', '.').
+        name: String,
+    },
+    /// List tenants.
+    List,
+    /// Delete a tenant and revoke all its keys.
+    Delete {
+        /// Tenant id or name.
+        tenant: String,
+    },
+}
+
+/// `gatewayctl keys …`
+#[derive(Debug, Subcommand)]
+pub enum KeyCommand {
+    /// Create a key; the secret is printed once.
+    Create {
+        /// Tenant id or name.
+        #[arg(long)]
+        tenant: String,
+        /// Label for the key.
+        #[arg(long)]
+        name: Option<String>,
+        /// Attribution tag `key=value` (repeatable).
+        #[arg(long = "tag", value_parser = parse_tag)]
+        tags: Vec<(String, String)>,
+    },
+    /// List keys.
+    List {
+        /// Only this tenant's keys (id or name).
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// Revoke a key (takes effect on every replica within the key refresh interval).
+    Revoke {
+        /// Key id (`key_…`).
+        id: String,
+    },
+}
+
+fn parse_tag(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .ok_or_else(|| format!("expected key=value, got {s:?}"))
+}
+
+/// A thin client for the admin API.
+struct Admin {
+    http: reqwest::Client,
+    url: String,
+    token: String,
+}
+
+impl Admin {
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> anyhow::Result<Value> {
+        let url = format!("{}/admin/v1/{path}", self.url.trim_end_matches('/'));
+        let mut req = self.http.request(method, &url).bearer_auth(&self.token);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let resp = req
+            .send()
+            .await
+            .with_context(|| format!("cannot reach the gateway at {}", self.url))?;
+        let status = resp.status();
+        let value: Value = resp.json().await.unwrap_or(Value::Null);
+        if !status.is_success() {
+            let message = value
+                .pointer("/error/message")
+                .and_then(Value::as_str)
+                .unwrap_or("no error message");
+            bail!("{status}: {message}");
+        }
+        Ok(value)
+    }
+}
+
+fn s(v: &Value, field: &str) -> String {
+    match v.get(field) {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Null) | None => "-".into(),
+        Some(other) => other.to_string(),
+    }
+}
+
+fn table(header: &[&str], rows: Vec<Vec<String>>) -> String {
+    let mut t = Table::new();
+    t.load_preset(UTF8_BORDERS_ONLY).set_header(header.to_vec());
+    for r in rows {
+        t.add_row(r);
+    }
+    t.to_string()
+}
+
+fn tags(v: &Value) -> String {
+    v.get("tags")
+        .and_then(Value::as_object)
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or_default()))
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+        .unwrap_or_default()
+}
+
+fn list(v: &Value) -> Vec<Value> {
+    v.get("data")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// Run one CLI invocation, writing human or JSON output to `out`.
+pub async fn run(cli: Cli, out: &mut impl Write) -> anyhow::Result<()> {
+    crate::telemetry::install_crypto_provider();
+    let token = cli
+        .token
+        .clone()
+        .ok_or_else(|| anyhow!("no admin token: pass --token or set GATEWAY_ADMIN_TOKEN"))?;
+    let admin = Admin {
+        http: reqwest::Client::new(),
+        url: cli.url.clone(),
+        token,
+    };
+    use reqwest::Method;
+    let (value, human) = match cli.command {
+        Command::Tenants { command } => match command {
+            TenantCommand::Create { name } => {
+                let v = admin
+                    .call(Method::POST, "tenants", Some(json!({"name": name})))
+                    .await?;
+                let h = format!("created tenant {} ({})", s(&v, "name"), s(&v, "id"));
+                (v, h)
+            }
+            TenantCommand::List => {
+                let v = admin.call(Method::GET, "tenants", None).await?;
+                let rows = list(&v)
+                    .iter()
+                    .map(|t| vec![s(t, "id"), s(t, "name"), s(t, "created_at")])
+                    .collect();
+                let h = table(&["ID", "NAME", "CREATED"], rows);
+                (v, h)
+            }
+            TenantCommand::Delete { tenant } => {
+                let v = admin
+                    .call(Method::DELETE, &format!("tenants/{tenant}"), None)
+                    .await?;
+                let h = format!("deleted tenant {} and revoked its keys", s(&v, "name"));
+                (v, h)
+            }
+        },
+        Command::Keys { command } => match command {
+            KeyCommand::Create {
+                tenant,
+                name,
+                tags: t,
+            } => {
+                let tags: serde_json::Map<String, Value> =
+                    t.into_iter().map(|(k, v)| (k, Value::String(v))).collect();
+                let v = admin
+                    .call(
+                        Method::POST,
+                        "keys",
+                        Some(json!({"tenant": tenant, "name": name, "tags": tags})),
+                    )
+                    .await?;
+                let h = format!(
+                    "created key {} for tenant {}\n\n    {}\n\nStore it now: it is not shown again.",
+                    s(&v, "id"),
+                    s(&v, "tenant_name"),
+                    s(&v, "key")
+                );
+                (v, h)
+            }
+            KeyCommand::List { tenant } => {
+                let path = match &tenant {
+                    Some(t) => format!("keys?tenant={t}"),
+                    None => "keys".into(),
+                };
+                let v = admin.call(Method::GET, &path, None).await?;
+                let rows = list(&v)
+                    .iter()
+                    .map(|k| {
+                        let status = if k.get("revoked_at").is_some_and(|r| !r.is_null()) {
+                            "revoked"
+                        } else {
+                            "active"
+                        };
+                        vec![
+                            s(k, "id"),
+                            s(k, "tenant_name"),
+                            s(k, "name"),
+                            format!("{}…", s(k, "prefix")),
+                            tags(k),
+                            status.into(),
+                            s(k, "created_at"),
+                        ]
+                    })
+                    .collect();
+                let h = table(
+                    &["ID", "TENANT", "NAME", "KEY", "TAGS", "STATUS", "CREATED"],
+                    rows,
+                );
+                (v, h)
+            }
+            KeyCommand::Revoke { id } => {
+                let v = admin
+                    .call(Method::DELETE, &format!("keys/{id}"), None)
+                    .await?;
+                (v, format!("revoked key {id}"))
+            }
+        },
+    };
+    if cli.json {
+        writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+    } else {
+        writeln!(out, "{human}")?;
+    }
+    Ok(())
+}

@@ -1,0 +1,149 @@
+//! `gateway demo`: the gateway on its embedded default (SQLite file, in-process state) in front
+//! of three **simulated** model servers (two small replicas, one large), with a demo tenant and a
+//! fresh key, serving until Ctrl-C.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use anyhow::Context as _;
+use secrecy::SecretString;
+use tokio::net::TcpListener;
+
+use crate::app::{serve, shutdown_signal, AppState, Deps};
+use crate::config::{Config, ReplicaConfig, TierConfig, AUTO, LARGE, SMALL};
+use crate::keys;
+use crate::simulator::{self, SimOptions, SimProfile};
+use crate::store::NewKey;
+
+/// Name of the tenant the demo creates (or reuses).
+pub const DEMO_TENANT: &str = "demo";
+
+/// Options of `gateway demo`.
+#[derive(Debug, Clone)]
+pub struct DemoOptions {
+    /// Address for the gateway.
+    pub listen: SocketAddr,
+    /// Store URL (embedded SQLite by default).
+    pub store_url: String,
+}
+
+/// What the demo set up, for printing (and for tests).
+#[derive(Debug)]
+pub struct Demo {
+    /// The running gateway's state.
+    pub state: AppState,
+    /// The tenant API key (shown once).
+    pub api_key: String,
+    /// The admin token for `gatewayctl`.
+    pub admin_token: String,
+    /// The bound listener.
+    pub listener: TcpListener,
+}
+
+fn replica(name: &str, addr: SocketAddr, model: &str) -> ReplicaConfig {
+    ReplicaConfig {
+        name: name.into(),
+        url: format!("http://{addr}/v1"),
+        model: model.into(),
+        api_key_env: None,
+        max_concurrency: 64,
+    }
+}
+
+/// Start the simulators and build the gateway (not yet serving).
+pub async fn prepare(options: &DemoOptions) -> anyhow::Result<Demo> {
+    let (small_1, _) = simulator::spawn(SimOptions::new(SimProfile::small()), 0).await?;
+    let (small_2, _) = simulator::spawn(SimOptions::new(SimProfile::small()), 0).await?;
+    let (large_1, _) = simulator::spawn(SimOptions::new(SimProfile::large()), 0).await?;
+    let admin_token = keys::generate().secret.replace(keys::KEY_PREFIX, "adm-");
+    let mut config = Config::default();
+    config.server.listen = options.listen;
+    config.store.url = options.store_url.clone();
+    config.admin.token = Some(SecretString::from(admin_token.clone()));
+    config.tiers.insert(
+        SMALL.into(),
+        TierConfig {
+            tokenizer: None,
+            replicas: vec![
+                replica("sim-small-1", small_1, "sim-small"),
+                replica("sim-small-2", small_2, "sim-small"),
+            ],
+        },
+    );
+    config.tiers.insert(
+        LARGE.into(),
+        TierConfig {
+            tokenizer: None,
+            replicas: vec![replica("sim-large-1", large_1, "sim-large")],
+        },
+    );
+    config.models = BTreeMap::from([
+        ("fast".to_owned(), SMALL.to_owned()),
+        ("smart".to_owned(), LARGE.to_owned()),
+        (AUTO.to_owned(), AUTO.to_owned()),
+    ]);
+    let state = AppState::build(config, Deps::default()).await?;
+    let tenant = match state.store.find_tenant(DEMO_TENANT).await? {
+        Some(t) => t,
+        None => state.store.create_tenant(DEMO_TENANT).await?,
+    };
+    let generated = keys::generate();
+    state
+        .store
+        .create_key(NewKey {
+            tenant_id: tenant.id,
+            name: Some("demo".into()),
+            hash: generated.hash,
+            prefix: generated.prefix,
+            tags: BTreeMap::from([("feature".to_owned(), "demo".to_owned())]),
+        })
+        .await?;
+    let listener = TcpListener::bind(options.listen)
+        .await
+        .with_context(|| format!("binding {} (pass --port to use another)", options.listen))?;
+    Ok(Demo {
+        state,
+        api_key: generated.secret,
+        admin_token,
+        listener,
+    })
+}
+
+/// Run the demo until Ctrl-C.
+pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
+    let demo = prepare(&options).await?;
+    let addr = demo.listener.local_addr()?;
+    println!(
+        r#"
+LLM gateway demo: the gateway on its embedded default (SQLite {store}) in front of three
+SIMULATED model servers (2 x small, 1 x large). Models: fast (small tier), smart (large), auto.
+
+  API key (shown once):  {key}
+  Admin token:           {admin}
+
+Try it:
+
+  curl -s http://{addr}/v1/chat/completions \
+    -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \
+    -d '{{"model": "fast", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+  python3 - <<'PY'
+from openai import OpenAI
+client = OpenAI(base_url="http://{addr}/v1", api_key="{key}")
+print(client.chat.completions.create(model="smart", messages=[{{"role": "user", "content": "Hi"}}]).choices[0].message.content)
+for chunk in client.chat.completions.create(model="fast", stream=True, messages=[{{"role": "user", "content": "Stream!"}}]):
+    print(chunk.choices[0].delta.content or "", end="", flush=True) if chunk.choices else None
+print()
+PY
+
+  GATEWAY_URL=http://{addr} GATEWAY_ADMIN_TOKEN={admin} gatewayctl keys list
+  curl -s http://{addr}/metrics | grep gateway_requests_total
+
+Serving on http://{addr} until Ctrl-C.
+"#,
+        store = options.store_url,
+        key = demo.api_key,
+        admin = demo.admin_token,
+    );
+    serve(demo.listener, demo.state, shutdown_signal()).await
+}

@@ -1,0 +1,194 @@
+//! The one HTTP-facing error type.
+//!
+//! Every error the gateway itself produces is an [`ApiError`]: one `match` picks the status, one
+//! `IntoResponse` writes OpenAI's `{"error":{"message","type","param","code"}}` so client SDKs
+//! raise their usual exceptions. [`ApiError::kind`] is a short fixed string used as a metric label
+//! and in usage events. 5xx bodies never carry internal details; the cause goes to the log.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+/// Errors answered to API clients.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The body is not JSON.
+    #[error("invalid JSON body: {0}")]
+    InvalidJson(String),
+    /// A field is missing or has the wrong type or value.
+    #[error("{message}")]
+    InvalidRequest {
+        /// Human-readable explanation.
+        message: String,
+        /// The offending field, e.g. `messages[0].role`.
+        param: Option<String>,
+    },
+    /// Missing, malformed, unknown or revoked API key.
+    #[error("{0}")]
+    Unauthorized(String),
+    /// The admin API is disabled or the caller is not allowed.
+    #[error("{0}")]
+    Forbidden(String),
+    /// No such model.
+    #[error("the model `{0}` does not exist or is not served by this gateway")]
+    ModelNotFound(String),
+    /// No such resource (admin API) or route.
+    #[error("{0}")]
+    NotFound(String),
+    /// A uniqueness rule was violated (admin API).
+    #[error("{0}")]
+    Conflict(String),
+    /// The body exceeds `server.max_body_bytes`.
+    #[error("request body is larger than the limit of {limit} bytes")]
+    PayloadTooLarge {
+        /// The configured limit.
+        limit: usize,
+    },
+    /// A replica answered something that is not a valid response (or every attempt failed).
+    #[error("upstream error: {message}")]
+    BadGateway {
+        /// What went wrong, without internal details.
+        message: String,
+    },
+    /// No replica could take the request (all unhealthy or at their concurrency limit).
+    #[error("{message}")]
+    Unavailable {
+        /// What is unavailable.
+        message: String,
+        /// Seconds the client should wait before retrying.
+        retry_after: u64,
+    },
+    /// The upstream did not answer in time.
+    #[error("upstream timed out: {0}")]
+    GatewayTimeout(String),
+    /// A bug or an unreachable dependency; the cause is logged, not returned.
+    #[error("internal error")]
+    Internal(#[source] anyhow::Error),
+}
+
+impl ApiError {
+    /// Shorthand for [`ApiError::InvalidRequest`] naming a field.
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::InvalidRequest {
+            message: message.into(),
+            param: Some(param.into()),
+        }
+    }
+
+    /// Wrap any error as an internal one.
+    pub fn internal(e: impl Into<anyhow::Error>) -> Self {
+        Self::Internal(e.into())
+    }
+
+    /// HTTP status for this error.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::InvalidJson(_) | Self::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
+            Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            Self::Forbidden(_) => StatusCode::FORBIDDEN,
+            Self::ModelNotFound(_) | Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::Conflict(_) => StatusCode::CONFLICT,
+            Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::BadGateway { .. } => StatusCode::BAD_GATEWAY,
+            Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::GatewayTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// Short fixed label for metrics, logs and usage events.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::InvalidJson(_) => "invalid_json",
+            Self::InvalidRequest { .. } => "invalid_request",
+            Self::Unauthorized(_) => "unauthorized",
+            Self::Forbidden(_) => "forbidden",
+            Self::ModelNotFound(_) => "model_not_found",
+            Self::NotFound(_) => "not_found",
+            Self::Conflict(_) => "conflict",
+            Self::PayloadTooLarge { .. } => "payload_too_large",
+            Self::BadGateway { .. } => "bad_gateway",
+            Self::Unavailable { .. } => "unavailable",
+            Self::GatewayTimeout(_) => "timeout",
+            Self::Internal(_) => "internal",
+        }
+    }
+
+    /// OpenAI's `error.type` for this error.
+    fn openai_type(&self) -> &'static str {
+        match self {
+            Self::InvalidJson(_)
+            | Self::InvalidRequest { .. }
+            | Self::ModelNotFound(_)
+            | Self::NotFound(_)
+            | Self::Conflict(_)
+            | Self::PayloadTooLarge { .. } => "invalid_request_error",
+            Self::Unauthorized(_) => "authentication_error",
+            Self::Forbidden(_) => "permission_error",
+            Self::BadGateway { .. } | Self::GatewayTimeout(_) | Self::Internal(_) => "api_error",
+            Self::Unavailable { .. } => "service_unavailable",
+        }
+    }
+
+    /// OpenAI's `error.code` for this error.
+    fn code(&self) -> Option<&'static str> {
+        match self {
+            Self::Unauthorized(_) => Some("invalid_api_key"),
+            Self::ModelNotFound(_) => Some("model_not_found"),
+            Self::PayloadTooLarge { .. } => Some("request_too_large"),
+            Self::InvalidJson(_) => Some("invalid_json"),
+            _ => None,
+        }
+    }
+
+    /// The JSON body, as OpenAI shapes it.
+    pub fn body(&self) -> serde_json::Value {
+        let param = match self {
+            Self::InvalidRequest { param, .. } => param.clone(),
+            Self::ModelNotFound(_) => Some("model".to_owned()),
+            _ => None,
+        };
+        json!({
+            "error": {
+                "message": self.to_string(),
+                "type": self.openai_type(),
+                "param": param,
+                "code": self.code(),
+            }
+        })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if let Self::Internal(cause) = &self {
+            tracing::error!(error = ?cause, "internal error");
+        }
+        let mut response = (status, axum::Json(self.body())).into_response();
+        if let Self::Unavailable { retry_after, .. } = &self {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after));
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn body_is_openai_shaped_and_5xx_hides_the_cause() {
+        let e = ApiError::invalid("messages[0].role", "missing field `role`");
+        let b = e.body();
+        assert_eq!(b["error"]["param"], "messages[0].role");
+        assert_eq!(b["error"]["type"], "invalid_request_error");
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+
+        let e = ApiError::internal(anyhow::anyhow!("password=hunter2"));
+        assert_eq!(e.body()["error"]["message"], "internal error");
+        assert_eq!(e.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    }
+}

@@ -1,0 +1,34 @@
+//! The gateway service: an OpenAI-compatible proxy in front of self-hosted model servers and
+//! hosted providers, with tenants, API keys, usage settlement and metrics.
+//!
+//! Module map (dependencies point downwards):
+//! - [`app`]: state, the one `build_router`, `serve`/`run` — the request path in one place;
+//! - [`routes`]: thin axum handlers for `/v1`, `/admin/v1` and the probes;
+//! - [`pipeline`]: the request pipeline (route → forward with failover → settle);
+//! - [`upstream`]: tiers of replicas, the pooled HTTP client, one forwarding attempt;
+//! - [`openai`]: typed views of OpenAI request bodies and the SSE stream rewriter;
+//! - [`keys`], [`store`]: API keys and tenants behind one store trait (SQLite, Postgres);
+//! - [`usage`], [`metrics`], [`tokens`]: settlement events, Prometheus metrics, token counting;
+//! - [`simulator`], [`demo`], [`ctl`]: the backend simulator, `gateway demo`, `gatewayctl`.
+
+pub mod app;
+pub mod config;
+pub mod ctl;
+pub mod demo;
+pub mod error;
+pub mod keys;
+pub mod metrics;
+pub mod middleware;
+pub mod openai;
+pub mod pipeline;
+pub mod routes;
+pub mod simulator;
+pub mod store;
+pub mod telemetry;
+pub mod tokens;
+pub mod upstream;
+pub mod usage;
+
+pub use app::{run, serve, AppState, Deps};
+pub use config::Config;
+pub use error::ApiError;

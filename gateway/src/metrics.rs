@@ -1,0 +1,157 @@
+//! Every Prometheus metric the gateway exports, defined once. Dashboards query these names; a
+//! test checks each name a dashboard uses exists here.
+
+use std::time::Instant;
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+use crate::upstream::Upstreams;
+
+/// Metric names, for dashboards and tests.
+pub mod names {
+    /// Requests by tenant, model, tier and status.
+    pub const REQUESTS: &str = "gateway_requests_total";
+    /// Tokens by tenant, model and kind (prompt, completion, cached).
+    pub const TOKENS: &str = "gateway_tokens_total";
+    /// Request duration by tier and replica.
+    pub const DURATION: &str = "gateway_request_duration_seconds";
+    /// Time to first token by tier and replica.
+    pub const TTFT: &str = "gateway_time_to_first_token_seconds";
+    /// Upstream failures by replica and kind.
+    pub const UPSTREAM_ERRORS: &str = "gateway_upstream_errors_total";
+    /// Requests in flight per replica.
+    pub const IN_FLIGHT: &str = "gateway_replica_in_flight";
+    /// 1 when the replica is in rotation, 0 while cooling down.
+    pub const HEALTHY: &str = "gateway_replica_healthy";
+    /// Requests rejected before reaching an upstream, by error kind.
+    pub const REJECTED: &str = "gateway_rejected_requests_total";
+
+    /// Every name above.
+    pub const ALL: &[&str] = &[
+        REQUESTS,
+        TOKENS,
+        DURATION,
+        TTFT,
+        UPSTREAM_ERRORS,
+        IN_FLIGHT,
+        HEALTHY,
+        REJECTED,
+    ];
+}
+
+/// The gateway's metrics, registered in their own registry (one per app instance).
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    registry: Registry,
+    /// See [`names::REQUESTS`].
+    pub requests: IntCounterVec,
+    /// See [`names::TOKENS`].
+    pub tokens: IntCounterVec,
+    /// See [`names::DURATION`].
+    pub duration: HistogramVec,
+    /// See [`names::TTFT`].
+    pub ttft: HistogramVec,
+    /// See [`names::UPSTREAM_ERRORS`].
+    pub upstream_errors: IntCounterVec,
+    /// See [`names::IN_FLIGHT`].
+    pub in_flight: IntGaugeVec,
+    /// See [`names::HEALTHY`].
+    pub healthy: IntGaugeVec,
+    /// See [`names::REJECTED`].
+    pub rejected: IntCounterVec,
+}
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+
+impl Metrics {
+    /// Create and register every metric.
+    pub fn new() -> Result<Self, prometheus::Error> {
+        let registry = Registry::new();
+        let requests = IntCounterVec::new(
+            Opts::new(
+                names::REQUESTS,
+                "Requests by tenant, model, tier and status.",
+            ),
+            &["tenant", "model", "tier", "status"],
+        )?;
+        let tokens = IntCounterVec::new(
+            Opts::new(names::TOKENS, "Tokens by tenant, model and kind."),
+            &["tenant", "model", "kind"],
+        )?;
+        let duration = HistogramVec::new(
+            HistogramOpts::new(names::DURATION, "Request duration to the last byte.")
+                .buckets(LATENCY_BUCKETS.to_vec()),
+            &["tier", "replica"],
+        )?;
+        let ttft = HistogramVec::new(
+            HistogramOpts::new(names::TTFT, "Time to first token (first streamed event).")
+                .buckets(LATENCY_BUCKETS.to_vec()),
+            &["tier", "replica"],
+        )?;
+        let upstream_errors = IntCounterVec::new(
+            Opts::new(
+                names::UPSTREAM_ERRORS,
+                "Upstream failures by replica and kind.",
+            ),
+            &["replica", "kind"],
+        )?;
+        let in_flight = IntGaugeVec::new(
+            Opts::new(names::IN_FLIGHT, "Requests in flight per replica."),
+            &["tier", "replica"],
+        )?;
+        let healthy = IntGaugeVec::new(
+            Opts::new(names::HEALTHY, "1 when the replica is in rotation."),
+            &["tier", "replica"],
+        )?;
+        let rejected = IntCounterVec::new(
+            Opts::new(
+                names::REJECTED,
+                "Requests answered with an error before any upstream call.",
+            ),
+            &["kind"],
+        )?;
+        registry.register(Box::new(requests.clone()))?;
+        registry.register(Box::new(tokens.clone()))?;
+        registry.register(Box::new(duration.clone()))?;
+        registry.register(Box::new(ttft.clone()))?;
+        registry.register(Box::new(upstream_errors.clone()))?;
+        registry.register(Box::new(in_flight.clone()))?;
+        registry.register(Box::new(healthy.clone()))?;
+        registry.register(Box::new(rejected.clone()))?;
+        Ok(Self {
+            registry,
+            requests,
+            tokens,
+            duration,
+            ttft,
+            upstream_errors,
+            in_flight,
+            healthy,
+            rejected,
+        })
+    }
+
+    /// Prometheus text exposition, with replica gauges read fresh from the router state.
+    pub fn render(&self, upstreams: &Upstreams) -> String {
+        let now = Instant::now();
+        for (tier, snapshot) in upstreams.snapshot(now) {
+            for r in snapshot {
+                self.in_flight
+                    .with_label_values(&[tier.as_str(), r.name.as_str()])
+                    .set(i64::from(r.in_flight));
+                self.healthy
+                    .with_label_values(&[tier.as_str(), r.name.as_str()])
+                    .set(i64::from(r.healthy));
+            }
+        }
+        let mut out = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
+            tracing::error!(error = %e, "metrics encoding failed");
+        }
+        String::from_utf8(out).unwrap_or_default()
+    }
+}

@@ -1,0 +1,3 @@
+//! Request middleware, one file per concern.
+
+pub mod auth;

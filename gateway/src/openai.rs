@@ -1,0 +1,563 @@
+//! OpenAI wire formats as the gateway needs them.
+//!
+//! Requests are kept as a JSON object so fields the gateway does not know are forwarded untouched;
+//! a typed *view* of the known fields is checked on the side (with the failing field named, e.g.
+//! `messages[1].role`). Responses are passed through; [`SseRewriter`] watches a streamed response
+//! event by event to learn usage, and drops the usage-only chunk the gateway asked for on the
+//! client's behalf.
+
+use bytes::{Bytes, BytesMut};
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+use crate::tokens::{push_text, Tokenizer};
+
+/// The proxied endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `POST /v1/chat/completions`
+    Chat,
+    /// `POST /v1/completions`
+    Completions,
+    /// `POST /v1/embeddings`
+    Embeddings,
+}
+
+impl Endpoint {
+    /// Path below the upstream's `/v1` base URL.
+    pub fn path(self) -> &'static str {
+        match self {
+            Self::Chat => "chat/completions",
+            Self::Completions => "completions",
+            Self::Embeddings => "embeddings",
+        }
+    }
+
+    /// Short label for metrics and usage events.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Chat => "chat",
+            Self::Completions => "completions",
+            Self::Embeddings => "embeddings",
+        }
+    }
+}
+
+/// Deserialize `value` as `T`, naming the failing field in the error.
+pub fn from_value<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let message = format!("invalid field `{path}`: {}", e.inner());
+        ApiError::InvalidRequest {
+            message,
+            param: (path != ".").then_some(path),
+        }
+    })
+}
+
+/// Parse a request body as a JSON object.
+pub fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err(ApiError::InvalidJson(
+            "the request body must be a JSON object".into(),
+        )),
+        Err(e) => Err(ApiError::InvalidJson(e.to_string())),
+    }
+}
+
+#[derive(Deserialize)]
+struct CommonView {
+    model: String,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptionsView>,
+    #[serde(default)]
+    max_tokens: Option<u32>,
+    #[serde(default)]
+    max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    n: Option<u32>,
+}
+
+#[derive(Deserialize)]
+struct StreamOptionsView {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[expect(dead_code, reason = "fields are parsed only to validate their types")]
+struct MessageView {
+    role: Role,
+    #[serde(default)]
+    content: Option<ContentView>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Role {
+    System,
+    Developer,
+    User,
+    Assistant,
+    Tool,
+    Function,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+#[expect(dead_code, reason = "parsed only to validate the shape")]
+enum ContentView {
+    Text(String),
+    Parts(Vec<Map<String, Value>>),
+}
+
+#[derive(Deserialize)]
+struct ChatView {
+    messages: Vec<MessageView>,
+}
+
+/// A prompt or embedding input: a string, strings, token ids, or arrays of token ids.
+#[derive(Deserialize)]
+#[serde(untagged)]
+#[expect(dead_code, reason = "parsed only to validate the shape")]
+enum PromptView {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenBatches(Vec<Vec<u32>>),
+}
+
+#[derive(Deserialize)]
+#[expect(dead_code, reason = "parsed only to validate the shape")]
+struct CompletionView {
+    prompt: PromptView,
+}
+
+#[derive(Deserialize)]
+#[expect(dead_code, reason = "parsed only to validate the shape")]
+struct EmbeddingView {
+    input: PromptView,
+}
+
+/// A validated request, ready to forward.
+#[derive(Debug, Clone)]
+pub struct ParsedRequest {
+    /// Which endpoint.
+    pub endpoint: Endpoint,
+    /// The body as received (unknown fields included).
+    pub body: Map<String, Value>,
+    /// Client-facing model name.
+    pub model: String,
+    /// Whether the client asked for SSE.
+    pub stream: bool,
+    /// Whether the client itself asked for the usage chunk.
+    pub client_wants_usage: bool,
+    /// `max_completion_tokens` or `max_tokens`, if given.
+    pub max_tokens: Option<u32>,
+}
+
+impl ParsedRequest {
+    /// Parse and validate a body for `endpoint`.
+    pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Self, ApiError> {
+        let body = json_object(body)?;
+        let value = Value::Object(body);
+        if value.get("model").is_none() {
+            return Err(ApiError::invalid("model", "missing required field `model`"));
+        }
+        let common: CommonView = from_value(&value)?;
+        if common.model.is_empty() {
+            return Err(ApiError::invalid("model", "`model` must not be empty"));
+        }
+        if common.n == Some(0) {
+            return Err(ApiError::invalid("n", "`n` must be at least 1"));
+        }
+        match endpoint {
+            Endpoint::Chat => {
+                if value.get("messages").is_none() {
+                    return Err(ApiError::invalid(
+                        "messages",
+                        "missing required field `messages`",
+                    ));
+                }
+                let chat: ChatView = from_value(&value)?;
+                if chat.messages.is_empty() {
+                    return Err(ApiError::invalid(
+                        "messages",
+                        "`messages` must not be empty",
+                    ));
+                }
+            }
+            Endpoint::Completions => {
+                if value.get("prompt").is_none() {
+                    return Err(ApiError::invalid(
+                        "prompt",
+                        "missing required field `prompt`",
+                    ));
+                }
+                let _: CompletionView = from_value(&value)?;
+            }
+            Endpoint::Embeddings => {
+                if value.get("input").is_none() {
+                    return Err(ApiError::invalid("input", "missing required field `input`"));
+                }
+                let _: EmbeddingView = from_value(&value)?;
+                if common.stream == Some(true) {
+                    return Err(ApiError::invalid("stream", "embeddings cannot be streamed"));
+                }
+            }
+        }
+        let Value::Object(body) = value else {
+            unreachable!("constructed from an object above")
+        };
+        Ok(Self {
+            endpoint,
+            model: common.model,
+            stream: common.stream.unwrap_or(false),
+            client_wants_usage: common
+                .stream_options
+                .and_then(|o| o.include_usage)
+                .unwrap_or(false),
+            max_tokens: common.max_completion_tokens.or(common.max_tokens),
+            body,
+        })
+    }
+
+    /// The body to send upstream: `model` replaced by the upstream's name and, for streams,
+    /// `stream_options.include_usage` forced on (other stream options kept).
+    pub fn upstream_body(&self, upstream_model: &str) -> Bytes {
+        let mut body = self.body.clone();
+        body.insert("model".into(), Value::String(upstream_model.to_owned()));
+        if self.stream {
+            let options = body
+                .entry("stream_options")
+                .or_insert_with(|| Value::Object(Map::new()));
+            if !options.is_object() {
+                *options = Value::Object(Map::new());
+            }
+            if let Value::Object(o) = options {
+                o.insert("include_usage".into(), Value::Bool(true));
+            }
+        }
+        Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+    }
+
+    /// Prompt tokens as the gateway counts them (when the upstream reports none).
+    pub fn count_prompt_tokens(&self, tokenizer: &Tokenizer) -> u64 {
+        let n = match self.endpoint {
+            Endpoint::Chat => match self.body.get("messages") {
+                Some(Value::Array(messages)) => tokenizer.count_chat(messages),
+                _ => 0,
+            },
+            Endpoint::Completions => self
+                .body
+                .get("prompt")
+                .map_or(0, |p| count_input(p, tokenizer)),
+            Endpoint::Embeddings => self
+                .body
+                .get("input")
+                .map_or(0, |p| count_input(p, tokenizer)),
+        };
+        n as u64
+    }
+}
+
+fn count_input(input: &Value, tokenizer: &Tokenizer) -> usize {
+    match input {
+        Value::String(s) => tokenizer.count(s),
+        Value::Array(items) => items
+            .iter()
+            .map(|i| match i {
+                Value::String(s) => tokenizer.count(s),
+                Value::Number(_) => 1,
+                Value::Array(tokens) => tokens.len(),
+                _ => 0,
+            })
+            .sum(),
+        _ => 0,
+    }
+}
+
+/// Token usage as reported by an upstream (or counted by the gateway).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt (input) tokens.
+    pub prompt_tokens: u64,
+    /// Completion (output) tokens.
+    pub completion_tokens: u64,
+    /// Prompt tokens served from the upstream's prefix cache.
+    pub cached_tokens: u64,
+}
+
+#[derive(Deserialize)]
+struct UsageView {
+    #[serde(default)]
+    prompt_tokens: u64,
+    #[serde(default)]
+    completion_tokens: u64,
+    #[serde(default)]
+    prompt_tokens_details: Option<PromptDetailsView>,
+}
+
+#[derive(Deserialize)]
+struct PromptDetailsView {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+impl From<UsageView> for Usage {
+    fn from(u: UsageView) -> Self {
+        Self {
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            cached_tokens: u
+                .prompt_tokens_details
+                .and_then(|d| d.cached_tokens)
+                .unwrap_or(0),
+        }
+    }
+}
+
+/// Read `usage` from a JSON response or chunk, when present and not null.
+pub fn usage_of(value: &Value) -> Option<Usage> {
+    let usage = value.get("usage")?;
+    if usage.is_null() {
+        return None;
+    }
+    serde_json::from_value::<UsageView>(usage.clone())
+        .ok()
+        .map(Usage::from)
+}
+
+/// The generated text of a response or chunk (all choices), for counting when no usage comes.
+pub fn completion_text(value: &Value, out: &mut String) {
+    let Some(Value::Array(choices)) = value.get("choices") else {
+        return;
+    };
+    for c in choices {
+        if let Some(text) = c.get("text") {
+            push_text(text, out);
+        }
+        for holder in ["message", "delta"] {
+            if let Some(m) = c.get(holder) {
+                if let Some(content) = m.get("content") {
+                    push_text(content, out);
+                }
+                if let Some(Value::String(r)) = m.get("reasoning_content") {
+                    out.push_str(r);
+                }
+                if let Some(calls) = m.get("tool_calls") {
+                    if !calls.is_null() {
+                        out.push_str(&calls.to_string());
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Watches an SSE byte stream event by event: learns usage, collects generated text, and drops
+/// the usage-only chunk when the client did not ask for it. Events are forwarded byte-for-byte
+/// otherwise, as soon as they are complete.
+#[derive(Debug)]
+pub struct SseRewriter {
+    buf: BytesMut,
+    forward_usage: bool,
+    /// Usage reported by the upstream, if any.
+    pub usage: Option<Usage>,
+    /// Generated text seen so far.
+    pub text: String,
+    /// Whether `data: [DONE]` was seen.
+    pub done: bool,
+    /// Data events seen.
+    pub events: u64,
+}
+
+impl SseRewriter {
+    /// `forward_usage`: whether the client asked for usage itself.
+    pub fn new(forward_usage: bool) -> Self {
+        Self {
+            buf: BytesMut::new(),
+            forward_usage,
+            usage: None,
+            text: String::new(),
+            done: false,
+            events: 0,
+        }
+    }
+
+    /// Feed upstream bytes; returns the bytes to send to the client now (possibly empty).
+    pub fn push(&mut self, chunk: &[u8]) -> Bytes {
+        self.buf.extend_from_slice(chunk);
+        let mut out = BytesMut::new();
+        while let Some(end) = event_end(&self.buf) {
+            let event = self.buf.split_to(end).freeze();
+            if let Some(kept) = self.inspect(event) {
+                out.extend_from_slice(&kept);
+            }
+        }
+        out.freeze()
+    }
+
+    /// The upstream ended: flush whatever partial event remains.
+    pub fn finish(&mut self) -> Bytes {
+        let rest = self.buf.split().freeze();
+        if rest.is_empty() {
+            return rest;
+        }
+        self.inspect(rest).unwrap_or_default()
+    }
+
+    fn inspect(&mut self, event: Bytes) -> Option<Bytes> {
+        let text = std::str::from_utf8(&event).ok()?;
+        let mut data = String::new();
+        for line in text.lines() {
+            if let Some(d) = line.strip_prefix("data:") {
+                if !data.is_empty() {
+                    data.push('\n');
+                }
+                data.push_str(d.strip_prefix(' ').unwrap_or(d));
+            }
+        }
+        if data.is_empty() {
+            return Some(event);
+        }
+        if data.trim() == "[DONE]" {
+            self.done = true;
+            return Some(event);
+        }
+        self.events += 1;
+        let Ok(mut value) = serde_json::from_str::<Value>(&data) else {
+            return Some(event);
+        };
+        completion_text(&value, &mut self.text);
+        let Some(usage) = usage_of(&value) else {
+            return Some(event);
+        };
+        self.usage = Some(usage);
+        if self.forward_usage {
+            return Some(event);
+        }
+        let has_choices = value
+            .get("choices")
+            .and_then(Value::as_array)
+            .is_some_and(|c| !c.is_empty());
+        if !has_choices {
+            return None;
+        }
+        // Usage attached to a content chunk: keep the content, hide the usage.
+        if let Value::Object(o) = &mut value {
+            o.remove("usage");
+        }
+        Some(Bytes::from(format!("data: {value}\n\n")))
+    }
+}
+
+/// Index just past the first complete event (blank-line terminated) in `buf`.
+fn event_end(buf: &[u8]) -> Option<usize> {
+    let lf = memchr::memmem::find(buf, b"\n\n").map(|i| i + 2);
+    let crlf = memchr::memmem::find(buf, b"\r\n\r\n").map(|i| i + 4);
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "tests")]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(endpoint: Endpoint, v: Value) -> Result<ParsedRequest, ApiError> {
+        ParsedRequest::parse(endpoint, v.to_string().as_bytes())
+    }
+
+    #[test]
+    fn invalid_fields_are_named() {
+        let e = parse(
+            Endpoint::Chat,
+            json!({"model": "m", "messages": [{"content": "x"}]}),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&e, ApiError::InvalidRequest { param: Some(p), .. } if p == "messages[0]"),
+            "{e:?}"
+        );
+        let e = parse(
+            Endpoint::Chat,
+            json!({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&e, ApiError::InvalidRequest { param: Some(p), .. } if p == "messages[0].role"),
+            "{e:?}"
+        );
+        let e = parse(Endpoint::Chat, json!({"messages": []})).unwrap_err();
+        assert!(matches!(&e, ApiError::InvalidRequest { param: Some(p), .. } if p == "model"));
+        let e = parse(
+            Endpoint::Chat,
+            json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}),
+        )
+        .unwrap_err();
+        assert!(matches!(&e, ApiError::InvalidRequest { param: Some(p), .. } if p == "max_tokens"));
+        let e = ParsedRequest::parse(Endpoint::Chat, b"{not json").unwrap_err();
+        assert!(matches!(e, ApiError::InvalidJson(_)));
+        let e = parse(Endpoint::Embeddings, json!({"model": "m"})).unwrap_err();
+        assert!(matches!(&e, ApiError::InvalidRequest { param: Some(p), .. } if p == "input"));
+    }
+
+    #[test]
+    fn unknown_fields_survive_and_usage_is_requested_for_streams() {
+        let r = parse(
+            Endpoint::Chat,
+            json!({"model": "fast", "messages": [{"role": "user", "content": "hi"}],
+                   "stream": true, "stream_options": {"other": 1}, "brand_new_param": {"x": [1, 2]}}),
+        )
+        .unwrap();
+        assert!(r.stream && !r.client_wants_usage);
+        let up: Value = serde_json::from_slice(&r.upstream_body("real-model")).unwrap();
+        assert_eq!(up["model"], "real-model");
+        assert_eq!(up["brand_new_param"], json!({"x": [1, 2]}));
+        assert_eq!(
+            up["stream_options"],
+            json!({"other": 1, "include_usage": true})
+        );
+    }
+
+    #[test]
+    fn rewriter_drops_the_usage_chunk_unless_asked_and_handles_split_events() {
+        let stream = concat!(
+            "data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":\"lo\"}}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":2,",
+            "\"prompt_tokens_details\":{\"cached_tokens\":4}}}\n\n",
+            "data: [DONE]\n\n"
+        );
+        for forward in [false, true] {
+            let mut rw = SseRewriter::new(forward);
+            let mut out = Vec::new();
+            for piece in stream.as_bytes().chunks(7) {
+                out.extend_from_slice(&rw.push(piece));
+            }
+            out.extend_from_slice(&rw.finish());
+            let out = String::from_utf8(out).unwrap();
+            assert_eq!(rw.text, "Hello");
+            assert!(rw.done);
+            assert_eq!(
+                rw.usage,
+                Some(Usage {
+                    prompt_tokens: 5,
+                    completion_tokens: 2,
+                    cached_tokens: 4
+                })
+            );
+            assert_eq!(out.contains("usage"), forward, "{out}");
+            assert!(out.ends_with("data: [DONE]\n\n"));
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! `/admin/v1`: tenants, keys and replica state, behind the admin token.
+
+use std::collections::BTreeMap;
+
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::app::AppState;
+use crate::error::ApiError;
+use crate::keys;
+use crate::routes::{parse_json, read_body};
+use crate::store::{NewKey, StoreError, Tenant};
+
+/// Admin request bodies are small.
+const ADMIN_BODY_LIMIT: usize = 64 * 1024;
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Conflict(m) => ApiError::Conflict(m),
+            StoreError::NotFound(m) => ApiError::NotFound(m),
+            other => ApiError::internal(other),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateTenant {
+    name: String,
+}
+
+fn validate_name(field: &str, name: &str) -> Result<(), ApiError> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(
+            field,
+            format!("`{field}` must be 1-64 characters of letters, digits, '-', '_' or '.'"),
+        ))
+    }
+}
+
+/// `POST /admin/v1/tenants {"name"}` → 201 with the tenant.
+pub async fn create_tenant(
+    State(state): State<AppState>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let req: CreateTenant = parse_json(&read_body(body, ADMIN_BODY_LIMIT).await?)?;
+    validate_name("name", &req.name)?;
+    let tenant = state.store.create_tenant(&req.name).await?;
+    Ok((StatusCode::CREATED, Json(tenant)).into_response())
+}
+
+/// `GET /admin/v1/tenants`
+pub async fn list_tenants(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    let tenants = state.store.list_tenants().await?;
+    Ok(Json(json!({"object": "list", "data": tenants})))
+}
+
+async fn tenant(state: &AppState, id_or_name: &str) -> Result<Tenant, ApiError> {
+    state
+        .store
+        .find_tenant(id_or_name)
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("no tenant {id_or_name:?}")))
+}
+
+/// `DELETE /admin/v1/tenants/{id or name}`: deletes the tenant and revokes its keys.
+pub async fn delete_tenant(
+    State(state): State<AppState>,
+    Path(id_or_name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let t = tenant(&state, &id_or_name).await?;
+    if !state.store.delete_tenant(&t.id).await? {
+        return Err(ApiError::NotFound(format!("no tenant {id_or_name:?}")));
+    }
+    state.auth.forget_tenant(&t.id);
+    Ok(Json(json!({"id": t.id, "name": t.name, "deleted": true})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateKey {
+    tenant: String,
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    tags: BTreeMap<String, String>,
+}
+
+/// `POST /admin/v1/keys {"tenant", "name"?, "tags"?}` → 201 with the secret `key` (shown once).
+pub async fn create_key(State(state): State<AppState>, body: Body) -> Result<Response, ApiError> {
+    let req: CreateKey = parse_json(&read_body(body, ADMIN_BODY_LIMIT).await?)?;
+    if let Some(name) = &req.name {
+        validate_name("name", name)?;
+    }
+    for k in req.tags.keys() {
+        validate_name("tags", k)?;
+    }
+    let t = tenant(&state, &req.tenant).await?;
+    let generated = keys::generate();
+    let key = state
+        .store
+        .create_key(NewKey {
+            tenant_id: t.id,
+            name: req.name,
+            hash: generated.hash,
+            prefix: generated.prefix,
+            tags: req.tags,
+        })
+        .await?;
+    let mut body = serde_json::to_value(&key).map_err(ApiError::internal)?;
+    body["key"] = Value::String(generated.secret);
+    Ok((StatusCode::CREATED, Json(body)).into_response())
+}
+
+/// Query of `GET /admin/v1/keys`.
+#[derive(Deserialize)]
+pub struct KeyFilter {
+    /// Tenant id or name.
+    tenant: Option<String>,
+}
+
+/// `GET /admin/v1/keys[?tenant=…]`
+pub async fn list_keys(
+    State(state): State<AppState>,
+    Query(filter): Query<KeyFilter>,
+) -> Result<Json<Value>, ApiError> {
+    let tenant_id = match &filter.tenant {
+        Some(t) => Some(tenant(&state, t).await?.id),
+        None => None,
+    };
+    let keys = state.store.list_keys(tenant_id.as_deref()).await?;
+    Ok(Json(json!({"object": "list", "data": keys})))
+}
+
+/// `DELETE /admin/v1/keys/{id}`: revoke; every replica drops it within `store.key_refresh_ms`.
+pub async fn revoke_key(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    if !state.store.revoke_key(&id).await? {
+        return Err(ApiError::NotFound(format!("no live key {id:?}")));
+    }
+    state.auth.forget(&id);
+    Ok(Json(json!({"id": id, "revoked": true})))
+}
+
+/// `GET /admin/v1/replicas`: routing state of every replica.
+pub async fn replicas(State(state): State<AppState>) -> Json<Value> {
+    let tiers: Vec<Value> = state
+        .upstreams
+        .snapshot(std::time::Instant::now())
+        .into_iter()
+        .map(|(tier, rs)| {
+            let rs: Vec<Value> = rs
+                .into_iter()
+                .map(|r| {
+                    json!({"name": r.name, "in_flight": r.in_flight, "healthy": r.healthy,
+                           "consecutive_failures": r.consecutive_failures})
+                })
+                .collect();
+            json!({"tier": tier, "replicas": rs})
+        })
+        .collect();
+    Json(json!({"object": "list", "data": tiers}))
+}

@@ -1,0 +1,60 @@
+//! Probes and metrics: the unauthenticated allowlist.
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+
+use crate::app::AppState;
+use crate::error::ApiError;
+
+/// `GET /healthz`: the process is up.
+pub async fn healthz() -> &'static str {
+    "ok"
+}
+
+/// `GET /readyz`: the store answers and every tier has a replica in rotation.
+pub async fn readyz(State(state): State<AppState>) -> Response {
+    let store_ok = state.store.ping().await.is_ok();
+    let now = std::time::Instant::now();
+    let tiers: serde_json::Map<String, serde_json::Value> = state
+        .upstreams
+        .snapshot(now)
+        .into_iter()
+        .map(|(tier, replicas)| {
+            let healthy = replicas.iter().filter(|r| r.healthy).count();
+            (
+                tier,
+                json!({"healthy_replicas": healthy, "replicas": replicas.len()}),
+            )
+        })
+        .collect();
+    let tiers_ok = tiers
+        .values()
+        .all(|t| t["healthy_replicas"].as_u64().unwrap_or(0) > 0);
+    let status = if store_ok && tiers_ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        Json(json!({"ready": status == StatusCode::OK, "store": store_ok, "tiers": tiers})),
+    )
+        .into_response()
+}
+
+/// `GET /metrics`: Prometheus text format.
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(&state.upstreams),
+    )
+        .into_response()
+}
+
+/// Any other route: 404 in OpenAI shape.
+pub async fn not_found(uri: axum::http::Uri) -> ApiError {
+    ApiError::NotFound(format!("no route for {}", uri.path()))
+}

@@ -1,0 +1,155 @@
+//! The OpenAI-compatible surface: thin handlers over [`crate::pipeline`].
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use serde_json::{json, Value};
+
+use crate::app::AppState;
+use crate::error::ApiError;
+use crate::openai::Endpoint;
+use crate::pipeline::{self, RequestContext};
+use crate::routes::read_body;
+use crate::store::ApiKey;
+
+/// Request header carrying attribution tags: `k=v` pairs separated by commas.
+pub const TAGS_HEADER: &str = "x-gateway-tags";
+
+/// `POST /v1/chat/completions`
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    Extension(key): Extension<Arc<ApiKey>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    proxy(state, key, headers, body, Endpoint::Chat).await
+}
+
+/// `POST /v1/completions`
+pub async fn completions(
+    State(state): State<AppState>,
+    Extension(key): Extension<Arc<ApiKey>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    proxy(state, key, headers, body, Endpoint::Completions).await
+}
+
+/// `POST /v1/embeddings`
+pub async fn embeddings(
+    State(state): State<AppState>,
+    Extension(key): Extension<Arc<ApiKey>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    proxy(state, key, headers, body, Endpoint::Embeddings).await
+}
+
+/// Parse `x-gateway-tags: feature=search, user=42`.
+fn request_tags(headers: &HeaderMap) -> Result<BTreeMap<String, String>, ApiError> {
+    let mut tags = BTreeMap::new();
+    let Some(value) = headers.get(TAGS_HEADER) else {
+        return Ok(tags);
+    };
+    let bad = || ApiError::invalid(TAGS_HEADER, "expected comma-separated key=value pairs");
+    let value = value.to_str().map_err(|_| bad())?;
+    for pair in value.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').ok_or_else(bad)?;
+        let (k, v) = (k.trim(), v.trim());
+        if k.is_empty() || k.len() > 64 || v.len() > 256 {
+            return Err(bad());
+        }
+        tags.insert(k.to_owned(), v.to_owned());
+    }
+    Ok(tags)
+}
+
+async fn proxy(
+    state: AppState,
+    key: Arc<ApiKey>,
+    headers: HeaderMap,
+    body: Body,
+    endpoint: Endpoint,
+) -> Response {
+    let started = Instant::now();
+    let request_id = headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let mut ctx = RequestContext {
+        request_id,
+        tags: key.tags.clone(),
+        key,
+        started,
+        started_at: chrono::Utc::now(),
+    };
+    let body = match request_tags(&headers) {
+        Ok(tags) => {
+            ctx.tags.extend(tags);
+            read_body(body, state.config.server.max_body_bytes).await
+        }
+        Err(e) => Err(e),
+    };
+    // The pipeline runs on a tracked task: a client hang-up drops this future, not the work.
+    let task_state = state.clone();
+    let handle = state.tasks.spawn(async move {
+        match body {
+            Ok(body) => pipeline::run(task_state, ctx, endpoint, body).await,
+            Err(e) => pipeline::reject_early(&task_state, &ctx, endpoint, e),
+        }
+    });
+    handle
+        .await
+        .unwrap_or_else(|e| ApiError::internal(e).into_response())
+}
+
+fn model_object(id: &str) -> Value {
+    json!({"id": id, "object": "model", "created": 0, "owned_by": "llm-gateway"})
+}
+
+/// `GET /v1/models`: every client-facing model name.
+pub async fn list_models(State(state): State<AppState>) -> Json<Value> {
+    let data: Vec<Value> = state
+        .config
+        .model_names()
+        .iter()
+        .map(|m| model_object(m))
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}
+
+/// `GET /v1/models/{model}`
+pub async fn get_model(
+    State(state): State<AppState>,
+    Path(model): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    if state.config.resolve_model(&model).is_some() {
+        Ok(Json(model_object(&model)))
+    } else {
+        Err(ApiError::ModelNotFound(model))
+    }
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "tests")]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_header_is_parsed_or_refused() {
+        let mut h = HeaderMap::new();
+        h.insert(TAGS_HEADER, "feature=search, user = 42".parse().unwrap());
+        let t = request_tags(&h).unwrap();
+        assert_eq!(t["feature"], "search");
+        assert_eq!(t["user"], "42");
+        h.insert(TAGS_HEADER, "nonsense".parse().unwrap());
+        assert!(request_tags(&h).is_err());
+    }
+}

@@ -1,0 +1,55 @@
+//! Migrations embedded in the binary from `migrations/{sqlite,postgres}` and applied with sqlx's
+//! migrator (version table, checksums, locking). Files are append-only.
+
+use std::borrow::Cow;
+
+use futures_util::future::BoxFuture;
+use sqlx::error::BoxDynError;
+use sqlx::migrate::{Migration, MigrationSource, MigrationType, Migrator};
+
+/// `(version, description, sql)` of each migration, in order.
+type Embedded = &'static [(i64, &'static str, &'static str)];
+
+const SQLITE: Embedded = &[(
+    1,
+    "tenants and keys",
+    include_str!("../../../migrations/sqlite/0001_tenants_and_keys.sql"),
+)];
+
+const POSTGRES: Embedded = &[(
+    1,
+    "tenants and keys",
+    include_str!("../../../migrations/postgres/0001_tenants_and_keys.sql"),
+)];
+
+#[derive(Debug)]
+struct Source(Embedded);
+
+impl MigrationSource<'static> for Source {
+    fn resolve(self) -> BoxFuture<'static, Result<Vec<Migration>, BoxDynError>> {
+        let migrations = self
+            .0
+            .iter()
+            .map(|&(version, description, sql)| {
+                Migration::new(
+                    version,
+                    Cow::Borrowed(description),
+                    MigrationType::Simple,
+                    Cow::Borrowed(sql),
+                    false,
+                )
+            })
+            .collect();
+        Box::pin(async move { Ok(migrations) })
+    }
+}
+
+/// The migrator for the embedded SQLite store.
+pub async fn sqlite_migrator() -> Result<Migrator, sqlx::migrate::MigrateError> {
+    Migrator::new(Source(SQLITE)).await
+}
+
+/// The migrator for Postgres (`gateway migrate`).
+pub async fn postgres_migrator() -> Result<Migrator, sqlx::migrate::MigrateError> {
+    Migrator::new(Source(POSTGRES)).await
+}

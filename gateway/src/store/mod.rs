@@ -1,0 +1,124 @@
+//! Tenants and API keys behind one trait, [`Store`], with two implementations sharing one set of
+//! SQL statements: [`sqlite::SqliteStore`] (embedded default: a file, created and migrated at
+//! start) and [`postgres::PostgresStore`] (migrated by `gateway migrate`). The same conformance
+//! tests run against both.
+
+mod migrations;
+pub mod postgres;
+mod sql;
+pub mod sqlite;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+pub use migrations::{postgres_migrator, sqlite_migrator};
+
+/// Store failures.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// A uniqueness rule was violated (e.g. a live tenant with the same name exists).
+    #[error("{0}")]
+    Conflict(String),
+    /// The referenced row does not exist.
+    #[error("{0}")]
+    NotFound(String),
+    /// The database failed or is unreachable.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    /// Applying migrations failed.
+    #[error("migration error: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    /// A stored value could not be decoded.
+    #[error("corrupt stored value: {0}")]
+    Corrupt(String),
+}
+
+/// A tenant: the unit budgets and costs are attributed to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tenant {
+    /// Stable id (`ten_…`).
+    pub id: String,
+    /// Unique human name among live tenants.
+    pub name: String,
+    /// Creation time.
+    pub created_at: DateTime<Utc>,
+}
+
+/// An API key's stored metadata (never the key itself).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApiKey {
+    /// Stable id (`key_…`).
+    pub id: String,
+    /// Owning tenant id.
+    pub tenant_id: String,
+    /// Owning tenant name.
+    pub tenant_name: String,
+    /// Optional label.
+    pub name: Option<String>,
+    /// First characters of the key, for recognising it in lists.
+    pub prefix: String,
+    /// Attribution tags (e.g. `feature=search`), copied into every usage event.
+    pub tags: BTreeMap<String, String>,
+    /// Creation time.
+    pub created_at: DateTime<Utc>,
+    /// Revocation time, if revoked.
+    pub revoked_at: Option<DateTime<Utc>>,
+}
+
+/// What is needed to insert a key.
+#[derive(Debug, Clone)]
+pub struct NewKey {
+    /// Owning tenant id.
+    pub tenant_id: String,
+    /// Optional label.
+    pub name: Option<String>,
+    /// SHA-256 of the secret, hex.
+    pub hash: String,
+    /// Display prefix of the secret.
+    pub prefix: String,
+    /// Attribution tags.
+    pub tags: BTreeMap<String, String>,
+}
+
+/// Tenants and keys. Every method is one short transaction; callers never hold a connection.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Check the database answers (for `/readyz`).
+    async fn ping(&self) -> Result<(), StoreError>;
+    /// Create a tenant; [`StoreError::Conflict`] when a live tenant has that name.
+    async fn create_tenant(&self, name: &str) -> Result<Tenant, StoreError>;
+    /// Live tenants, by name.
+    async fn list_tenants(&self) -> Result<Vec<Tenant>, StoreError>;
+    /// A live tenant by id or name.
+    async fn find_tenant(&self, id_or_name: &str) -> Result<Option<Tenant>, StoreError>;
+    /// Delete a tenant and revoke all its keys; `false` when there was no such live tenant.
+    async fn delete_tenant(&self, id: &str) -> Result<bool, StoreError>;
+    /// Insert a key for a live tenant.
+    async fn create_key(&self, key: NewKey) -> Result<ApiKey, StoreError>;
+    /// Keys (live and revoked), optionally of one tenant, newest first.
+    async fn list_keys(&self, tenant_id: Option<&str>) -> Result<Vec<ApiKey>, StoreError>;
+    /// Revoke a key; `false` when there was no such live key.
+    async fn revoke_key(&self, id: &str) -> Result<bool, StoreError>;
+    /// Every live key with its hash (the authenticator's snapshot).
+    async fn active_keys(&self) -> Result<Vec<(String, ApiKey)>, StoreError>;
+    /// One live key by hash.
+    async fn find_active_key(&self, hash: &str) -> Result<Option<ApiKey>, StoreError>;
+}
+
+/// Open the store named by `url` (`sqlite://…` or `postgres://…`). SQLite is created and
+/// migrated here; Postgres must have been migrated with `gateway migrate` (checked here).
+pub async fn open(url: &str) -> Result<Arc<dyn Store>, StoreError> {
+    if url.starts_with("sqlite:") {
+        Ok(Arc::new(sqlite::SqliteStore::open(url).await?))
+    } else {
+        Ok(Arc::new(postgres::PostgresStore::connect(url).await?))
+    }
+}
+
+fn new_id(prefix: &str) -> String {
+    format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
+}

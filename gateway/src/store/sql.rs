@@ -1,0 +1,222 @@
+//! The SQL both stores share. Statements use `$N` placeholders, which SQLite and Postgres both
+//! accept, and types both drivers map (TEXT, timestamps via chrono). [`sql_store!`] stamps the one
+//! [`Store`](super::Store) implementation onto a store type with a `pool` field, so the two
+//! backends cannot drift apart.
+
+pub(super) const INSERT_TENANT: &str =
+    "INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3)";
+pub(super) const LIST_TENANTS: &str =
+    "SELECT id, name, created_at FROM tenants WHERE deleted_at IS NULL ORDER BY name";
+pub(super) const FIND_TENANT: &str = "SELECT id, name, created_at FROM tenants \
+     WHERE deleted_at IS NULL AND (id = $1 OR name = $1)";
+pub(super) const DELETE_TENANT: &str =
+    "UPDATE tenants SET deleted_at = $2 WHERE id = $1 AND deleted_at IS NULL";
+pub(super) const REVOKE_TENANT_KEYS: &str =
+    "UPDATE api_keys SET revoked_at = $2 WHERE tenant_id = $1 AND revoked_at IS NULL";
+pub(super) const INSERT_KEY: &str = "INSERT INTO api_keys \
+     (id, tenant_id, name, key_hash, key_prefix, tags, created_at) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7)";
+macro_rules! select_keys {
+    ($suffix:literal) => {
+        concat!(
+            "SELECT k.id, k.tenant_id, t.name AS tenant_name, k.name, k.key_prefix, k.tags, ",
+            "k.created_at, k.revoked_at, k.key_hash ",
+            "FROM api_keys k JOIN tenants t ON t.id = k.tenant_id ",
+            $suffix
+        )
+    };
+}
+pub(super) const LIST_KEYS: &str = select_keys!("ORDER BY k.created_at DESC");
+pub(super) const LIST_TENANT_KEYS: &str =
+    select_keys!("WHERE k.tenant_id = $1 ORDER BY k.created_at DESC");
+pub(super) const ACTIVE_KEYS: &str =
+    select_keys!("WHERE k.revoked_at IS NULL AND t.deleted_at IS NULL");
+pub(super) const FIND_ACTIVE_KEY: &str =
+    select_keys!("WHERE k.key_hash = $1 AND k.revoked_at IS NULL AND t.deleted_at IS NULL");
+pub(super) const REVOKE_KEY: &str =
+    "UPDATE api_keys SET revoked_at = $2 WHERE id = $1 AND revoked_at IS NULL";
+
+macro_rules! sql_store {
+    ($store:ident, $row:ty) => {
+        mod store_impl {
+            use std::collections::BTreeMap;
+
+            use async_trait::async_trait;
+            use chrono::Utc;
+            use sqlx::Row;
+
+            use super::super::sql::*;
+            use super::super::{new_id, ApiKey, NewKey, Store, StoreError, Tenant};
+
+            fn tenant(row: &$row) -> Result<Tenant, StoreError> {
+                Ok(Tenant {
+                    id: row.try_get("id")?,
+                    name: row.try_get("name")?,
+                    created_at: row.try_get("created_at")?,
+                })
+            }
+
+            fn key(row: &$row) -> Result<ApiKey, StoreError> {
+                let tags: String = row.try_get("tags")?;
+                let tags: BTreeMap<String, String> = serde_json::from_str(&tags)
+                    .map_err(|e| StoreError::Corrupt(format!("api_keys.tags: {e}")))?;
+                Ok(ApiKey {
+                    id: row.try_get("id")?,
+                    tenant_id: row.try_get("tenant_id")?,
+                    tenant_name: row.try_get("tenant_name")?,
+                    name: row.try_get("name")?,
+                    prefix: row.try_get("key_prefix")?,
+                    tags,
+                    created_at: row.try_get("created_at")?,
+                    revoked_at: row.try_get("revoked_at")?,
+                })
+            }
+
+            fn unique_violation(e: sqlx::Error, message: String) -> StoreError {
+                match &e {
+                    sqlx::Error::Database(db) if db.is_unique_violation() => {
+                        StoreError::Conflict(message)
+                    }
+                    _ => StoreError::Database(e),
+                }
+            }
+
+            #[async_trait]
+            impl Store for super::$store {
+                async fn ping(&self) -> Result<(), StoreError> {
+                    sqlx::query("SELECT 1").execute(&self.pool).await?;
+                    Ok(())
+                }
+
+                async fn create_tenant(&self, name: &str) -> Result<Tenant, StoreError> {
+                    let t = Tenant {
+                        id: new_id("ten"),
+                        name: name.to_owned(),
+                        created_at: Utc::now(),
+                    };
+                    sqlx::query(INSERT_TENANT)
+                        .bind(&t.id)
+                        .bind(&t.name)
+                        .bind(t.created_at)
+                        .execute(&self.pool)
+                        .await
+                        .map_err(|e| {
+                            unique_violation(e, format!("tenant {name:?} already exists"))
+                        })?;
+                    Ok(t)
+                }
+
+                async fn list_tenants(&self) -> Result<Vec<Tenant>, StoreError> {
+                    let rows = sqlx::query(LIST_TENANTS).fetch_all(&self.pool).await?;
+                    rows.iter().map(tenant).collect()
+                }
+
+                async fn find_tenant(
+                    &self,
+                    id_or_name: &str,
+                ) -> Result<Option<Tenant>, StoreError> {
+                    let row = sqlx::query(FIND_TENANT)
+                        .bind(id_or_name)
+                        .fetch_optional(&self.pool)
+                        .await?;
+                    row.as_ref().map(tenant).transpose()
+                }
+
+                async fn delete_tenant(&self, id: &str) -> Result<bool, StoreError> {
+                    let now = Utc::now();
+                    let mut tx = self.pool.begin().await?;
+                    let deleted = sqlx::query(DELETE_TENANT)
+                        .bind(id)
+                        .bind(now)
+                        .execute(&mut *tx)
+                        .await?
+                        .rows_affected();
+                    sqlx::query(REVOKE_TENANT_KEYS)
+                        .bind(id)
+                        .bind(now)
+                        .execute(&mut *tx)
+                        .await?;
+                    tx.commit().await?;
+                    Ok(deleted > 0)
+                }
+
+                async fn create_key(&self, new: NewKey) -> Result<ApiKey, StoreError> {
+                    let tenant = self
+                        .find_tenant(&new.tenant_id)
+                        .await?
+                        .filter(|t| t.id == new.tenant_id)
+                        .ok_or_else(|| {
+                            StoreError::NotFound(format!("no tenant with id {:?}", new.tenant_id))
+                        })?;
+                    let tags = serde_json::to_string(&new.tags)
+                        .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+                    let key = ApiKey {
+                        id: new_id("key"),
+                        tenant_id: tenant.id,
+                        tenant_name: tenant.name,
+                        name: new.name,
+                        prefix: new.prefix,
+                        tags: new.tags,
+                        created_at: Utc::now(),
+                        revoked_at: None,
+                    };
+                    sqlx::query(INSERT_KEY)
+                        .bind(&key.id)
+                        .bind(&key.tenant_id)
+                        .bind(&key.name)
+                        .bind(&new.hash)
+                        .bind(&key.prefix)
+                        .bind(tags)
+                        .bind(key.created_at)
+                        .execute(&self.pool)
+                        .await
+                        .map_err(|e| unique_violation(e, "key hash collision".to_owned()))?;
+                    Ok(key)
+                }
+
+                async fn list_keys(
+                    &self,
+                    tenant_id: Option<&str>,
+                ) -> Result<Vec<ApiKey>, StoreError> {
+                    let rows = match tenant_id {
+                        Some(t) => {
+                            sqlx::query(LIST_TENANT_KEYS)
+                                .bind(t)
+                                .fetch_all(&self.pool)
+                                .await?
+                        }
+                        None => sqlx::query(LIST_KEYS).fetch_all(&self.pool).await?,
+                    };
+                    rows.iter().map(key).collect()
+                }
+
+                async fn revoke_key(&self, id: &str) -> Result<bool, StoreError> {
+                    let n = sqlx::query(REVOKE_KEY)
+                        .bind(id)
+                        .bind(Utc::now())
+                        .execute(&self.pool)
+                        .await?
+                        .rows_affected();
+                    Ok(n > 0)
+                }
+
+                async fn active_keys(&self) -> Result<Vec<(String, ApiKey)>, StoreError> {
+                    let rows = sqlx::query(ACTIVE_KEYS).fetch_all(&self.pool).await?;
+                    rows.iter()
+                        .map(|r| Ok((r.try_get("key_hash")?, key(r)?)))
+                        .collect()
+                }
+
+                async fn find_active_key(&self, hash: &str) -> Result<Option<ApiKey>, StoreError> {
+                    let row = sqlx::query(FIND_ACTIVE_KEY)
+                        .bind(hash)
+                        .fetch_optional(&self.pool)
+                        .await?;
+                    row.as_ref().map(key).transpose()
+                }
+            }
+        }
+    };
+}
+
+pub(super) use sql_store;

@@ -1,0 +1,20 @@
+-- Tenants and their API keys (embedded default store).
+CREATE TABLE tenants (
+    id          TEXT PRIMARY KEY,
+    name        TEXT NOT NULL,
+    created_at  TEXT NOT NULL,
+    deleted_at  TEXT
+);
+CREATE UNIQUE INDEX tenants_live_name ON tenants (name) WHERE deleted_at IS NULL;
+
+CREATE TABLE api_keys (
+    id          TEXT PRIMARY KEY,
+    tenant_id   TEXT NOT NULL REFERENCES tenants (id),
+    name        TEXT,
+    key_hash    TEXT NOT NULL UNIQUE,
+    key_prefix  TEXT NOT NULL,
+    tags        TEXT NOT NULL DEFAULT '{}',
+    created_at  TEXT NOT NULL,
+    revoked_at  TEXT
+);
+CREATE INDEX api_keys_tenant ON api_keys (tenant_id);

@@ -1,0 +1,333 @@
+//! Replica choice within one tier: least in-flight requests among healthy replicas, bounded by
+//! each replica's maximum concurrency, with passive health (consecutive failures trip a cooldown).
+
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How passive health checking reacts to failures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HealthPolicy {
+    /// Consecutive failures that take a replica out of rotation.
+    pub failure_threshold: u32,
+    /// How long a tripped replica stays out before it is tried again (half-open).
+    pub cooldown: Duration,
+}
+
+impl Default for HealthPolicy {
+    fn default() -> Self {
+        Self {
+            failure_threshold: 3,
+            cooldown: Duration::from_secs(10),
+        }
+    }
+}
+
+/// One upstream replica's live routing state. Identity and limits are fixed; counters are atomics
+/// so the hot path never takes a lock.
+#[derive(Debug)]
+pub struct Replica {
+    name: String,
+    max_concurrency: u32,
+    in_flight: AtomicU32,
+    consecutive_failures: AtomicU32,
+    /// Nanoseconds after the set's epoch until which the replica is out; 0 = not tripped.
+    down_until_ns: AtomicU64,
+}
+
+impl Replica {
+    /// The replica's configured name (used in logs, metrics and headers).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Requests currently being served by this replica through this gateway.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Reserve one concurrency slot unless the replica is full.
+    fn try_acquire(&self) -> bool {
+        self.in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max_concurrency).then_some(n + 1)
+            })
+            .is_ok()
+    }
+}
+
+/// A point-in-time view of one replica, for metrics and the admin API.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaSnapshot {
+    /// Replica name.
+    pub name: String,
+    /// Requests in flight.
+    pub in_flight: u32,
+    /// Whether the replica is currently eligible for new requests.
+    pub healthy: bool,
+    /// Consecutive failures seen so far.
+    pub consecutive_failures: u32,
+}
+
+/// The replicas of one tier.
+#[derive(Debug)]
+pub struct ReplicaSet {
+    replicas: Vec<Arc<Replica>>,
+    policy: HealthPolicy,
+    epoch: Instant,
+    /// Rotates the starting point of the scan so ties spread round-robin.
+    next: AtomicUsize,
+}
+
+/// A concurrency slot on one replica. Dropping it frees the slot; report the outcome with
+/// [`ReplicaSet::record_success`] / [`ReplicaSet::record_failure`].
+#[derive(Debug)]
+pub struct Lease {
+    replica: Arc<Replica>,
+    index: usize,
+}
+
+impl Lease {
+    /// The leased replica.
+    pub fn replica(&self) -> &Replica {
+        &self.replica
+    }
+
+    /// Index of the replica within its set (stable for the life of the set).
+    pub fn index(&self) -> usize {
+        self.index
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.replica.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl ReplicaSet {
+    /// Build a set from `(name, max_concurrency)` pairs.
+    pub fn new(replicas: impl IntoIterator<Item = (String, u32)>, policy: HealthPolicy) -> Self {
+        let replicas = replicas
+            .into_iter()
+            .map(|(name, max_concurrency)| {
+                Arc::new(Replica {
+                    name,
+                    max_concurrency: max_concurrency.max(1),
+                    in_flight: AtomicU32::new(0),
+                    consecutive_failures: AtomicU32::new(0),
+                    down_until_ns: AtomicU64::new(0),
+                })
+            })
+            .collect();
+        Self {
+            replicas,
+            policy,
+            epoch: Instant::now(),
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    /// Number of replicas in the set.
+    pub fn len(&self) -> usize {
+        self.replicas.len()
+    }
+
+    /// Whether the set has no replicas.
+    pub fn is_empty(&self) -> bool {
+        self.replicas.is_empty()
+    }
+
+    fn nanos_since_epoch(&self, now: Instant) -> u64 {
+        u64::try_from(now.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    fn is_healthy(&self, replica: &Replica, now: Instant) -> bool {
+        let down_until = replica.down_until_ns.load(Ordering::Acquire);
+        down_until == 0 || self.nanos_since_epoch(now) >= down_until
+    }
+
+    /// Lease the healthy replica with the fewest requests in flight, skipping replicas whose
+    /// index is in `exclude` (already tried for this request) and replicas at their concurrency
+    /// limit. Ties go round-robin. `None` when no replica can take the request.
+    pub fn choose(&self, now: Instant, exclude: &[usize]) -> Option<Lease> {
+        let n = self.replicas.len();
+        if n == 0 {
+            return None;
+        }
+        let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        // A concurrent request may fill the best candidate between the scan and the acquire;
+        // rescan a bounded number of times instead of failing the request.
+        for _ in 0..n {
+            let mut best: Option<(usize, u32)> = None;
+            for offset in 0..n {
+                let index = (start + offset) % n;
+                let replica = &self.replicas[index];
+                if exclude.contains(&index) || !self.is_healthy(replica, now) {
+                    continue;
+                }
+                let load = replica.in_flight();
+                if load >= replica.max_concurrency {
+                    continue;
+                }
+                if best.is_none_or(|(_, best_load)| load < best_load) {
+                    best = Some((index, load));
+                }
+            }
+            let (index, _) = best?;
+            let replica = &self.replicas[index];
+            if replica.try_acquire() {
+                return Some(Lease {
+                    replica: Arc::clone(replica),
+                    index,
+                });
+            }
+        }
+        None
+    }
+
+    /// The request on `lease` succeeded: the replica is healthy again.
+    pub fn record_success(&self, lease: &Lease) {
+        let replica = &self.replicas[lease.index];
+        replica.consecutive_failures.store(0, Ordering::Release);
+        replica.down_until_ns.store(0, Ordering::Release);
+    }
+
+    /// The request on `lease` failed at the replica (connect error, 5xx, timeout). Returns `true`
+    /// when this failure took the replica out of rotation.
+    pub fn record_failure(&self, lease: &Lease, now: Instant) -> bool {
+        let replica = &self.replicas[lease.index];
+        let failures = replica.consecutive_failures.fetch_add(1, Ordering::AcqRel) + 1;
+        if failures >= self.policy.failure_threshold {
+            let until = self.nanos_since_epoch(now + self.policy.cooldown).max(1);
+            replica.down_until_ns.store(until, Ordering::Release);
+            return true;
+        }
+        false
+    }
+
+    /// Current state of every replica.
+    pub fn snapshot(&self, now: Instant) -> Vec<ReplicaSnapshot> {
+        self.replicas
+            .iter()
+            .map(|r| ReplicaSnapshot {
+                name: r.name.clone(),
+                in_flight: r.in_flight(),
+                healthy: self.is_healthy(r, now),
+                consecutive_failures: r.consecutive_failures.load(Ordering::Relaxed),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "tests")]
+mod tests {
+    use super::*;
+
+    fn set(n: usize, max: u32) -> ReplicaSet {
+        ReplicaSet::new(
+            (0..n).map(|i| (format!("r{i}"), max)),
+            HealthPolicy {
+                failure_threshold: 2,
+                cooldown: Duration::from_secs(5),
+            },
+        )
+    }
+
+    #[test]
+    fn least_in_flight_replica_is_chosen() {
+        let s = set(3, 10);
+        let now = Instant::now();
+        let a = s.choose(now, &[]).unwrap();
+        let b = s.choose(now, &[]).unwrap();
+        let c = s.choose(now, &[]).unwrap();
+        let mut idx = vec![a.index(), b.index(), c.index()];
+        idx.sort_unstable();
+        assert_eq!(
+            idx,
+            vec![0, 1, 2],
+            "three requests spread over three idle replicas"
+        );
+        drop(b);
+        let d = s.choose(now, &[]).unwrap();
+        assert_eq!(d.index(), idx_of_dropped(&[a.index(), c.index()]));
+    }
+
+    fn idx_of_dropped(kept: &[usize]) -> usize {
+        (0..3).find(|i| !kept.contains(i)).unwrap()
+    }
+
+    #[test]
+    fn full_replicas_are_skipped_and_slots_return_on_drop() {
+        let s = set(1, 2);
+        let now = Instant::now();
+        let a = s.choose(now, &[]).unwrap();
+        let _b = s.choose(now, &[]).unwrap();
+        assert!(s.choose(now, &[]).is_none(), "replica at max concurrency");
+        drop(a);
+        assert!(s.choose(now, &[]).is_some());
+    }
+
+    #[test]
+    fn excluded_replicas_are_not_chosen() {
+        let s = set(2, 10);
+        let now = Instant::now();
+        let lease = s.choose(now, &[0]).unwrap();
+        assert_eq!(lease.index(), 1);
+        assert!(s.choose(now, &[0, 1]).is_none());
+    }
+
+    #[test]
+    fn consecutive_failures_trip_a_cooldown_then_half_open() {
+        let s = set(2, 10);
+        let now = Instant::now();
+        let lease = s.choose(now, &[1]).unwrap();
+        assert!(!s.record_failure(&lease, now));
+        assert!(s.record_failure(&lease, now), "second failure trips");
+        drop(lease);
+        for _ in 0..4 {
+            assert_eq!(s.choose(now, &[]).unwrap().index(), 1);
+        }
+        assert!(!s.snapshot(now)[0].healthy);
+        let later = now + Duration::from_secs(6);
+        assert!(s.snapshot(later)[0].healthy, "cooldown over: half-open");
+        let probe = s.choose(later, &[1]).unwrap();
+        assert!(
+            s.record_failure(&probe, later),
+            "a failed probe trips again at once"
+        );
+        let probe = s.choose(later + Duration::from_secs(6), &[1]).unwrap();
+        s.record_success(&probe);
+        assert_eq!(s.snapshot(later)[0].consecutive_failures, 0);
+        assert!(s.snapshot(later)[0].healthy);
+    }
+
+    #[test]
+    fn concurrent_leases_never_exceed_max_concurrency() {
+        let s = Arc::new(set(2, 3));
+        let handles: Vec<_> = (0..8)
+            .map(|_| {
+                let s = Arc::clone(&s);
+                std::thread::spawn(move || {
+                    let mut held = Vec::new();
+                    for _ in 0..100 {
+                        if let Some(l) = s.choose(Instant::now(), &[]) {
+                            held.push(l);
+                        }
+                        for r in s.snapshot(Instant::now()) {
+                            assert!(r.in_flight <= 3);
+                        }
+                        if held.len() > 1 {
+                            held.clear();
+                        }
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        assert!(s.snapshot(Instant::now()).iter().all(|r| r.in_flight == 0));
+    }
+}

@@ -1,1 +1,399 @@
-//! x
+//! End-to-end test harness: a real gateway on `127.0.0.1:0` in front of simulated or mocked
+//! upstreams, with a tenant and a key, a capture of its usage events, and one helper per endpoint.
+//!
+//! Postgres tests talk to the server at `TEST_POSTGRES_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/postgres`); each test gets its own database, dropped at the
+//! end.
+
+#![allow(
+    clippy::expect_used,
+    reason = "a test harness: failing loudly is the point"
+)]
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gateway::config::{Config, ReplicaConfig, TierConfig, AUTO, LARGE, SMALL};
+use gateway::simulator::{self, SimOptions, SimProfile, Simulator};
+use gateway::store::{self, postgres::PostgresStore, NewKey, Store};
+use gateway::usage::{ChannelSink, UsageEvent};
+use gateway::{AppState, Deps};
+use serde_json::Value;
+use sqlx::Connection;
+use tokio::sync::{mpsc, oneshot};
+
+/// The admin token every test gateway uses.
+pub const ADMIN_TOKEN: &str = "test-admin-token";
+
+/// Which store a test gateway runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreKind {
+    /// A SQLite file in a temporary directory.
+    Sqlite,
+    /// A fresh Postgres database.
+    Postgres,
+}
+
+/// Both stores, for tests that must pass on each.
+pub const BOTH: [StoreKind; 2] = [StoreKind::Sqlite, StoreKind::Postgres];
+
+fn postgres_server_url() -> String {
+    std::env::var("TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+/// A throwaway Postgres database; dropped (with its connections) when this is dropped.
+#[derive(Debug)]
+pub struct PgDatabase {
+    /// Connection URL of the database.
+    pub url: String,
+    name: String,
+}
+
+impl PgDatabase {
+    /// Create an empty database with a unique name.
+    pub async fn create() -> anyhow::Result<Self> {
+        let server = postgres_server_url();
+        let name = format!("gw_test_{}", uuid::Uuid::new_v4().simple());
+        let mut conn = sqlx::PgConnection::connect(&server).await?;
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&mut conn)
+            .await?;
+        let base = server.rsplit_once('/').map_or(server.as_str(), |(b, _)| b);
+        Ok(Self {
+            url: format!("{base}/{name}"),
+            name,
+        })
+    }
+}
+
+impl Drop for PgDatabase {
+    fn drop(&mut self) {
+        let server = postgres_server_url();
+        let name = self.name.clone();
+        // Drop runs outside any runtime guarantee: use a private one on a plain thread.
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async {
+                if let Ok(mut conn) = sqlx::PgConnection::connect(&server).await {
+                    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                        .execute(&mut conn)
+                        .await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// A store of the given kind, migrated, with whatever keeps it alive.
+pub struct TestStore {
+    /// The store.
+    pub store: Arc<dyn Store>,
+    /// The URL the store was opened with.
+    pub url: String,
+    _dir: Option<tempfile::TempDir>,
+    _pg: Option<Arc<PgDatabase>>,
+}
+
+impl TestStore {
+    /// Open a fresh, migrated store.
+    pub async fn new(kind: StoreKind) -> anyhow::Result<Self> {
+        match kind {
+            StoreKind::Sqlite => {
+                let dir = tempfile::tempdir()?;
+                let url = format!("sqlite://{}", dir.path().join("gateway.db").display());
+                Ok(Self {
+                    store: store::open(&url).await?,
+                    url,
+                    _dir: Some(dir),
+                    _pg: None,
+                })
+            }
+            StoreKind::Postgres => {
+                let db = PgDatabase::create().await?;
+                PostgresStore::migrate(&db.url).await?;
+                Ok(Self {
+                    store: store::open(&db.url).await?,
+                    url: db.url.clone(),
+                    _dir: None,
+                    _pg: Some(Arc::new(db)),
+                })
+            }
+        }
+    }
+
+    /// Another handle on the same database (a second gateway replica).
+    pub async fn reopen(&self) -> anyhow::Result<Self> {
+        Ok(Self {
+            store: store::open(&self.url).await?,
+            url: self.url.clone(),
+            _dir: None,
+            _pg: self._pg.clone(),
+        })
+    }
+}
+
+/// One replica entry for a config.
+pub fn replica(name: &str, base_url: &str, model: &str) -> ReplicaConfig {
+    ReplicaConfig {
+        name: name.into(),
+        url: base_url.into(),
+        model: model.into(),
+        api_key_env: None,
+        max_concurrency: 64,
+    }
+}
+
+/// A config with the given small and large replicas, models `fast`, `smart` and `auto`, the test
+/// admin token, and short health cooldowns.
+pub fn config(small: Vec<ReplicaConfig>, large: Vec<ReplicaConfig>) -> Config {
+    let mut c = Config::default();
+    c.server.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    c.admin.token = Some(ADMIN_TOKEN.to_owned().into());
+    c.store.key_refresh_ms = 200;
+    c.upstream.first_byte_timeout_ms = 5_000;
+    c.upstream.idle_timeout_ms = 5_000;
+    c.tiers.insert(
+        SMALL.into(),
+        TierConfig {
+            tokenizer: None,
+            replicas: small,
+        },
+    );
+    c.tiers.insert(
+        LARGE.into(),
+        TierConfig {
+            tokenizer: None,
+            replicas: large,
+        },
+    );
+    c.models = BTreeMap::from([
+        ("fast".to_owned(), SMALL.to_owned()),
+        ("smart".to_owned(), LARGE.to_owned()),
+        (AUTO.to_owned(), AUTO.to_owned()),
+    ]);
+    c
+}
+
+/// A running simulator.
+pub struct Sim {
+    /// Its `/v1` base URL.
+    pub url: String,
+    /// Its root URL (for `/sim/*`).
+    pub root: String,
+    /// Its state.
+    pub sim: Arc<Simulator>,
+}
+
+impl Sim {
+    /// Start a simulator with `options`.
+    pub async fn start(options: SimOptions) -> Self {
+        let (addr, sim) = simulator::spawn(options, 0).await.expect("simulator binds");
+        Self {
+            url: format!("http://{addr}/v1"),
+            root: format!("http://{addr}"),
+            sim,
+        }
+    }
+
+    /// Start a zero-latency simulator serving `model`.
+    pub async fn zero(model: &str) -> Self {
+        let mut p = SimProfile::zero();
+        p.model = model.into();
+        Self::start(SimOptions::new(p)).await
+    }
+
+    /// Inject faults through the control endpoint.
+    pub async fn faults(&self, body: Value) {
+        reqwest::Client::new()
+            .post(format!("{}/sim/faults", self.root))
+            .json(&body)
+            .send()
+            .await
+            .expect("faults set");
+    }
+
+    /// The last request body the simulator received.
+    pub async fn last_request(&self) -> Value {
+        let v: Value = reqwest::Client::new()
+            .get(format!("{}/sim/stats", self.root))
+            .send()
+            .await
+            .expect("stats")
+            .json()
+            .await
+            .expect("stats json");
+        v["last_request"].clone()
+    }
+}
+
+/// A running gateway with one tenant and key.
+pub struct TestApp {
+    /// `http://127.0.0.1:port`
+    pub base: String,
+    /// The gateway's state (store, metrics, upstreams).
+    pub state: AppState,
+    /// A live key of tenant `acme`.
+    pub api_key: String,
+    /// That key's id.
+    pub key_id: String,
+    /// The tenant's id.
+    pub tenant_id: String,
+    /// Settlement events, in order.
+    pub events: mpsc::UnboundedReceiver<UsageEvent>,
+    /// A plain HTTP client.
+    pub http: reqwest::Client,
+    /// The store (keeps temporary databases alive).
+    pub store: TestStore,
+    shutdown: Option<oneshot::Sender<()>>,
+    server: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl TestApp {
+    /// Start a gateway with `config` on a fresh store of `kind`, and create tenant `acme` with a
+    /// key tagged `feature=tests`.
+    pub async fn spawn(config: Config, kind: StoreKind) -> Self {
+        let store = TestStore::new(kind).await.expect("store opens");
+        Self::spawn_on(config, store, true).await
+    }
+
+    /// Start a gateway on an existing store; with `seed`, create the tenant and key.
+    pub async fn spawn_on(config: Config, store: TestStore, seed: bool) -> Self {
+        gateway::telemetry::install_crypto_provider();
+        let (api_key, key_id, tenant_id) = if seed {
+            let tenant = store.store.create_tenant("acme").await.expect("tenant");
+            let generated = gateway::keys::generate();
+            let key = store
+                .store
+                .create_key(NewKey {
+                    tenant_id: tenant.id.clone(),
+                    name: Some("test".into()),
+                    hash: generated.hash,
+                    prefix: generated.prefix,
+                    tags: BTreeMap::from([("feature".to_owned(), "tests".to_owned())]),
+                })
+                .await
+                .expect("key");
+            (generated.secret, key.id, tenant.id)
+        } else {
+            Default::default()
+        };
+        let (tx, events) = mpsc::unbounded_channel();
+        let deps = Deps {
+            store: Some(Arc::clone(&store.store)),
+            sink: Some(Arc::new(ChannelSink(tx))),
+        };
+        let state = AppState::build(config, deps).await.expect("gateway state");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (shutdown, rx) = oneshot::channel::<()>();
+        let server = tokio::spawn(gateway::serve(listener, state.clone(), async move {
+            let _ = rx.await;
+        }));
+        Self {
+            base: format!("http://{addr}"),
+            state,
+            api_key,
+            key_id,
+            tenant_id,
+            events,
+            http: reqwest::Client::new(),
+            store,
+            shutdown: Some(shutdown),
+            server: Some(server),
+        }
+    }
+
+    /// An `async-openai` client pointed at this gateway with `key`.
+    pub fn openai(&self, key: &str) -> async_openai::Client<async_openai::config::OpenAIConfig> {
+        async_openai::Client::with_config(
+            async_openai::config::OpenAIConfig::new()
+                .with_api_base(format!("{}/v1", self.base))
+                .with_api_key(key),
+        )
+    }
+
+    /// POST a JSON body to `path` with this app's key.
+    pub async fn post(&self, path: &str, body: &Value) -> reqwest::Response {
+        self.http
+            .post(format!("{}{path}", self.base))
+            .bearer_auth(&self.api_key)
+            .json(body)
+            .send()
+            .await
+            .expect("request sent")
+    }
+
+    /// POST a chat completion.
+    pub async fn chat(&self, body: Value) -> reqwest::Response {
+        self.post("/v1/chat/completions", &body).await
+    }
+
+    /// Call the admin API.
+    pub async fn admin(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> reqwest::Response {
+        let mut req = self
+            .http
+            .request(method, format!("{}/admin/v1/{path}", self.base))
+            .bearer_auth(ADMIN_TOKEN);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        req.send().await.expect("admin request sent")
+    }
+
+    /// The next settlement event (fails the test after 10 s).
+    pub async fn next_event(&mut self) -> UsageEvent {
+        tokio::time::timeout(Duration::from_secs(10), self.events.recv())
+            .await
+            .expect("a usage event within 10 s")
+            .expect("event channel open")
+    }
+
+    /// Stop serving and wait for in-flight settlement.
+    pub async fn stop(mut self) {
+        if let Some(s) = self.shutdown.take() {
+            let _ = s.send(());
+        }
+        if let Some(server) = self.server.take() {
+            server.await.expect("server task").expect("server result");
+        }
+    }
+}
+
+/// A user message body for `model`.
+pub fn chat_body(model: &str, text: &str) -> Value {
+    serde_json::json!({"model": model, "messages": [{"role": "user", "content": text}]})
+}
+
+/// Path to a workspace binary built next to the test executable (`cargo build --bins` first).
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test> → target/<profile>/<name>
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target profile directory");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} not built: run `cargo build --workspace --bins` first (scripts/test.sh does)",
+        path.display()
+    );
+    path
+}

@@ -119,6 +119,13 @@ pub async fn open(url: &str) -> Result<Arc<dyn Store>, StoreError> {
     }
 }
 
+/// The current time at the precision both databases keep (microseconds), so a value read back
+/// equals the value written.
+fn now() -> DateTime<Utc> {
+    use chrono::SubsecRound;
+    Utc::now().trunc_subsecs(6)
+}
+
 fn new_id(prefix: &str) -> String {
     format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
 }

@@ -42,11 +42,10 @@ macro_rules! sql_store {
             use std::collections::BTreeMap;
 
             use async_trait::async_trait;
-            use chrono::Utc;
             use sqlx::Row;
 
             use super::super::sql::*;
-            use super::super::{new_id, ApiKey, NewKey, Store, StoreError, Tenant};
+            use super::super::{new_id, now, ApiKey, NewKey, Store, StoreError, Tenant};
 
             fn tenant(row: &$row) -> Result<Tenant, StoreError> {
                 Ok(Tenant {
@@ -92,7 +91,7 @@ macro_rules! sql_store {
                     let t = Tenant {
                         id: new_id("ten"),
                         name: name.to_owned(),
-                        created_at: Utc::now(),
+                        created_at: now(),
                     };
                     sqlx::query(INSERT_TENANT)
                         .bind(&t.id)
@@ -123,7 +122,7 @@ macro_rules! sql_store {
                 }
 
                 async fn delete_tenant(&self, id: &str) -> Result<bool, StoreError> {
-                    let now = Utc::now();
+                    let now = now();
                     let mut tx = self.pool.begin().await?;
                     let deleted = sqlx::query(DELETE_TENANT)
                         .bind(id)
@@ -157,7 +156,7 @@ macro_rules! sql_store {
                         name: new.name,
                         prefix: new.prefix,
                         tags: new.tags,
-                        created_at: Utc::now(),
+                        created_at: now(),
                         revoked_at: None,
                     };
                     sqlx::query(INSERT_KEY)
@@ -193,7 +192,7 @@ macro_rules! sql_store {
                 async fn revoke_key(&self, id: &str) -> Result<bool, StoreError> {
                     let n = sqlx::query(REVOKE_KEY)
                         .bind(id)
-                        .bind(Utc::now())
+                        .bind(now())
                         .execute(&self.pool)
                         .await?
                         .rows_affected();

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The whole test suite: formatting, lints, every crate's unit tests and the end-to-end tests
+# (real Postgres, the real binaries, the official openai Python SDK). CI runs exactly this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/services.sh
+PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check \
+  -r tests/python/requirements.txt
+
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+# The end-to-end tests run the real gateway and gatewayctl binaries.
+cargo build --workspace --bins --locked
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --locked --profile ci
+else
+  cargo test --workspace --locked
+fi

@@ -1,0 +1,258 @@
+//! The admin API, the real `gatewayctl` binary, and key revocation across replicas.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::time::{Duration, Instant};
+
+use e2e::{chat_body, config, replica, Sim, StoreKind, TestApp, TestStore, ADMIN_TOKEN};
+use reqwest::Method;
+use serde_json::{json, Value};
+
+async fn app_on(store: TestStore, seed: bool, sim: &Sim) -> TestApp {
+    let c = config(
+        vec![replica("s", &sim.url, "sim-small")],
+        vec![replica("l", &sim.url, "sim-small")],
+    );
+    TestApp::spawn_on(c, store, seed).await
+}
+
+#[tokio::test]
+async fn the_admin_api_needs_the_admin_token_and_is_off_without_one() {
+    let sim = Sim::zero("sim-small").await;
+    let app = app_on(TestStore::new(StoreKind::Sqlite).await.unwrap(), true, &sim).await;
+    let url = format!("{}/admin/v1/tenants", app.base);
+    assert_eq!(app.http.get(&url).send().await.unwrap().status(), 401);
+    assert_eq!(
+        app.http
+            .get(&url)
+            .bearer_auth("wrong")
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        401
+    );
+    assert_eq!(
+        app.http
+            .get(&url)
+            .bearer_auth(&app.api_key)
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        401,
+        "tenant keys are not admin tokens"
+    );
+    assert_eq!(
+        app.http
+            .get(&url)
+            .bearer_auth(ADMIN_TOKEN)
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+
+    let mut c = config(
+        vec![replica("s", &sim.url, "sim-small")],
+        vec![replica("l", &sim.url, "sim-small")],
+    );
+    c.admin.token = None;
+    let off = TestApp::spawn(c, StoreKind::Sqlite).await;
+    let resp = off
+        .http
+        .get(format!("{}/admin/v1/tenants", off.base))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 403);
+}
+
+#[tokio::test]
+async fn admin_api_validates_input_and_reports_conflicts() {
+    let sim = Sim::zero("sim-small").await;
+    let app = app_on(TestStore::new(StoreKind::Sqlite).await.unwrap(), true, &sim).await;
+    let r = app
+        .admin(Method::POST, "tenants", Some(json!({"name": "acme"})))
+        .await;
+    assert_eq!(r.status(), 409);
+    let r = app
+        .admin(Method::POST, "tenants", Some(json!({"name": "has space"})))
+        .await;
+    assert_eq!(r.status(), 400);
+    let b: Value = r.json().await.unwrap();
+    assert_eq!(b["error"]["param"], "name");
+    let r = app
+        .admin(Method::POST, "tenants", Some(json!({"nam": "x"})))
+        .await;
+    assert_eq!(r.status(), 400);
+    let r = app
+        .admin(Method::POST, "keys", Some(json!({"tenant": "ghost"})))
+        .await;
+    assert_eq!(r.status(), 404);
+    let r = app.admin(Method::DELETE, "keys/key_nope", None).await;
+    assert_eq!(r.status(), 404);
+}
+
+async fn ctl(app: &TestApp, args: &[&str]) -> (bool, String) {
+    // Async process I/O: the gateway under test runs on this same runtime.
+    let out = tokio::process::Command::new(e2e::binary("gatewayctl"))
+        .args(args)
+        .env("GATEWAY_URL", &app.base)
+        .env("GATEWAY_ADMIN_TOKEN", ADMIN_TOKEN)
+        .output()
+        .await
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+#[tokio::test]
+async fn gatewayctl_manages_tenants_and_keys_and_a_revoked_key_stops_working() {
+    let sim = Sim::zero("sim-small").await;
+    let app = app_on(
+        TestStore::new(StoreKind::Sqlite).await.unwrap(),
+        false,
+        &sim,
+    )
+    .await;
+    let (ok, out) = ctl(&app, &["tenants", "create", "globex"]).await;
+    assert!(ok, "{out}");
+    assert!(out.contains("created tenant globex"), "{out}");
+    let (ok, out) = ctl(&app, &["tenants", "list"]).await;
+    assert!(
+        ok && out.contains("globex") && out.contains("NAME"),
+        "{out}"
+    );
+
+    let (ok, out) = ctl(
+        &app,
+        &[
+            "--json",
+            "keys",
+            "create",
+            "--tenant",
+            "globex",
+            "--name",
+            "web",
+            "--tag",
+            "feature=chat",
+        ],
+    )
+    .await;
+    assert!(ok, "{out}");
+    let created: Value = serde_json::from_str(&out).unwrap();
+    let secret = created["key"].as_str().unwrap().to_owned();
+    let id = created["id"].as_str().unwrap().to_owned();
+    assert!(secret.starts_with("sk-gw-"));
+    assert_eq!(created["tags"]["feature"], "chat");
+
+    let chat = |key: String| {
+        let http = app.http.clone();
+        let url = format!("{}/v1/chat/completions", app.base);
+        async move {
+            http.post(url)
+                .bearer_auth(key)
+                .json(&chat_body("fast", "hi"))
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(chat(secret.clone()).await, 200);
+
+    let (ok, out) = ctl(&app, &["keys", "list", "--tenant", "globex"]).await;
+    assert!(
+        ok && out.contains(&id) && out.contains("active") && out.contains("feature=chat"),
+        "{out}"
+    );
+    assert!(!out.contains(&secret), "the secret is never listed");
+
+    let (ok, out) = ctl(&app, &["keys", "revoke", &id]).await;
+    assert!(ok, "{out}");
+    assert_eq!(chat(secret).await, 401, "revoked on this replica at once");
+    let (_, out) = ctl(&app, &["keys", "list"]).await;
+    assert!(out.contains("revoked"), "{out}");
+
+    let (ok, out) = ctl(&app, &["keys", "revoke", &id]).await;
+    assert!(
+        !ok && out.contains("404"),
+        "revoking twice is an error: {out}"
+    );
+    let (ok, out) = ctl(&app, &["tenants", "delete", "globex"]).await;
+    assert!(ok, "{out}");
+    let out = tokio::process::Command::new(e2e::binary("gatewayctl"))
+        .args(["tenants", "list"])
+        .env("GATEWAY_URL", &app.base)
+        .env_remove("GATEWAY_ADMIN_TOKEN")
+        .output()
+        .await
+        .unwrap();
+    let (ok, out) = (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(!ok && out.contains("admin token"), "{out}");
+}
+
+#[tokio::test]
+async fn a_key_revoked_on_one_replica_stops_working_on_another_within_two_seconds() {
+    let sim = Sim::zero("sim-small").await;
+    let store_a = TestStore::new(StoreKind::Postgres).await.unwrap();
+    let store_b = store_a.reopen().await.unwrap();
+    let a = app_on(store_a, true, &sim).await;
+    let mut b = app_on(store_b, false, &sim).await;
+    b.api_key = a.api_key.clone();
+    assert_eq!(
+        b.chat(chat_body("fast", "hi")).await.status(),
+        200,
+        "replica B knows the key"
+    );
+    assert_eq!(
+        a.admin(Method::DELETE, &format!("keys/{}", a.key_id), None)
+            .await
+            .status(),
+        200
+    );
+    let revoked_at = Instant::now();
+    loop {
+        let status = b.chat(chat_body("fast", "hi")).await.status();
+        if status == 401 {
+            break;
+        }
+        assert!(
+            revoked_at.elapsed() < Duration::from_secs(2),
+            "still accepted after 2 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(revoked_at.elapsed() < Duration::from_secs(2));
+}
+
+#[tokio::test]
+async fn deleting_a_tenant_revokes_its_keys_through_the_api() {
+    let sim = Sim::zero("sim-small").await;
+    let app = app_on(TestStore::new(StoreKind::Sqlite).await.unwrap(), true, &sim).await;
+    assert_eq!(app.chat(chat_body("fast", "hi")).await.status(), 200);
+    assert_eq!(
+        app.admin(Method::DELETE, "tenants/acme", None)
+            .await
+            .status(),
+        200
+    );
+    assert_eq!(app.chat(chat_body("fast", "hi")).await.status(), 401);
+    assert_eq!(
+        app.admin(Method::DELETE, "tenants/acme", None)
+            .await
+            .status(),
+        404
+    );
+}

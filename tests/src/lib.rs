@@ -335,6 +335,18 @@ impl TestApp {
             .expect("request sent")
     }
 
+    /// The `/metrics` exposition text.
+    pub async fn metrics(&self) -> String {
+        self.http
+            .get(format!("{}/metrics", self.base))
+            .send()
+            .await
+            .expect("metrics request")
+            .text()
+            .await
+            .expect("metrics text")
+    }
+
     /// POST a chat completion.
     pub async fn chat(&self, body: Value) -> reqwest::Response {
         self.post("/v1/chat/completions", &body).await

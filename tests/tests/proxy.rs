@@ -410,15 +410,7 @@ async fn a_5xx_is_retried_once_on_another_replica_of_the_same_tier() {
     let e = app.next_event().await;
     assert_eq!(e.retries, 1);
     assert_eq!(e.replica.as_deref(), Some("good"));
-    let metrics = app
-        .http
-        .get(format!("{}/metrics", app.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = app.metrics().await;
     assert!(
         metrics.contains("gateway_upstream_errors_total{kind=\"status_5xx\",replica=\"bad\"} 1"),
         "{metrics}"
@@ -536,16 +528,7 @@ async fn consecutive_failures_take_a_replica_out_of_rotation() {
         "s1 saw two failures, then was taken out"
     );
     assert_eq!(s.small[1].sim.requests(), 10);
-    let metrics = s
-        .app
-        .http
-        .get(format!("{}/metrics", s.app.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = s.app.metrics().await;
     assert!(
         metrics.contains("gateway_replica_healthy{replica=\"s1\",tier=\"small\"} 0"),
         "{metrics}"
@@ -627,16 +610,7 @@ async fn metrics_expose_every_defined_name_after_traffic() {
     s.small[0].faults(json!({"fail_next": 1})).await;
     s.small[1].faults(json!({"fail_next": 1})).await;
     let _ = s.app.chat(chat_body("fast", "hi")).await;
-    let text = s
-        .app
-        .http
-        .get(format!("{}/metrics", s.app.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = s.app.metrics().await;
     for name in gateway::metrics::names::ALL {
         assert!(
             text.contains(&format!("# TYPE {name} ")),

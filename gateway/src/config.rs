@@ -428,6 +428,15 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_example_config_loads() {
+        let path = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../gateway.example.toml"));
+        let c = Config::load(Some(path)).unwrap();
+        assert_eq!(c.tiers[SMALL].replicas.len(), 2);
+        assert_eq!(c.resolve_model("smart").as_deref(), Some(LARGE));
+        assert_eq!(c.upstream.on_client_disconnect, DisconnectPolicy::Drain);
+    }
+
+    #[test]
     fn unknown_fields_in_the_file_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("g.toml");

@@ -169,6 +169,7 @@ pub fn build_router(state: AppState) -> Router {
     v1.merge(admin)
         .merge(open)
         .fallback(routes::health::not_found)
+        .method_not_allowed_fallback(routes::health::method_not_allowed)
         .with_state(state)
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(TraceLayer::new_for_http().make_span_with(|req: &Request| {

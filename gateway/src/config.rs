@@ -429,7 +429,10 @@ mod tests {
 
     #[test]
     fn the_shipped_example_config_loads() {
-        let path = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../gateway.example.toml"));
+        let path = Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../gateway.example.toml"
+        ));
         let c = Config::load(Some(path)).unwrap();
         assert_eq!(c.tiers[SMALL].replicas.len(), 2);
         assert_eq!(c.resolve_model("smart").as_deref(), Some(LARGE));

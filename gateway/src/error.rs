@@ -35,6 +35,9 @@ pub enum ApiError {
     /// No such resource (admin API) or route.
     #[error("{0}")]
     NotFound(String),
+    /// The route exists but not with this method.
+    #[error("{0}")]
+    MethodNotAllowed(String),
     /// A uniqueness rule was violated (admin API).
     #[error("{0}")]
     Conflict(String),
@@ -87,6 +90,7 @@ impl ApiError {
             Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Self::Forbidden(_) => StatusCode::FORBIDDEN,
             Self::ModelNotFound(_) | Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BadGateway { .. } => StatusCode::BAD_GATEWAY,
@@ -105,6 +109,7 @@ impl ApiError {
             Self::Forbidden(_) => "forbidden",
             Self::ModelNotFound(_) => "model_not_found",
             Self::NotFound(_) => "not_found",
+            Self::MethodNotAllowed(_) => "method_not_allowed",
             Self::Conflict(_) => "conflict",
             Self::PayloadTooLarge { .. } => "payload_too_large",
             Self::BadGateway { .. } => "bad_gateway",
@@ -121,6 +126,7 @@ impl ApiError {
             | Self::InvalidRequest { .. }
             | Self::ModelNotFound(_)
             | Self::NotFound(_)
+            | Self::MethodNotAllowed(_)
             | Self::Conflict(_)
             | Self::PayloadTooLarge { .. } => "invalid_request_error",
             Self::Unauthorized(_) => "authentication_error",

@@ -339,6 +339,12 @@ fn buffered_response(
     response
         .headers_mut()
         .insert(header::CONTENT_TYPE, content_type);
+    // Back-off hints from the upstream are for the client.
+    for (name, value) in upstream_headers {
+        if name == header::RETRY_AFTER || name.as_str().starts_with("x-ratelimit-") {
+            response.headers_mut().insert(name.clone(), value.clone());
+        }
+    }
     gateway_headers(response.headers_mut(), tier, target, event.retries);
     response
 }

@@ -312,6 +312,16 @@ async fn bad_requests_get_openai_shaped_errors_naming_the_problem() {
 
     let (st, _) = error_of(s.app.post("/v1/nothing-here", &json!({})).await).await;
     assert_eq!(st, 404);
+    let get = s
+        .app
+        .http
+        .get(&url)
+        .bearer_auth(&s.app.api_key)
+        .send()
+        .await
+        .unwrap();
+    let (st, b) = error_of(get).await;
+    assert_eq!(st, 405, "{b}");
 
     for _ in 0..5 {
         let e = s.app.next_event().await;
@@ -489,6 +499,37 @@ async fn a_slow_first_byte_is_a_504() {
     let app = TestApp::spawn(c, StoreKind::Sqlite).await;
     let (st, b) = error_of(app.chat(chat_body("fast", "hi")).await).await;
     assert_eq!(st, 504, "{b}");
+}
+
+#[tokio::test]
+async fn upstream_429_is_passed_through_with_its_retry_after() {
+    let up = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(429)
+                .insert_header("retry-after", "7")
+                .set_body_json(json!({"error": {"message": "slow down", "type": "rate_limit_error", "param": null, "code": "rate_limit_exceeded"}})),
+        )
+        .expect(1)
+        .mount(&up)
+        .await;
+    let c = config(
+        vec![replica("u", &format!("{}/v1", up.uri()), "m")],
+        vec![replica("u2", &format!("{}/v1", up.uri()), "m")],
+    );
+    let app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    let resp = app.chat(chat_body("fast", "hi")).await;
+    assert_eq!(
+        resp.headers()
+            .get("retry-after")
+            .map(|v| v.to_str().unwrap()),
+        Some("7")
+    );
+    let (st, b) = error_of(resp).await;
+    assert_eq!(
+        (st, b["error"]["code"].as_str()),
+        (429, Some("rate_limit_exceeded"))
+    );
 }
 
 #[tokio::test]

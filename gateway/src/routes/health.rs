@@ -58,3 +58,8 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
 pub async fn not_found(uri: axum::http::Uri) -> ApiError {
     ApiError::NotFound(format!("no route for {}", uri.path()))
 }
+
+/// A known route with the wrong method: 405 in OpenAI shape.
+pub async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::MethodNotAllowed(format!("{method} is not allowed on {}", uri.path()))
+}

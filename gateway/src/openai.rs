@@ -7,7 +7,6 @@
 //! client's behalf.
 
 use bytes::{Bytes, BytesMut};
-use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
@@ -18,14 +17,17 @@ use crate::tokens::{push_text, Tokenizer};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
     /// `POST /v1/chat/completions`
-    Chat,
+    Chat = 0,
     /// `POST /v1/completions`
-    Completions,
+    Completions = 1,
     /// `POST /v1/embeddings`
-    Embeddings,
+    Embeddings = 2,
 }
 
 impl Endpoint {
+    /// Every endpoint, in discriminant order.
+    pub const ALL: [Endpoint; 3] = [Self::Chat, Self::Completions, Self::Embeddings];
+
     /// Path below the upstream's `/v1` base URL.
     pub fn path(self) -> &'static str {
         match self {
@@ -45,8 +47,8 @@ impl Endpoint {
     }
 }
 
-/// Deserialize `value` as `T`, naming the failing field in the error.
-pub fn from_value<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
+/// Deserialize `value` as `T` (which may borrow from it), naming the failing field in the error.
+pub fn from_value<'a, T: Deserialize<'a>>(value: &'a Value) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
         let message = format!("invalid field `{path}`: {}", e.inner());
@@ -69,8 +71,8 @@ pub fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
 }
 
 #[derive(Deserialize)]
-struct CommonView {
-    model: String,
+struct CommonView<'a> {
+    model: &'a str,
     #[serde(default)]
     stream: Option<bool>,
     #[serde(default)]
@@ -91,10 +93,10 @@ struct StreamOptionsView {
 
 #[derive(Deserialize)]
 #[expect(dead_code, reason = "fields are parsed only to validate their types")]
-struct MessageView {
+struct MessageView<'a> {
     role: Role,
-    #[serde(default)]
-    content: Option<ContentView>,
+    #[serde(default, borrow)]
+    content: Option<ContentView<'a>>,
 }
 
 #[derive(Deserialize)]
@@ -111,37 +113,48 @@ enum Role {
 #[derive(Deserialize)]
 #[serde(untagged)]
 #[expect(dead_code, reason = "parsed only to validate the shape")]
-enum ContentView {
-    Text(String),
-    Parts(Vec<Map<String, Value>>),
+enum ContentView<'a> {
+    Text(&'a str),
+    Parts(Vec<PartView<'a>>),
+}
+
+/// One content part: an object with a `type`.
+#[derive(Deserialize)]
+#[expect(dead_code, reason = "parsed only to validate the shape")]
+struct PartView<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
 }
 
 #[derive(Deserialize)]
-struct ChatView {
-    messages: Vec<MessageView>,
+struct ChatView<'a> {
+    #[serde(borrow)]
+    messages: Vec<MessageView<'a>>,
 }
 
 /// A prompt or embedding input: a string, strings, token ids, or arrays of token ids.
 #[derive(Deserialize)]
 #[serde(untagged)]
 #[expect(dead_code, reason = "parsed only to validate the shape")]
-enum PromptView {
-    Text(String),
-    Texts(Vec<String>),
+enum PromptView<'a> {
+    Text(&'a str),
+    Texts(Vec<&'a str>),
     Tokens(Vec<u32>),
     TokenBatches(Vec<Vec<u32>>),
 }
 
 #[derive(Deserialize)]
 #[expect(dead_code, reason = "parsed only to validate the shape")]
-struct CompletionView {
-    prompt: PromptView,
+struct CompletionView<'a> {
+    #[serde(borrow)]
+    prompt: PromptView<'a>,
 }
 
 #[derive(Deserialize)]
 #[expect(dead_code, reason = "parsed only to validate the shape")]
-struct EmbeddingView {
-    input: PromptView,
+struct EmbeddingView<'a> {
+    #[serde(borrow)]
+    input: PromptView<'a>,
 }
 
 /// A validated request, ready to forward.
@@ -149,7 +162,7 @@ struct EmbeddingView {
 pub struct ParsedRequest {
     /// Which endpoint.
     pub endpoint: Endpoint,
-    /// The body as received (unknown fields included).
+    /// The body as received (unknown fields included); `model` is rewritten per upstream.
     pub body: Map<String, Value>,
     /// Client-facing model name.
     pub model: String,
@@ -159,6 +172,8 @@ pub struct ParsedRequest {
     pub client_wants_usage: bool,
     /// `max_completion_tokens` or `max_tokens`, if given.
     pub max_tokens: Option<u32>,
+    /// The last upstream encoding: (upstream model, body bytes).
+    encoded: Option<(String, Bytes)>,
 }
 
 impl ParsedRequest {
@@ -211,28 +226,18 @@ impl ParsedRequest {
                 }
             }
         }
-        let Value::Object(body) = value else {
+        let model = common.model.to_owned();
+        let stream = common.stream.unwrap_or(false);
+        let client_wants_usage = common
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
+        let max_tokens = common.max_completion_tokens.or(common.max_tokens);
+        let Value::Object(mut body) = value else {
             unreachable!("constructed from an object above")
         };
-        Ok(Self {
-            endpoint,
-            model: common.model,
-            stream: common.stream.unwrap_or(false),
-            client_wants_usage: common
-                .stream_options
-                .and_then(|o| o.include_usage)
-                .unwrap_or(false),
-            max_tokens: common.max_completion_tokens.or(common.max_tokens),
-            body,
-        })
-    }
-
-    /// The body to send upstream: `model` replaced by the upstream's name and, for streams,
-    /// `stream_options.include_usage` forced on (other stream options kept).
-    pub fn upstream_body(&self, upstream_model: &str) -> Bytes {
-        let mut body = self.body.clone();
-        body.insert("model".into(), Value::String(upstream_model.to_owned()));
-        if self.stream {
+        if stream {
+            // Always learn usage from the upstream; the client's choice is applied on the way back.
             let options = body
                 .entry("stream_options")
                 .or_insert_with(|| Value::Object(Map::new()));
@@ -243,7 +248,31 @@ impl ParsedRequest {
                 o.insert("include_usage".into(), Value::Bool(true));
             }
         }
-        Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+        Ok(Self {
+            endpoint,
+            model,
+            stream,
+            client_wants_usage,
+            max_tokens,
+            body,
+            encoded: None,
+        })
+    }
+
+    /// The body to send upstream: the client's body with `model` replaced by the upstream's name
+    /// (and, for streams, `stream_options.include_usage` on). Encoded once per upstream model, so
+    /// a retry on a replica of the same model reuses the bytes.
+    pub fn upstream_body(&mut self, upstream_model: &str) -> Bytes {
+        if let Some((model, bytes)) = &self.encoded {
+            if model == upstream_model {
+                return bytes.clone();
+            }
+        }
+        self.body
+            .insert("model".into(), Value::String(upstream_model.to_owned()));
+        let bytes = Bytes::from(serde_json::to_vec(&self.body).unwrap_or_default());
+        self.encoded = Some((upstream_model.to_owned(), bytes.clone()));
+        bytes
     }
 
     /// Prompt tokens as the gateway counts them (when the upstream reports none).
@@ -320,6 +349,21 @@ impl From<UsageView> for Usage {
                 .unwrap_or(0),
         }
     }
+}
+
+#[derive(Deserialize)]
+struct UsageOnly {
+    #[serde(default)]
+    usage: Option<UsageView>,
+}
+
+/// Read `usage` from a whole JSON response body without building the document (the rest of the
+/// body is skipped, not allocated). `None` when absent, null or not JSON.
+pub fn usage_in_body(body: &[u8]) -> Option<Usage> {
+    serde_json::from_slice::<UsageOnly>(body)
+        .ok()
+        .and_then(|u| u.usage)
+        .map(Usage::from)
 }
 
 /// Read `usage` from a JSON response or chunk, when present and not null.
@@ -513,7 +557,7 @@ mod tests {
 
     #[test]
     fn unknown_fields_survive_and_usage_is_requested_for_streams() {
-        let r = parse(
+        let mut r = parse(
             Endpoint::Chat,
             json!({"model": "fast", "messages": [{"role": "user", "content": "hi"}],
                    "stream": true, "stream_options": {"other": 1}, "brand_new_param": {"x": [1, 2]}}),

@@ -24,7 +24,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::app::AppState;
 use crate::config::{DisconnectPolicy, AUTO, LARGE, SMALL};
 use crate::error::ApiError;
-use crate::openai::{completion_text, usage_of, Endpoint, ParsedRequest, SseRewriter, Usage};
+use crate::openai::{completion_text, usage_in_body, Endpoint, ParsedRequest, SseRewriter, Usage};
 use crate::store::ApiKey;
 use crate::upstream::{AttemptError, Target, Tier};
 use crate::usage::{CacheStatus, UsageEvent, UsageSource};
@@ -160,7 +160,7 @@ async fn read_all(resp: reqwest::Response, deadline: Instant) -> Buffered {
 async fn forward(
     state: AppState,
     ctx: RequestContext,
-    req: ParsedRequest,
+    mut req: ParsedRequest,
     mut event: UsageEvent,
     primary: &str,
 ) -> Response {
@@ -310,13 +310,12 @@ fn buffered_response(
     event.latency_ms = ms_since(ctx.started);
     event.ttft_ms = Some(event.latency_ms);
     if status.is_success() {
-        let parsed: Option<Value> = serde_json::from_slice(&body).ok();
-        match parsed.as_ref().and_then(usage_of) {
+        match usage_in_body(&body) {
             Some(u) => apply_usage(&mut event, u, UsageSource::Upstream),
             None => {
                 let mut text = String::new();
-                if let Some(v) = &parsed {
-                    completion_text(v, &mut text);
+                if let Ok(v) = serde_json::from_slice::<Value>(&body) {
+                    completion_text(&v, &mut text);
                 }
                 let counted = Usage {
                     prompt_tokens: req.count_prompt_tokens(&tier.tokenizer),

@@ -22,6 +22,8 @@ pub struct Target {
     /// Model name the upstream expects.
     pub model: String,
     api_key: Option<SecretString>,
+    /// Parsed endpoint URLs, indexed by [`Endpoint::ALL`] order (parsed once, not per request).
+    urls: Vec<reqwest::Url>,
 }
 
 /// One tier: its replicas and their routing state.
@@ -87,6 +89,8 @@ impl Upstreams {
             .pool_max_idle_per_host(up.pool_max_idle_per_host)
             .pool_idle_timeout(Duration::from_secs(90))
             .tcp_nodelay(true)
+            // A POST to a model server is never redirected; following one would resend the body.
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| ConfigError::Invalid {
                 field: "upstream".into(),
@@ -100,11 +104,22 @@ impl Upstreams {
         for (name, tier) in &config.tiers {
             let mut targets = Vec::with_capacity(tier.replicas.len());
             for (i, r) in tier.replicas.iter().enumerate() {
+                let field = format!("tiers.{name}.replicas[{i}]");
+                let base_url = r.url.trim_end_matches('/').to_owned();
+                let urls = Endpoint::ALL
+                    .iter()
+                    .map(|e| reqwest::Url::parse(&format!("{base_url}/{}", e.path())))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| ConfigError::Invalid {
+                        field: format!("{field}.url"),
+                        message: format!("not a valid URL: {e}"),
+                    })?;
                 targets.push(Target {
                     name: r.name.clone(),
-                    base_url: r.url.trim_end_matches('/').to_owned(),
+                    base_url,
                     model: r.model.clone(),
-                    api_key: r.api_key(&format!("tiers.{name}.replicas[{i}]"))?,
+                    api_key: r.api_key(&field)?,
+                    urls,
                 });
             }
             let set = ReplicaSet::new(
@@ -161,7 +176,7 @@ impl Upstreams {
         body: Bytes,
         request_id: &str,
     ) -> Result<reqwest::Response, AttemptError> {
-        let url = format!("{}/{}", target.base_url, endpoint.path());
+        let url = target.urls[endpoint as usize].clone();
         let mut req = self
             .client
             .post(url)

@@ -91,6 +91,9 @@ pub struct LogSink;
 
 impl UsageSink for LogSink {
     fn record(&self, event: UsageEvent) {
+        if !tracing::enabled!(target: "usage", tracing::Level::INFO) {
+            return;
+        }
         match serde_json::to_string(&event) {
             Ok(json) => tracing::info!(target: "usage", event = %json, "usage"),
             Err(e) => tracing::warn!(error = %e, "usage event not serialisable"),

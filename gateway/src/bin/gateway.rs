@@ -8,6 +8,11 @@ use clap::{Parser, Subcommand};
 use gateway::config::Config;
 use gateway::simulator::{SimOptions, SimProfile};
 
+// The proxy path allocates small, short-lived buffers per request; mimalloc's thread-local
+// free lists beat glibc malloc there (glibc was ~15% of CPU under load in a perf profile).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// LLM gateway and cost-control proxy.
 #[derive(Debug, Parser)]
 #[command(name = "gateway", version, about)]

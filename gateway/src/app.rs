@@ -18,7 +18,10 @@ use tower_http::trace::TraceLayer;
 
 use crate::config::Config;
 use crate::keys::Authenticator;
+use crate::ledger::writer::LedgerWriter;
+use crate::ledger::LedgerStore;
 use crate::metrics::Metrics;
+use crate::pricing::Prices;
 use crate::store::{self, Store};
 use crate::upstream::Upstreams;
 use crate::usage::{LogSink, SharedSink};
@@ -42,6 +45,12 @@ pub struct Inner {
     pub metrics: Metrics,
     /// Where settlement events go.
     pub sink: SharedSink,
+    /// Model prices.
+    pub prices: Arc<Prices>,
+    /// The ledger, when the gateway writes one.
+    pub ledger: Option<Arc<dyn LedgerStore>>,
+    /// The ledger writer task, flushed on shutdown.
+    ledger_writer: std::sync::Mutex<Option<LedgerWriter>>,
     /// Pipelines and stream drivers, awaited on shutdown so no usage is lost.
     pub tasks: TaskTracker,
     /// Fired when the server shuts down (stops background loops).
@@ -69,7 +78,7 @@ impl Deref for AppState {
 pub struct Deps {
     /// Use this store instead of opening `config.store.url`.
     pub store: Option<Arc<dyn Store>>,
-    /// Use this sink instead of logging events.
+    /// Send usage events here instead of the ledger (tests capture them this way).
     pub sink: Option<SharedSink>,
 }
 
@@ -91,18 +100,39 @@ impl AppState {
                 t.tokenizer.warm();
             }
         }
+        let prices =
+            Arc::new(Prices::new(Arc::clone(&store), config.prices(chrono::Utc::now())?).await?);
+        let metrics = Metrics::new()?;
+        let (sink, ledger, ledger_writer): (SharedSink, _, _) = match deps.sink {
+            Some(sink) => (sink, None, None),
+            None if config.ledger.enabled => {
+                let ledger = crate::ledger::open(&config.store.url).await?;
+                let (sink, writer) =
+                    LedgerWriter::start(Arc::clone(&ledger), &config.ledger, &metrics)
+                        .with_context(|| {
+                            format!(
+                                "opening ledger.spool_dir {}",
+                                config.ledger.spool_dir.display()
+                            )
+                        })?;
+                (sink, Some(ledger), Some(writer))
+            }
+            None => (Arc::new(LogSink), None, None),
+        };
         let shutdown = CancellationToken::new();
-        tokio::spawn(Arc::clone(&auth).refresh_every(
-            Duration::from_millis(config.store.key_refresh_ms),
-            shutdown.clone(),
-        ));
+        let every = Duration::from_millis(config.store.key_refresh_ms);
+        tokio::spawn(Arc::clone(&auth).refresh_every(every, shutdown.clone()));
+        tokio::spawn(Arc::clone(&prices).refresh_every(every, shutdown.clone()));
         Ok(Self(Arc::new(Inner {
             config,
             store,
             auth,
             upstreams,
-            metrics: Metrics::new()?,
-            sink: deps.sink.unwrap_or_else(|| Arc::new(LogSink)),
+            metrics,
+            sink,
+            prices,
+            ledger,
+            ledger_writer: std::sync::Mutex::new(ledger_writer),
             tasks: TaskTracker::new(),
             shutdown,
         })))
@@ -158,6 +188,10 @@ pub fn build_router(state: AppState) -> Router {
         )
         .route("/admin/v1/keys/{key}", delete(routes::admin::revoke_key))
         .route("/admin/v1/replicas", get(routes::admin::replicas))
+        .route(
+            "/admin/v1/prices",
+            post(routes::admin::set_price).get(routes::admin::list_prices),
+        )
         .route_layer(from_fn_with_state(
             state.clone(),
             middleware::auth::require_admin,
@@ -201,6 +235,11 @@ pub async fn serve(
             pending = state.tasks.len(),
             "shutdown grace expired with requests still settling"
         );
+    }
+    // Every request task has settled (or the grace ran out): flush the ledger last.
+    let writer = state.ledger_writer.lock().ok().and_then(|mut w| w.take());
+    if let Some(writer) = writer {
+        writer.shutdown().await;
     }
     Ok(())
 }

@@ -62,6 +62,84 @@ pub struct Config {
     pub tiers: BTreeMap<String, TierConfig>,
     /// Client-facing model name → tier name (or `auto`).
     pub models: BTreeMap<String, String>,
+    /// Prices by served model name, USD per 1M tokens.
+    pub prices: BTreeMap<String, PriceConfig>,
+    /// The cost ledger.
+    pub ledger: LedgerConfig,
+}
+
+/// One model's prices in USD per 1M tokens (e.g. `input = 0.15`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PriceConfig {
+    /// Uncached input tokens.
+    pub input: f64,
+    /// Output tokens.
+    pub output: f64,
+    /// Cached input tokens (default: the input price).
+    #[serde(default)]
+    pub cached_input: Option<f64>,
+}
+
+/// The cost ledger: one row per request, written in batches off the request path.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LedgerConfig {
+    /// Write the ledger (into the store's database). Off: usage events are only logged.
+    pub enabled: bool,
+    /// Directory of the append-only spool used while the database is unreachable.
+    pub spool_dir: std::path::PathBuf,
+    /// Most rows per database write.
+    pub batch_rows: usize,
+    /// Longest a row waits before its batch is written, ms.
+    pub flush_ms: u64,
+    /// Rows queued in memory before overflow goes straight to the spool.
+    pub queue_capacity: usize,
+    /// A database write slower than this is treated as failed and spooled, ms.
+    pub write_timeout_ms: u64,
+}
+
+impl Default for LedgerConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            spool_dir: "spool".into(),
+            batch_rows: 2000,
+            flush_ms: 200,
+            queue_capacity: 100_000,
+            write_timeout_ms: 2_000,
+        }
+    }
+}
+
+impl Config {
+    /// Configured prices as of `effective_from`, in micro-dollars per 1M tokens.
+    pub fn prices(
+        &self,
+        effective_from: chrono::DateTime<chrono::Utc>,
+    ) -> Result<Vec<crate::pricing::Price>, ConfigError> {
+        use crate::pricing::usd_to_micros;
+        self.prices
+            .iter()
+            .map(|(model, p)| {
+                let conv = |field: &str, usd: f64| {
+                    usd_to_micros(usd).ok_or_else(|| {
+                        invalid(
+                            format!("prices.{model}.{field}"),
+                            "must be a non-negative amount of USD",
+                        )
+                    })
+                };
+                Ok(crate::pricing::Price {
+                    model: model.clone(),
+                    effective_from,
+                    input: conv("input", p.input)?,
+                    output: conv("output", p.output)?,
+                    cached_input: conv("cached_input", p.cached_input.unwrap_or(p.input))?,
+                })
+            })
+            .collect()
+    }
 }
 
 /// HTTP listener and request limits.
@@ -331,6 +409,13 @@ impl Config {
                     return Err(invalid(field("max_concurrency"), "must be at least 1"));
                 }
             }
+        }
+        self.prices(chrono::Utc::now())?;
+        if self.ledger.batch_rows == 0 || self.ledger.queue_capacity == 0 {
+            return Err(invalid(
+                "ledger.batch_rows",
+                "batch_rows and queue_capacity must be at least 1",
+            ));
         }
         for (alias, target) in &self.models {
             if target != AUTO && !self.tiers.contains_key(target) {

@@ -51,6 +51,36 @@ pub enum Command {
         #[command(subcommand)]
         command: KeyCommand,
     },
+    /// Manage model prices (USD per 1M tokens, with history).
+    Prices {
+        /// Price command.
+        #[command(subcommand)]
+        command: PriceCommand,
+    },
+}
+
+/// `gatewayctl prices …`
+#[derive(Debug, Subcommand)]
+pub enum PriceCommand {
+    /// Set a model's price from now (or from --from).
+    Set {
+        /// Served model name.
+        model: String,
+        /// USD per 1M uncached input tokens.
+        #[arg(long)]
+        input: f64,
+        /// USD per 1M output tokens.
+        #[arg(long)]
+        output: f64,
+        /// USD per 1M cached input tokens (default: the input price).
+        #[arg(long)]
+        cached_input: Option<f64>,
+        /// Effective time, RFC 3339 (default: now).
+        #[arg(long)]
+        from: Option<String>,
+    },
+    /// List prices with their history.
+    List,
 }
 
 /// `gatewayctl tenants …`
@@ -276,6 +306,7 @@ pub async fn run(cli: Cli, out: &mut impl Write) -> anyhow::Result<()> {
                 (v, format!("revoked key {id}"))
             }
         },
+        Command::Prices { command } => prices(&admin, command).await?,
     };
     if cli.json {
         writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
@@ -283,4 +314,50 @@ pub async fn run(cli: Cli, out: &mut impl Write) -> anyhow::Result<()> {
         writeln!(out, "{human}")?;
     }
     Ok(())
+}
+
+async fn prices(admin: &Admin, command: PriceCommand) -> anyhow::Result<(Value, String)> {
+    use reqwest::Method;
+    Ok(match command {
+        PriceCommand::Set {
+            model,
+            input,
+            output,
+            cached_input,
+            from,
+        } => {
+            let body = json!({"model": model, "input": input, "output": output,
+                              "cached_input": cached_input, "effective_from": from});
+            let v = admin.call(Method::POST, "prices", Some(body)).await?;
+            let h = format!(
+                "price of {} from {}: input ${}/1M, output ${}/1M, cached input ${}/1M",
+                s(&v, "model"),
+                s(&v, "effective_from"),
+                s(&v, "input_usd_per_mtok"),
+                s(&v, "output_usd_per_mtok"),
+                s(&v, "cached_input_usd_per_mtok")
+            );
+            (v, h)
+        }
+        PriceCommand::List => {
+            let v = admin.call(Method::GET, "prices", None).await?;
+            let rows = list(&v)
+                .iter()
+                .map(|p| {
+                    vec![
+                        s(p, "model"),
+                        s(p, "effective_from"),
+                        s(p, "input_usd_per_mtok"),
+                        s(p, "output_usd_per_mtok"),
+                        s(p, "cached_input_usd_per_mtok"),
+                    ]
+                })
+                .collect();
+            let h = table(
+                &["MODEL", "FROM", "INPUT $/1M", "OUTPUT $/1M", "CACHED $/1M"],
+                rows,
+            );
+            (v, h)
+        }
+    })
 }

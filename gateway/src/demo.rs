@@ -59,6 +59,10 @@ pub async fn prepare(options: &DemoOptions) -> anyhow::Result<Demo> {
     let mut config = Config::default();
     config.server.listen = options.listen;
     config.store.url = options.store_url.clone();
+    if let Some(path) = options.store_url.strip_prefix("sqlite://") {
+        // Keep the ledger's spool beside the demo database, not in the working directory.
+        config.ledger.spool_dir = format!("{path}.spool").into();
+    }
     config.admin.token = Some(SecretString::from(admin_token.clone()));
     config.tiers.insert(
         SMALL.into(),

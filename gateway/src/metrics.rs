@@ -4,7 +4,8 @@
 use std::time::Instant;
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 use crate::upstream::Upstreams;
@@ -27,6 +28,14 @@ pub mod names {
     pub const HEALTHY: &str = "gateway_replica_healthy";
     /// Requests rejected before reaching an upstream, by error kind.
     pub const REJECTED: &str = "gateway_rejected_requests_total";
+    /// Ledger rows waiting in the in-memory queue.
+    pub const LEDGER_QUEUE: &str = "gateway_ledger_queue_depth";
+    /// Ledger rows waiting in the disk spool (database unreachable).
+    pub const LEDGER_SPOOLED: &str = "gateway_ledger_spooled_rows";
+    /// Ledger rows by outcome (written, spooled, replayed, overflow_spooled, lost).
+    pub const LEDGER_ROWS: &str = "gateway_ledger_rows_total";
+    /// Ledger batch write latency.
+    pub const LEDGER_WRITE: &str = "gateway_ledger_write_seconds";
 
     /// Every name above.
     pub const ALL: &[&str] = &[
@@ -38,6 +47,10 @@ pub mod names {
         IN_FLIGHT,
         HEALTHY,
         REJECTED,
+        LEDGER_QUEUE,
+        LEDGER_SPOOLED,
+        LEDGER_ROWS,
+        LEDGER_WRITE,
     ];
 }
 
@@ -61,6 +74,14 @@ pub struct Metrics {
     pub healthy: IntGaugeVec,
     /// See [`names::REJECTED`].
     pub rejected: IntCounterVec,
+    /// See [`names::LEDGER_QUEUE`].
+    pub ledger_queue: IntGauge,
+    /// See [`names::LEDGER_SPOOLED`].
+    pub ledger_spooled: IntGauge,
+    /// See [`names::LEDGER_ROWS`].
+    pub ledger_rows: IntCounterVec,
+    /// See [`names::LEDGER_WRITE`].
+    pub ledger_write: Histogram,
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -114,6 +135,24 @@ impl Metrics {
             ),
             &["kind"],
         )?;
+        let ledger_queue = IntGauge::new(names::LEDGER_QUEUE, "Ledger rows queued in memory.")?;
+        let ledger_spooled = IntGauge::new(
+            names::LEDGER_SPOOLED,
+            "Ledger rows waiting in the disk spool.",
+        )?;
+        let ledger_rows = IntCounterVec::new(
+            Opts::new(names::LEDGER_ROWS, "Ledger rows by outcome."),
+            &["outcome"],
+        )?;
+        let ledger_write = Histogram::with_opts(
+            HistogramOpts::new(names::LEDGER_WRITE, "Ledger batch write latency.").buckets(vec![
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+            ]),
+        )?;
+        registry.register(Box::new(ledger_queue.clone()))?;
+        registry.register(Box::new(ledger_spooled.clone()))?;
+        registry.register(Box::new(ledger_rows.clone()))?;
+        registry.register(Box::new(ledger_write.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(tokens.clone()))?;
         registry.register(Box::new(duration.clone()))?;
@@ -132,6 +171,10 @@ impl Metrics {
             in_flight,
             healthy,
             rejected,
+            ledger_queue,
+            ledger_spooled,
+            ledger_rows,
+            ledger_write,
         })
     }
 

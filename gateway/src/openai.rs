@@ -275,6 +275,26 @@ impl ParsedRequest {
         bytes
     }
 
+    /// Fingerprint of the request: the body with `model` as the client named it, minus the fields
+    /// that do not change the answer (`stream`, `stream_options`, `user`), keys in sorted order.
+    pub fn fingerprint(&self) -> String {
+        let mut canonical = self.body.clone();
+        for k in ["stream", "stream_options", "user"] {
+            canonical.remove(k);
+        }
+        canonical.insert("model".into(), Value::String(self.model.clone()));
+        canonical.insert(
+            "endpoint".into(),
+            Value::String(self.endpoint.label().into()),
+        );
+        fingerprint_bytes(&serde_json::to_vec(&canonical).unwrap_or_default())
+    }
+
+    /// The request's `user` field (OpenAI's end-user id), if any.
+    pub fn end_user(&self) -> Option<&str> {
+        self.body.get("user").and_then(Value::as_str)
+    }
+
     /// Prompt tokens as the gateway counts them (when the upstream reports none).
     pub fn count_prompt_tokens(&self, tokenizer: &Tokenizer) -> u64 {
         let n = match self.endpoint {
@@ -309,6 +329,13 @@ fn count_input(input: &Value, tokenizer: &Tokenizer) -> usize {
             .sum(),
         _ => 0,
     }
+}
+
+/// First 32 hex digits of SHA-256 of `bytes`.
+pub fn fingerprint_bytes(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(bytes);
+    hex::encode(&digest[..16])
 }
 
 /// Token usage as reported by an upstream (or counted by the gateway).
@@ -571,6 +598,25 @@ mod tests {
             up["stream_options"],
             json!({"other": 1, "include_usage": true})
         );
+    }
+
+    #[test]
+    fn fingerprints_ignore_key_order_and_delivery_fields_but_not_content() {
+        let a = parse(
+            Endpoint::Chat,
+            json!({"model": "fast", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .unwrap();
+        let body = r#"{"messages":[{"content":"hi","role":"user"}],"stream":true,"user":"u1","temperature":0,"model":"fast"}"#;
+        let b = ParsedRequest::parse(Endpoint::Chat, body.as_bytes()).unwrap();
+        assert_eq!(a.fingerprint(), b.fingerprint());
+        let c = parse(
+            Endpoint::Chat,
+            json!({"model": "fast", "temperature": 0, "messages": [{"role": "user", "content": "hi!"}]}),
+        )
+        .unwrap();
+        assert_ne!(a.fingerprint(), c.fingerprint());
+        assert_eq!(b.end_user(), Some("u1"));
     }
 
     #[test]

@@ -55,7 +55,7 @@ fn new_event(ctx: &RequestContext, endpoint: Endpoint) -> UsageEvent {
         tenant_name: ctx.key.tenant_name.clone(),
         key_id: ctx.key.id.clone(),
         tags: ctx.tags.clone(),
-        endpoint: endpoint.label(),
+        endpoint: endpoint.label().to_owned(),
         requested_model: String::new(),
         served_model: None,
         tier: None,
@@ -72,6 +72,11 @@ fn new_event(ctx: &RequestContext, endpoint: Endpoint) -> UsageEvent {
         ttft_ms: None,
         retries: 0,
         cache_status: CacheStatus::Bypass,
+        cost_micros: 0,
+        saved_micros: 0,
+        loop_flag: false,
+        retry_storm_flag: false,
+        fingerprint: String::new(),
     }
 }
 
@@ -89,8 +94,18 @@ pub async fn run(
     let mut event = new_event(&ctx, endpoint);
     let req = match ParsedRequest::parse(endpoint, &body) {
         Ok(r) => r,
-        Err(e) => return reject(&state, &ctx, event, e),
+        Err(e) => {
+            event.fingerprint = crate::openai::fingerprint_bytes(&body);
+            return reject(&state, &ctx, event, e);
+        }
     };
+    event.fingerprint = req.fingerprint();
+    if let Some(user) = req.end_user() {
+        event
+            .tags
+            .entry("user".to_owned())
+            .or_insert_with(|| user.to_owned());
+    }
     event.requested_model = req.model.clone();
     event.stream = req.stream;
     let Some(target) = state.config.resolve_model(&req.model) else {
@@ -475,8 +490,16 @@ fn stream_response(
     response
 }
 
-/// Record metrics and hand the event to the sink. Never blocks.
-pub fn settle(state: &AppState, event: UsageEvent) {
+/// Price the event, record metrics and hand the event to the sink. Never blocks.
+pub fn settle(state: &AppState, mut event: UsageEvent) {
+    if let Some(model) = event.served_model.as_deref() {
+        let usage = Usage {
+            prompt_tokens: event.prompt_tokens,
+            completion_tokens: event.completion_tokens,
+            cached_tokens: event.cached_tokens,
+        };
+        event.cost_micros = state.prices.book().cost(model, &usage, event.started_at);
+    }
     let m = &state.metrics;
     let tier = event.tier.as_deref().unwrap_or("none");
     let status = event.status.to_string();

@@ -6,10 +6,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Where a request's answer came from, as far as caching goes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CacheStatus {
     /// Not eligible for caching, or no cache configured.
@@ -17,7 +17,7 @@ pub enum CacheStatus {
 }
 
 /// How the token counts were obtained.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum UsageSource {
     /// Reported by the upstream.
@@ -28,8 +28,8 @@ pub enum UsageSource {
     None,
 }
 
-/// One request's settlement.
-#[derive(Debug, Clone, Serialize)]
+/// One request's settlement (also the cost ledger's row, and the spool's line format).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct UsageEvent {
     /// Gateway request id (`x-request-id`).
     pub request_id: String,
@@ -44,7 +44,7 @@ pub struct UsageEvent {
     /// Key tags merged with `x-gateway-tags` of the request.
     pub tags: BTreeMap<String, String>,
     /// `chat`, `completions` or `embeddings`.
-    pub endpoint: &'static str,
+    pub endpoint: String,
     /// Model name the client asked for.
     pub requested_model: String,
     /// Model name the upstream served, if one was reached.
@@ -77,6 +77,34 @@ pub struct UsageEvent {
     pub retries: u32,
     /// Cache outcome.
     pub cache_status: CacheStatus,
+    /// Cost at the served model's price in force at `started_at`, micro-dollars.
+    pub cost_micros: i64,
+    /// What a cache hit would have cost upstream, micro-dollars (0 otherwise).
+    pub saved_micros: i64,
+    /// Set when the loop detector flagged the request.
+    pub loop_flag: bool,
+    /// Set when the retry-storm detector flagged the request.
+    pub retry_storm_flag: bool,
+    /// SHA-256 (first 32 hex digits) of the canonical request: same question, same fingerprint.
+    /// Never the prompt text.
+    pub fingerprint: String,
+}
+
+impl UsageEvent {
+    /// The `feature` tag.
+    pub fn feature(&self) -> Option<&str> {
+        self.tags.get("feature").map(String::as_str)
+    }
+
+    /// The end user: the `user` tag (or the request's `user` field, copied into it).
+    pub fn end_user(&self) -> Option<&str> {
+        self.tags.get("user").map(String::as_str)
+    }
+
+    /// The `session` tag (an agent run, a conversation).
+    pub fn session(&self) -> Option<&str> {
+        self.tags.get("session").map(String::as_str)
+    }
 }
 
 /// Receives settlement events. `record` must not block: implementations queue the event.

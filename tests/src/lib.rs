@@ -131,6 +131,16 @@ impl TestStore {
         }
     }
 
+    /// A store on a database someone else owns (already migrated).
+    pub async fn at(url: &str) -> anyhow::Result<Self> {
+        Ok(Self {
+            store: store::open(url).await?,
+            url: url.to_owned(),
+            _dir: None,
+            _pg: None,
+        })
+    }
+
     /// Another handle on the same database (a second gateway replica).
     pub async fn reopen(&self) -> anyhow::Result<Self> {
         Ok(Self {
@@ -268,6 +278,17 @@ impl TestApp {
 
     /// Start a gateway on an existing store; with `seed`, create the tenant and key.
     pub async fn spawn_on(config: Config, store: TestStore, seed: bool) -> Self {
+        Self::start(config, store, seed, true).await
+    }
+
+    /// Start a gateway that writes its real cost ledger (no event capture).
+    pub async fn spawn_with_ledger(config: Config, store: TestStore) -> Self {
+        Self::start(config, store, true, false).await
+    }
+
+    async fn start(mut config: Config, store: TestStore, seed: bool, capture: bool) -> Self {
+        // The ledger (when on) opens the store's database by URL.
+        config.store.url = store.url.clone();
         gateway::telemetry::install_crypto_provider();
         let (api_key, key_id, tenant_id) = if seed {
             let tenant = store.store.create_tenant("acme").await.expect("tenant");
@@ -290,7 +311,7 @@ impl TestApp {
         let (tx, events) = mpsc::unbounded_channel();
         let deps = Deps {
             store: Some(Arc::clone(&store.store)),
-            sink: Some(Arc::new(ChannelSink(tx))),
+            sink: capture.then(|| Arc::new(ChannelSink(tx)) as gateway::usage::SharedSink),
         };
         let state = AppState::build(config, deps).await.expect("gateway state");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -377,7 +398,7 @@ impl TestApp {
             .expect("event channel open")
     }
 
-    /// Stop serving and wait for in-flight settlement.
+    /// Stop serving, wait for in-flight settlement and flush the ledger.
     pub async fn stop(mut self) {
         if let Some(s) = self.shutdown.take() {
             let _ = s.send(());
@@ -408,4 +429,99 @@ pub fn binary(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// A private Postgres server (Debian's binaries) in a temporary directory on a free port, that a
+/// test can stop and start again (database outages). Stopped when dropped.
+pub struct PrivatePostgres {
+    /// `postgres://postgres@127.0.0.1:PORT/postgres`
+    pub url: String,
+    dir: tempfile::TempDir,
+    bin: PathBuf,
+    port: u16,
+}
+
+impl PrivatePostgres {
+    fn run(&self, tool: &str, args: &[&str]) -> anyhow::Result<()> {
+        let exe = self.bin.join(tool);
+        let is_root = std::process::Command::new("id").arg("-u").output()?.stdout == b"0\n";
+        let mut cmd = if is_root {
+            // initdb and postgres refuse to run as root.
+            let mut c = std::process::Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(&exe);
+            c
+        } else {
+            std::process::Command::new(&exe)
+        };
+        let out = cmd.args(args).output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{tool} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    }
+
+    /// initdb and start a server.
+    pub fn start() -> anyhow::Result<Self> {
+        let bin = std::fs::read_dir("/usr/lib/postgresql")?
+            .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+            .filter(|p| p.join("initdb").exists())
+            .max()
+            .ok_or_else(|| anyhow::anyhow!("no Postgres binaries under /usr/lib/postgresql"))?;
+        let dir = tempfile::tempdir()?;
+        let _ = std::process::Command::new("chown")
+            .args(["-R", "postgres"])
+            .arg(dir.path())
+            .status();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let pg = Self {
+            url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
+            dir,
+            bin,
+            port,
+        };
+        let data = pg.data();
+        pg.run(
+            "initdb",
+            &["-D", &data, "-A", "trust", "-U", "postgres", "--no-sync"],
+        )?;
+        pg.resume()?;
+        Ok(pg)
+    }
+
+    fn data(&self) -> String {
+        self.dir.path().join("data").display().to_string()
+    }
+
+    /// Start the (stopped) server again.
+    pub fn resume(&self) -> anyhow::Result<()> {
+        let opts = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
+            self.port,
+            self.dir.path().display()
+        );
+        let log = self.dir.path().join("pg.log").display().to_string();
+        self.run(
+            "pg_ctl",
+            &["-D", &self.data(), "-o", &opts, "-l", &log, "-w", "start"],
+        )
+    }
+
+    /// Stop the server at once (connections are cut).
+    pub fn stop(&self) -> anyhow::Result<()> {
+        self.run(
+            "pg_ctl",
+            &["-D", &self.data(), "-m", "immediate", "-w", "stop"],
+        )
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
 }

@@ -13,6 +13,7 @@ use serde_json::{json, Value};
 use crate::app::AppState;
 use crate::error::ApiError;
 use crate::keys;
+use crate::pricing::{usd_to_micros, Price};
 use crate::routes::{parse_json, read_body};
 use crate::store::{NewKey, StoreError, Tenant};
 
@@ -175,4 +176,72 @@ pub async fn replicas(State(state): State<AppState>) -> Json<Value> {
         })
         .collect();
     Json(json!({"object": "list", "data": tiers}))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SetPrice {
+    model: String,
+    /// USD per 1M uncached input tokens.
+    input: f64,
+    /// USD per 1M output tokens.
+    output: f64,
+    /// USD per 1M cached input tokens (default: `input`).
+    #[serde(default)]
+    cached_input: Option<f64>,
+    /// When the price starts to apply (RFC 3339; default: now).
+    #[serde(default)]
+    effective_from: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+fn price_json(p: &Price) -> Value {
+    let usd = |micros: i64| micros as f64 / 1e6;
+    json!({
+        "model": p.model,
+        "effective_from": p.effective_from,
+        "input_usd_per_mtok": usd(p.input),
+        "output_usd_per_mtok": usd(p.output),
+        "cached_input_usd_per_mtok": usd(p.cached_input),
+        "input_micros_per_mtok": p.input,
+        "output_micros_per_mtok": p.output,
+        "cached_input_micros_per_mtok": p.cached_input,
+    })
+}
+
+/// `POST /admin/v1/prices`: add a price (USD per 1M tokens) effective now or at `effective_from`.
+pub async fn set_price(State(state): State<AppState>, body: Body) -> Result<Response, ApiError> {
+    let req: SetPrice = parse_json(&read_body(body, ADMIN_BODY_LIMIT).await?)?;
+    if req.model.is_empty() {
+        return Err(ApiError::invalid("model", "`model` must not be empty"));
+    }
+    let micros = |field: &str, usd: f64| {
+        usd_to_micros(usd).ok_or_else(|| {
+            ApiError::invalid(
+                field,
+                format!("`{field}` must be a non-negative USD amount"),
+            )
+        })
+    };
+    let price = Price {
+        model: req.model,
+        effective_from: req.effective_from.unwrap_or_else(chrono::Utc::now),
+        input: micros("input", req.input)?,
+        output: micros("output", req.output)?,
+        cached_input: micros("cached_input", req.cached_input.unwrap_or(req.input))?,
+    };
+    state.store.insert_price(&price).await?;
+    state.prices.refresh().await?;
+    Ok((StatusCode::CREATED, Json(price_json(&price))).into_response())
+}
+
+/// `GET /admin/v1/prices`: every price with its history.
+pub async fn list_prices(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    let prices: Vec<Value> = state
+        .store
+        .list_prices()
+        .await?
+        .iter()
+        .map(price_json)
+        .collect();
+    Ok(Json(json!({"object": "list", "data": prices})))
 }

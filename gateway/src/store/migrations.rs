@@ -10,17 +10,31 @@ use sqlx::migrate::{Migration, MigrationSource, MigrationType, Migrator};
 /// `(version, description, sql)` of each migration, in order.
 type Embedded = &'static [(i64, &'static str, &'static str)];
 
-const SQLITE: Embedded = &[(
-    1,
-    "tenants and keys",
-    include_str!("../../../migrations/sqlite/0001_tenants_and_keys.sql"),
-)];
+const SQLITE: Embedded = &[
+    (
+        1,
+        "tenants and keys",
+        include_str!("../../../migrations/sqlite/0001_tenants_and_keys.sql"),
+    ),
+    (
+        2,
+        "prices and ledger",
+        include_str!("../../../migrations/sqlite/0002_prices_and_ledger.sql"),
+    ),
+];
 
-const POSTGRES: Embedded = &[(
-    1,
-    "tenants and keys",
-    include_str!("../../../migrations/postgres/0001_tenants_and_keys.sql"),
-)];
+const POSTGRES: Embedded = &[
+    (
+        1,
+        "tenants and keys",
+        include_str!("../../../migrations/postgres/0001_tenants_and_keys.sql"),
+    ),
+    (
+        2,
+        "prices and ledger",
+        include_str!("../../../migrations/postgres/0002_prices_and_ledger.sql"),
+    ),
+];
 
 #[derive(Debug)]
 struct Source(Embedded);

@@ -15,6 +15,8 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+use crate::pricing::Price;
+
 pub use migrations::{postgres_migrator, sqlite_migrator};
 
 /// Store failures.
@@ -107,6 +109,10 @@ pub trait Store: Send + Sync + 'static {
     async fn active_keys(&self) -> Result<Vec<(String, ApiKey)>, StoreError>;
     /// One live key by hash.
     async fn find_active_key(&self, hash: &str) -> Result<Option<ApiKey>, StoreError>;
+    /// Add a price; [`StoreError::Conflict`] when the model already has one from that instant.
+    async fn insert_price(&self, price: &Price) -> Result<(), StoreError>;
+    /// Every price, with history.
+    async fn list_prices(&self) -> Result<Vec<Price>, StoreError>;
 }
 
 /// Open the store named by `url` (`sqlite://…` or `postgres://…`). SQLite is created and

@@ -36,6 +36,13 @@ pub(super) const FIND_ACTIVE_KEY: &str =
 pub(super) const REVOKE_KEY: &str =
     "UPDATE api_keys SET revoked_at = $2 WHERE id = $1 AND revoked_at IS NULL";
 
+pub(super) const INSERT_PRICE: &str = "INSERT INTO prices \
+     (model, effective_from, input_micros_per_mtok, output_micros_per_mtok, \
+     cached_input_micros_per_mtok) VALUES ($1, $2, $3, $4, $5)";
+pub(super) const LIST_PRICES: &str = "SELECT model, effective_from, input_micros_per_mtok, \
+     output_micros_per_mtok, cached_input_micros_per_mtok FROM prices \
+     ORDER BY model, effective_from";
+
 macro_rules! sql_store {
     ($store:ident, $row:ty) => {
         mod store_impl {
@@ -46,6 +53,7 @@ macro_rules! sql_store {
 
             use super::super::sql::*;
             use super::super::{new_id, now, ApiKey, NewKey, Store, StoreError, Tenant};
+            use crate::pricing::Price;
 
             fn tenant(row: &$row) -> Result<Tenant, StoreError> {
                 Ok(Tenant {
@@ -203,6 +211,43 @@ macro_rules! sql_store {
                     let rows = sqlx::query(ACTIVE_KEYS).fetch_all(&self.pool).await?;
                     rows.iter()
                         .map(|r| Ok((r.try_get("key_hash")?, key(r)?)))
+                        .collect()
+                }
+
+                async fn insert_price(&self, price: &Price) -> Result<(), StoreError> {
+                    use chrono::SubsecRound;
+                    sqlx::query(INSERT_PRICE)
+                        .bind(&price.model)
+                        .bind(price.effective_from.trunc_subsecs(6))
+                        .bind(price.input)
+                        .bind(price.output)
+                        .bind(price.cached_input)
+                        .execute(&self.pool)
+                        .await
+                        .map_err(|e| {
+                            unique_violation(
+                                e,
+                                format!(
+                                    "{} already has a price from {}",
+                                    price.model, price.effective_from
+                                ),
+                            )
+                        })?;
+                    Ok(())
+                }
+
+                async fn list_prices(&self) -> Result<Vec<Price>, StoreError> {
+                    let rows = sqlx::query(LIST_PRICES).fetch_all(&self.pool).await?;
+                    rows.iter()
+                        .map(|r| {
+                            Ok(Price {
+                                model: r.try_get("model")?,
+                                effective_from: r.try_get("effective_from")?,
+                                input: r.try_get("input_micros_per_mtok")?,
+                                output: r.try_get("output_micros_per_mtok")?,
+                                cached_input: r.try_get("cached_input_micros_per_mtok")?,
+                            })
+                        })
                         .collect()
                 }
 

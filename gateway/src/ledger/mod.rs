@@ -1,0 +1,107 @@
+//! The cost ledger: one row per request (a costed [`UsageEvent`]), behind [`LedgerStore`] with a
+//! SQLite and a Postgres implementation, written by [`writer::LedgerWriter`] in batches off the
+//! request path, spooled to local disk while the database is unreachable.
+
+pub mod postgres;
+pub mod spool;
+pub mod sqlite;
+pub mod writer;
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+
+use crate::store::StoreError;
+use crate::usage::UsageEvent;
+
+/// Where ledger rows are stored.
+#[async_trait]
+pub trait LedgerStore: Send + Sync + 'static {
+    /// Insert rows; a row whose request id is already stored is skipped (replays are no-ops).
+    /// Returns how many rows were new.
+    async fn insert(&self, rows: &[UsageEvent]) -> Result<u64, StoreError>;
+    /// Rows that started in `[from, to)`, oldest first.
+    async fn rows_between(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+    ) -> Result<Vec<UsageEvent>, StoreError>;
+    /// Number of rows stored.
+    async fn count(&self) -> Result<u64, StoreError>;
+}
+
+/// Open the ledger in the database at `url` (already migrated by the store).
+pub async fn open(url: &str) -> Result<Arc<dyn LedgerStore>, StoreError> {
+    if url.starts_with("sqlite:") {
+        Ok(Arc::new(sqlite::SqliteLedger::open(url).await?))
+    } else {
+        Ok(Arc::new(postgres::PostgresLedger::connect(url).await?))
+    }
+}
+
+/// Columns in insert order, shared by both stores' statements.
+pub(crate) const COLUMNS: &str = "request_id, started_at, tenant_id, tenant_name, key_id, \
+     feature, end_user, session, tags, endpoint, requested_model, served_model, tier, replica, \
+     prompt_tokens, completion_tokens, cached_tokens, usage_source, cost_micros, saved_micros, \
+     cache_status, status, error_kind, stream, client_disconnected, latency_ms, ttft_ms, retries, \
+     loop_flag, retry_storm_flag, fingerprint";
+
+fn enum_text<T: serde::Serialize>(v: &T) -> String {
+    match serde_json::to_value(v) {
+        Ok(serde_json::Value::String(s)) => s,
+        _ => String::new(),
+    }
+}
+
+fn enum_parse<T: serde::de::DeserializeOwned>(column: &str, s: String) -> Result<T, StoreError> {
+    serde_json::from_value(serde_json::Value::String(s))
+        .map_err(|e| StoreError::Corrupt(format!("ledger.{column}: {e}")))
+}
+
+/// Decode one ledger row; the same code for both drivers.
+macro_rules! decode_row {
+    ($row:expr) => {{
+        use sqlx::Row;
+        let r = $row;
+        let tags: String = r.try_get("tags")?;
+        Ok::<_, StoreError>(UsageEvent {
+            request_id: r.try_get("request_id")?,
+            started_at: r.try_get("started_at")?,
+            tenant_id: r.try_get("tenant_id")?,
+            tenant_name: r.try_get("tenant_name")?,
+            key_id: r.try_get("key_id")?,
+            tags: serde_json::from_str(&tags)
+                .map_err(|e| StoreError::Corrupt(format!("ledger.tags: {e}")))?,
+            endpoint: r.try_get("endpoint")?,
+            requested_model: r.try_get("requested_model")?,
+            served_model: r.try_get("served_model")?,
+            tier: r.try_get("tier")?,
+            replica: r.try_get("replica")?,
+            prompt_tokens: u64::try_from(r.try_get::<i64, _>("prompt_tokens")?).unwrap_or(0),
+            completion_tokens: u64::try_from(r.try_get::<i64, _>("completion_tokens")?)
+                .unwrap_or(0),
+            cached_tokens: u64::try_from(r.try_get::<i64, _>("cached_tokens")?).unwrap_or(0),
+            usage_source: $crate::ledger::enum_parse("usage_source", r.try_get("usage_source")?)?,
+            cost_micros: r.try_get("cost_micros")?,
+            saved_micros: r.try_get("saved_micros")?,
+            cache_status: $crate::ledger::enum_parse("cache_status", r.try_get("cache_status")?)?,
+            status: u16::try_from(r.try_get::<i32, _>("status")?).unwrap_or(0),
+            error_kind: r.try_get("error_kind")?,
+            stream: r.try_get("stream")?,
+            client_disconnected: r.try_get("client_disconnected")?,
+            latency_ms: r.try_get("latency_ms")?,
+            ttft_ms: r.try_get("ttft_ms")?,
+            retries: u32::try_from(r.try_get::<i32, _>("retries")?).unwrap_or(0),
+            loop_flag: r.try_get("loop_flag")?,
+            retry_storm_flag: r.try_get("retry_storm_flag")?,
+            fingerprint: r.try_get("fingerprint")?,
+        })
+    }};
+}
+pub(crate) use decode_row;
+
+/// Non-negative token counts as the databases' signed integers.
+fn tokens(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}

@@ -1,0 +1,187 @@
+//! The ledger in Postgres: weekly partitions, batch inserts as one `UNNEST` statement per batch.
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Datelike, Duration as Days, NaiveDate, TimeZone, Utc};
+use sqlx::postgres::{PgPool, PgPoolOptions};
+
+use super::{decode_row, enum_text, tokens, LedgerStore, COLUMNS};
+use crate::store::StoreError;
+use crate::usage::UsageEvent;
+
+/// Ledger rows in Postgres.
+#[derive(Debug)]
+pub struct PostgresLedger {
+    pool: PgPool,
+    /// Monday dates whose partition this process has made sure of.
+    partitions: Mutex<HashSet<NaiveDate>>,
+}
+
+/// The Monday (UTC) of `t`'s ISO week.
+pub fn week_start(t: DateTime<Utc>) -> NaiveDate {
+    let d = t.date_naive();
+    d - Days::days(i64::from(d.weekday().num_days_from_monday()))
+}
+
+impl PostgresLedger {
+    /// Connect to the (already migrated) database at `url`.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect(url)
+            .await?;
+        Ok(Self {
+            pool,
+            partitions: Mutex::new(HashSet::new()),
+        })
+    }
+
+    /// Create the partition for the week starting `monday` unless it exists. Partition bounds are
+    /// dates this code computes (never input), so formatting them into the DDL is safe; DDL
+    /// cannot take bind parameters.
+    async fn ensure_partition(&self, monday: NaiveDate) -> Result<(), StoreError> {
+        if self
+            .partitions
+            .lock()
+            .map(|p| p.contains(&monday))
+            .unwrap_or(false)
+        {
+            return Ok(());
+        }
+        let next = monday + Days::days(7);
+        let iso = monday.iso_week();
+        let name = format!("ledger_{}w{:02}", iso.year(), iso.week());
+        let from = Utc.from_utc_datetime(&monday.and_hms_opt(0, 0, 0).unwrap_or_default());
+        let to = Utc.from_utc_datetime(&next.and_hms_opt(0, 0, 0).unwrap_or_default());
+        let ddl = format!(
+            "CREATE TABLE IF NOT EXISTS {name} PARTITION OF ledger \
+             FOR VALUES FROM ('{}') TO ('{}')",
+            from.to_rfc3339(),
+            to.to_rfc3339()
+        );
+        if let Err(e) = sqlx::query(&ddl).execute(&self.pool).await {
+            // Rows of that week already sit in the default partition (or a concurrent replica
+            // raced us); inserts still land in a partition, so this is not fatal.
+            tracing::warn!(partition = %name, error = %e, "could not create ledger partition");
+        }
+        if let Ok(mut p) = self.partitions.lock() {
+            p.insert(monday);
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl LedgerStore for PostgresLedger {
+    async fn insert(&self, rows: &[UsageEvent]) -> Result<u64, StoreError> {
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let weeks: HashSet<NaiveDate> = rows.iter().map(|r| week_start(r.started_at)).collect();
+        for w in weeks {
+            self.ensure_partition(w).await?;
+        }
+        macro_rules! col {
+            ($f:expr) => {
+                rows.iter().map($f).collect::<Vec<_>>()
+            };
+        }
+        let sql = format!(
+            "INSERT INTO ledger ({COLUMNS}) SELECT * FROM UNNEST(\
+             $1::text[], $2::timestamptz[], $3::text[], $4::text[], $5::text[], $6::text[], \
+             $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[], \
+             $13::text[], $14::text[], $15::int8[], $16::int8[], $17::int8[], $18::text[], \
+             $19::int8[], $20::int8[], $21::text[], $22::int4[], $23::text[], $24::bool[], \
+             $25::bool[], $26::float8[], $27::float8[], $28::int4[], $29::bool[], $30::bool[], \
+             $31::text[]) ON CONFLICT DO NOTHING"
+        );
+        let result = sqlx::query(&sql)
+            .bind(col!(|e| e.request_id.clone()))
+            .bind(col!(|e| e.started_at))
+            .bind(col!(|e| e.tenant_id.clone()))
+            .bind(col!(|e| e.tenant_name.clone()))
+            .bind(col!(|e| e.key_id.clone()))
+            .bind(col!(|e| e.feature().map(str::to_owned)))
+            .bind(col!(|e| e.end_user().map(str::to_owned)))
+            .bind(col!(|e| e.session().map(str::to_owned)))
+            .bind(col!(|e| serde_json::to_string(&e.tags).unwrap_or_default()))
+            .bind(col!(|e| e.endpoint.clone()))
+            .bind(col!(|e| e.requested_model.clone()))
+            .bind(col!(|e| e.served_model.clone()))
+            .bind(col!(|e| e.tier.clone()))
+            .bind(col!(|e| e.replica.clone()))
+            .bind(col!(|e| tokens(e.prompt_tokens)))
+            .bind(col!(|e| tokens(e.completion_tokens)))
+            .bind(col!(|e| tokens(e.cached_tokens)))
+            .bind(col!(|e| enum_text(&e.usage_source)))
+            .bind(col!(|e| e.cost_micros))
+            .bind(col!(|e| e.saved_micros))
+            .bind(col!(|e| enum_text(&e.cache_status)))
+            .bind(col!(|e| i32::from(e.status)))
+            .bind(col!(|e| e.error_kind.clone()))
+            .bind(col!(|e| e.stream))
+            .bind(col!(|e| e.client_disconnected))
+            .bind(col!(|e| e.latency_ms))
+            .bind(col!(|e| e.ttft_ms))
+            .bind(col!(|e| i32::try_from(e.retries).unwrap_or(i32::MAX)))
+            .bind(col!(|e| e.loop_flag))
+            .bind(col!(|e| e.retry_storm_flag))
+            .bind(col!(|e| e.fingerprint.clone()))
+            .execute(&self.pool)
+            .await?;
+        Ok(result.rows_affected())
+    }
+
+    async fn rows_between(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+    ) -> Result<Vec<UsageEvent>, StoreError> {
+        let sql = format!(
+            "SELECT {COLUMNS} FROM ledger WHERE started_at >= $1 AND started_at < $2 \
+             ORDER BY started_at, request_id"
+        );
+        let rows = sqlx::query(&sql)
+            .bind(from)
+            .bind(to)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(|r| decode_row!(r)).collect()
+    }
+
+    async fn count(&self) -> Result<u64, StoreError> {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger")
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weeks_start_on_monday_utc() {
+        let sunday = Utc
+            .with_ymd_and_hms(2026, 11, 29, 23, 0, 0)
+            .single()
+            .unwrap_or_default();
+        let monday = Utc
+            .with_ymd_and_hms(2026, 11, 30, 0, 0, 0)
+            .single()
+            .unwrap_or_default();
+        assert_eq!(
+            week_start(sunday),
+            NaiveDate::from_ymd_opt(2026, 11, 23).unwrap_or_default()
+        );
+        assert_eq!(
+            week_start(monday),
+            NaiveDate::from_ymd_opt(2026, 11, 30).unwrap_or_default()
+        );
+    }
+}

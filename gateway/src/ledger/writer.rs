@@ -1,0 +1,241 @@
+//! The ledger writer: a bounded queue in front of one task that writes batches (by size or
+//! time) and never slows or loses a request's row.
+//!
+//! - `record` (on the request path) only `try_send`s; if the queue is full the row goes straight
+//!   to the spool file instead of waiting.
+//! - A batch that the database refuses or does not take within `write_timeout_ms` is appended to
+//!   the spool (fsynced). While the spool holds rows, new batches are appended behind them, so
+//!   rows reach the database in order; every second the writer tries to replay the spool.
+//! - Shutdown drains the queue and writes (or spools) what is left.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use prometheus::{Histogram, IntCounterVec, IntGauge};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::spool::Spool;
+use super::LedgerStore;
+use crate::config::LedgerConfig;
+use crate::metrics::Metrics;
+use crate::usage::{UsageEvent, UsageSink};
+
+/// The metrics the writer keeps.
+#[derive(Debug, Clone)]
+struct WriterMetrics {
+    queue: IntGauge,
+    spooled: IntGauge,
+    rows: IntCounterVec,
+    write: Histogram,
+}
+
+impl WriterMetrics {
+    fn new(m: &Metrics) -> Self {
+        Self {
+            queue: m.ledger_queue.clone(),
+            spooled: m.ledger_spooled.clone(),
+            rows: m.ledger_rows.clone(),
+            write: m.ledger_write.clone(),
+        }
+    }
+
+    fn count(&self, outcome: &str, n: usize) {
+        self.rows.with_label_values(&[outcome]).inc_by(n as u64);
+    }
+}
+
+/// The request path's side of the ledger: queue a row, never wait.
+#[derive(Debug)]
+pub struct LedgerSink {
+    tx: mpsc::Sender<UsageEvent>,
+    spool: Arc<Spool>,
+    metrics: WriterMetrics,
+}
+
+impl UsageSink for LedgerSink {
+    fn record(&self, event: UsageEvent) {
+        match self.tx.try_send(event) {
+            Ok(()) => self.metrics.queue.inc(),
+            Err(mpsc::error::TrySendError::Full(e) | mpsc::error::TrySendError::Closed(e)) => {
+                match self.spool.append(std::slice::from_ref(&e)) {
+                    Ok(()) => {
+                        self.metrics.count("overflow_spooled", 1);
+                        self.metrics.spooled.set(self.spool.rows() as i64);
+                    }
+                    Err(err) => {
+                        self.metrics.count("lost", 1);
+                        tracing::error!(error = %err, request_id = %e.request_id, event = ?e,
+                            "ledger queue full and spool unwritable: row only in this log line");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Handle on the writer task.
+#[derive(Debug)]
+pub struct LedgerWriter {
+    handle: JoinHandle<()>,
+    stop: CancellationToken,
+}
+
+impl LedgerWriter {
+    /// Start the writer; returns the sink for the request path.
+    pub fn start(
+        store: Arc<dyn LedgerStore>,
+        config: &LedgerConfig,
+        metrics: &Metrics,
+    ) -> std::io::Result<(Arc<LedgerSink>, Self)> {
+        let spool = Arc::new(Spool::open(&config.spool_dir)?);
+        let (tx, rx) = mpsc::channel(config.queue_capacity);
+        let metrics = WriterMetrics::new(metrics);
+        metrics.spooled.set(spool.rows() as i64);
+        let stop = CancellationToken::new();
+        let task = Task {
+            store,
+            spool: Arc::clone(&spool),
+            metrics: metrics.clone(),
+            batch_rows: config.batch_rows,
+            flush: Duration::from_millis(config.flush_ms),
+            write_timeout: Duration::from_millis(config.write_timeout_ms),
+        };
+        let handle = tokio::spawn(task.run(rx, stop.clone()));
+        Ok((
+            Arc::new(LedgerSink { tx, spool, metrics }),
+            Self { handle, stop },
+        ))
+    }
+
+    /// Drain the queue, write or spool what is left, and stop.
+    pub async fn shutdown(self) {
+        self.stop.cancel();
+        let _ = self.handle.await;
+    }
+}
+
+struct Task {
+    store: Arc<dyn LedgerStore>,
+    spool: Arc<Spool>,
+    metrics: WriterMetrics,
+    batch_rows: usize,
+    flush: Duration,
+    write_timeout: Duration,
+}
+
+impl Task {
+    async fn run(self, mut rx: mpsc::Receiver<UsageEvent>, stop: CancellationToken) {
+        let mut replay_tick = tokio::time::interval(Duration::from_secs(1));
+        replay_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let mut batch = Vec::new();
+            tokio::select! {
+                biased;
+                _ = stop.cancelled() => {
+                    while let Ok(e) = rx.try_recv() {
+                        batch.push(e);
+                    }
+                    self.metrics.queue.set(0);
+                    self.write_or_spool(batch).await;
+                    return;
+                }
+                next = rx.recv() => match next {
+                    Some(e) => batch.push(e),
+                    None => return,
+                },
+                _ = replay_tick.tick() => {
+                    if self.spool.rows() > 0 {
+                        self.replay().await;
+                    }
+                    continue;
+                }
+            }
+            let deadline = tokio::time::Instant::now() + self.flush;
+            while batch.len() < self.batch_rows {
+                match tokio::time::timeout_at(deadline, rx.recv()).await {
+                    Ok(Some(e)) => batch.push(e),
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            self.metrics.queue.set(rx.len() as i64);
+            self.write_or_spool(batch).await;
+        }
+    }
+
+    /// Write `rows` to the database within the write timeout.
+    async fn write(&self, rows: &[UsageEvent]) -> bool {
+        let started = Instant::now();
+        match tokio::time::timeout(self.write_timeout, self.store.insert(rows)).await {
+            Ok(Ok(_)) => {
+                self.metrics.write.observe(started.elapsed().as_secs_f64());
+                true
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, rows = rows.len(), "ledger write failed; spooling");
+                false
+            }
+            Err(_) => {
+                tracing::warn!(rows = rows.len(), "ledger write timed out; spooling");
+                false
+            }
+        }
+    }
+
+    async fn write_or_spool(&self, batch: Vec<UsageEvent>) {
+        if batch.is_empty() {
+            return;
+        }
+        if self.spool.rows() > 0 {
+            self.replay().await;
+        }
+        if self.spool.rows() == 0 && self.write(&batch).await {
+            self.metrics.count("written", batch.len());
+            return;
+        }
+        self.to_spool(batch).await;
+    }
+
+    async fn to_spool(&self, batch: Vec<UsageEvent>) {
+        let spool = Arc::clone(&self.spool);
+        let n = batch.len();
+        let result =
+            tokio::task::spawn_blocking(move || spool.append(&batch).map(|()| batch)).await;
+        match result {
+            Ok(Ok(_)) => self.metrics.count("spooled", n),
+            Ok(Err(e)) => {
+                self.metrics.count("lost", n);
+                tracing::error!(error = %e, rows = n, "ledger spool append failed: rows lost");
+            }
+            Err(e) => tracing::error!(error = %e, "ledger spool task failed"),
+        }
+        self.metrics.spooled.set(self.spool.rows() as i64);
+    }
+
+    /// Replay the spool in order; drop what was written.
+    async fn replay(&self) {
+        let spool = Arc::clone(&self.spool);
+        let Ok(Ok((rows, offset))) = tokio::task::spawn_blocking(move || spool.read()).await else {
+            tracing::error!("ledger spool unreadable");
+            return;
+        };
+        for chunk in rows.chunks(self.batch_rows) {
+            if !self.write(chunk).await {
+                return;
+            }
+        }
+        let spool = Arc::clone(&self.spool);
+        let n = rows.len() as u64;
+        match tokio::task::spawn_blocking(move || spool.consume(offset, n)).await {
+            Ok(Ok(())) => {
+                self.metrics.count("replayed", rows.len());
+                tracing::info!(rows = rows.len(), "ledger spool replayed");
+            }
+            _ => tracing::error!(
+                "ledger spool truncation failed; rows will be replayed again (idempotent)"
+            ),
+        }
+        self.metrics.spooled.set(self.spool.rows() as i64);
+    }
+}

@@ -1,0 +1,258 @@
+//! The cost ledger: every field stored by both stores, costs at the price in force, and no row
+//! lost or written twice across a database outage.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use chrono::{SubsecRound, Utc};
+use e2e::{chat_body, config, replica, PrivatePostgres, Sim, StoreKind, TestApp, TestStore, BOTH};
+use gateway::config::PriceConfig;
+use gateway::ledger::LedgerStore;
+use gateway::usage::{CacheStatus, UsageEvent, UsageSource};
+use reqwest::Method;
+use serde_json::json;
+
+fn full_event(i: u32) -> UsageEvent {
+    UsageEvent {
+        request_id: format!("req-{i}"),
+        started_at: Utc::now().trunc_subsecs(6),
+        tenant_id: "ten_1".into(),
+        tenant_name: "acme".into(),
+        key_id: "key_1".into(),
+        tags: BTreeMap::from([
+            ("feature".to_owned(), "search".to_owned()),
+            ("user".to_owned(), "u-42".to_owned()),
+            ("session".to_owned(), "s-7".to_owned()),
+            ("team".to_owned(), "growth".to_owned()),
+        ]),
+        endpoint: "chat".into(),
+        requested_model: "fast".into(),
+        served_model: Some("sim-small".into()),
+        tier: Some("small".into()),
+        replica: Some("s1".into()),
+        prompt_tokens: 1234,
+        completion_tokens: 56,
+        cached_tokens: 1024,
+        usage_source: UsageSource::Tokenizer,
+        status: 499,
+        error_kind: Some("stream_timeout".into()),
+        stream: true,
+        client_disconnected: true,
+        latency_ms: 812.5,
+        ttft_ms: Some(95.25),
+        retries: 2,
+        cache_status: CacheStatus::Bypass,
+        cost_micros: 987_654,
+        saved_micros: 12,
+        loop_flag: true,
+        retry_storm_flag: true,
+        fingerprint: "0123456789abcdef0123456789abcdef".into(),
+    }
+}
+
+async fn ledger_for(store: &TestStore) -> std::sync::Arc<dyn LedgerStore> {
+    gateway::ledger::open(&store.url).await.unwrap()
+}
+
+#[tokio::test]
+async fn every_usage_field_lands_in_the_ledger_and_replays_are_no_ops_on_both_stores() {
+    for kind in BOTH {
+        let store = TestStore::new(kind).await.unwrap();
+        let ledger = ledger_for(&store).await;
+        let mut sparse = full_event(2);
+        sparse.served_model = None;
+        sparse.tier = None;
+        sparse.replica = None;
+        sparse.error_kind = None;
+        sparse.ttft_ms = None;
+        sparse.tags.clear();
+        let rows = vec![full_event(1), sparse];
+        assert_eq!(ledger.insert(&rows).await.unwrap(), 2, "{kind:?}");
+        assert_eq!(
+            ledger.insert(&rows).await.unwrap(),
+            0,
+            "{kind:?}: a replay inserts nothing"
+        );
+        let from = Utc::now() - chrono::Duration::hours(1);
+        let back = ledger
+            .rows_between(from, Utc::now() + chrono::Duration::hours(1))
+            .await
+            .unwrap();
+        assert_eq!(back.len(), 2);
+        let by_id = |id: &str| back.iter().find(|r| r.request_id == id).unwrap().clone();
+        assert_eq!(by_id("req-1"), rows[0], "{kind:?}");
+        assert_eq!(by_id("req-2"), rows[1], "{kind:?}");
+        assert_eq!(ledger.count().await.unwrap(), 2);
+    }
+}
+
+async fn wait_for_rows(ledger: &dyn LedgerStore, n: u64, within: Duration) {
+    let start = Instant::now();
+    loop {
+        let have = ledger.count().await.unwrap_or(0);
+        if have >= n {
+            return;
+        }
+        assert!(
+            start.elapsed() < within,
+            "ledger has {have} of {n} rows after {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn requests_are_costed_at_the_price_in_force_including_cached_tokens() {
+    let sim = Sim::zero("sim-small").await;
+    let mut c = config(
+        vec![replica("s", &sim.url, "sim-small")],
+        vec![replica("l", &sim.url, "sim-small")],
+    );
+    c.prices.insert(
+        "sim-small".into(),
+        PriceConfig {
+            input: 2.0,
+            output: 8.0,
+            cached_input: Some(0.5),
+        },
+    );
+    let dir = tempfile::tempdir().unwrap();
+    c.ledger.spool_dir = dir.path().to_owned();
+    c.ledger.flush_ms = 20;
+    let store = TestStore::new(StoreKind::Sqlite).await.unwrap();
+    let ledger = ledger_for(&store).await;
+    let app = TestApp::spawn_with_ledger(c, store).await;
+
+    // A long shared prefix: the second request hits the simulator's prefix cache.
+    let long = "the quick brown fox jumps over the lazy dog ".repeat(20);
+    let mut body = chat_body("fast", &long);
+    body["max_tokens"] = json!(10);
+    assert_eq!(app.chat(body.clone()).await.status(), 200);
+    assert_eq!(app.chat(body.clone()).await.status(), 200);
+    wait_for_rows(ledger.as_ref(), 2, Duration::from_secs(5)).await;
+
+    let r = app
+        .admin(
+            Method::POST,
+            "prices",
+            Some(json!({"model": "sim-small", "input": 4.0, "output": 16.0, "cached_input": 1.0})),
+        )
+        .await;
+    assert_eq!(r.status(), 201);
+    assert_eq!(app.chat(body).await.status(), 200);
+    wait_for_rows(ledger.as_ref(), 3, Duration::from_secs(5)).await;
+
+    let rows = ledger
+        .rows_between(
+            Utc::now() - chrono::Duration::hours(1),
+            Utc::now() + chrono::Duration::hours(1),
+        )
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 3);
+    assert_eq!(rows[0].cached_tokens, 0);
+    assert!(
+        rows[1].cached_tokens > 0,
+        "second request reused the prefix"
+    );
+    for (i, r) in rows.iter().enumerate() {
+        let (input, output, cached) = if i < 2 {
+            (2.0, 8.0, 0.5)
+        } else {
+            (4.0, 16.0, 1.0)
+        };
+        let uncached = (r.prompt_tokens - r.cached_tokens) as f64;
+        let expected = (uncached * input
+            + r.cached_tokens as f64 * cached
+            + r.completion_tokens as f64 * output)
+            .round() as i64;
+        assert_eq!(r.cost_micros, expected, "row {i}: {r:?}");
+        assert_eq!(r.tenant_name, "acme");
+        assert_eq!(r.tags["feature"], "tests");
+        assert_eq!(r.fingerprint.len(), 32);
+    }
+    assert_eq!(
+        rows[0].fingerprint, rows[2].fingerprint,
+        "same question, same fingerprint"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_database_outage_loses_no_row_and_writes_none_twice() {
+    let pg = PrivatePostgres::start().unwrap();
+    gateway::store::postgres::PostgresStore::migrate(&pg.url)
+        .await
+        .unwrap();
+    let sim = Sim::zero("sim-small").await;
+    let mut c = config(
+        vec![replica("s", &sim.url, "sim-small")],
+        vec![replica("l", &sim.url, "sim-small")],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    c.store.url = pg.url.clone();
+    c.ledger.spool_dir = dir.path().to_owned();
+    c.ledger.flush_ms = 20;
+    c.ledger.write_timeout_ms = 500;
+    let store = TestStore::at(&pg.url).await.unwrap();
+    let app = TestApp::spawn_with_ledger(c, store).await;
+
+    let send = |n: usize| {
+        let app = &app;
+        async move {
+            let mut worst = Duration::ZERO;
+            for i in 0..n {
+                let t = Instant::now();
+                let status = app
+                    .chat(chat_body("fast", &format!("question {i}")))
+                    .await
+                    .status();
+                assert_eq!(status, 200);
+                worst = worst.max(t.elapsed());
+            }
+            worst
+        }
+    };
+    send(50).await;
+    pg.stop().unwrap();
+    // Keys are cached, so requests keep working while the database is down.
+    let worst_during_outage = send(100).await;
+    assert!(
+        worst_during_outage < Duration::from_secs(1),
+        "requests not held up: {worst_during_outage:?}"
+    );
+    let spooled = || async {
+        let metrics = app.metrics().await;
+        metrics
+            .lines()
+            .find(|l| l.starts_with("gateway_ledger_spooled_rows "))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let waited = Instant::now();
+    while spooled().await == 0.0 {
+        assert!(
+            waited.elapsed() < Duration::from_secs(5),
+            "rows went to the spool during the outage"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    pg.resume().unwrap();
+    send(50).await;
+    let ledger = gateway::ledger::open(&pg.url).await.unwrap();
+    wait_for_rows(ledger.as_ref(), 200, Duration::from_secs(15)).await;
+    app.stop().await;
+    let rows = ledger
+        .rows_between(
+            Utc::now() - chrono::Duration::hours(1),
+            Utc::now() + chrono::Duration::hours(1),
+        )
+        .await
+        .unwrap();
+    let ids: std::collections::HashSet<_> = rows.iter().map(|r| r.request_id.clone()).collect();
+    assert_eq!(rows.len(), 200, "every request has exactly one row");
+    assert_eq!(ids.len(), 200);
+}

@@ -149,6 +149,10 @@ impl Metrics {
                 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
             ]),
         )?;
+        // Export every outcome from the start, so rates and alerts see zeros, not gaps.
+        for outcome in ["written", "spooled", "replayed", "overflow_spooled", "lost"] {
+            ledger_rows.with_label_values(&[outcome]);
+        }
         registry.register(Box::new(ledger_queue.clone()))?;
         registry.register(Box::new(ledger_spooled.clone()))?;
         registry.register(Box::new(ledger_rows.clone()))?;

@@ -26,7 +26,7 @@ use crate::config::{DisconnectPolicy, AUTO, LARGE, SMALL};
 use crate::error::ApiError;
 use crate::openai::{completion_text, usage_in_body, Endpoint, ParsedRequest, SseRewriter, Usage};
 use crate::store::ApiKey;
-use crate::upstream::{AttemptError, Target, Tier};
+use crate::upstream::{self, AttemptError, Target, Tier, UpstreamResponse};
 use crate::usage::{CacheStatus, UsageEvent, UsageSource};
 
 /// Who is asking, established by the middleware before the pipeline runs.
@@ -162,13 +162,10 @@ enum Buffered {
     Failed(AttemptError),
 }
 
-async fn read_all(resp: reqwest::Response, deadline: Instant) -> Buffered {
-    let status = resp.status();
-    let headers = resp.headers().clone();
-    match tokio::time::timeout_at(deadline.into(), resp.bytes()).await {
-        Err(_) => Buffered::Failed(AttemptError::Timeout),
-        Ok(Err(e)) => Buffered::Failed(AttemptError::Transport(e.to_string())),
-        Ok(Ok(body)) => Buffered::Done(status, headers, body),
+async fn read_all(resp: UpstreamResponse, deadline: Instant) -> Buffered {
+    match upstream::read_body(resp, deadline).await {
+        Ok((parts, body)) => Buffered::Done(parts.status, parts.headers, body),
+        Err(e) => Buffered::Failed(e),
     }
 }
 
@@ -378,7 +375,7 @@ fn stream_response(
     mut event: UsageEvent,
     tier: &Tier,
     lease: Lease,
-    resp: reqwest::Response,
+    resp: UpstreamResponse,
     deadline: Instant,
 ) -> Response {
     let target = tier.target(&lease);
@@ -407,7 +404,7 @@ fn stream_response(
         let idle = state.upstreams.config().idle_timeout();
         let policy = state.upstreams.config().on_client_disconnect;
         let mut rewriter = SseRewriter::new(req.client_wants_usage);
-        let mut upstream = resp.bytes_stream();
+        let mut upstream = http_body_util::BodyDataStream::new(resp.into_body());
         let mut client_gone = false;
         let mut failure: Option<&'static str> = None;
         loop {

@@ -1,12 +1,22 @@
 //! Upstream tiers: the replicas of each tier, their routing state (from `router`), the pooled
 //! HTTP client, and one forwarding attempt with its timeouts.
+//!
+//! The client is hyper-util's pooled client over rustls (HTTP/1.1 keep-alive, HTTP/2 where the
+//! upstream offers it through ALPN), used directly: a proxy needs none of a general client's
+//! redirect, retry, proxy-discovery or URL-parsing layers on its hot path.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use http::header::{AUTHORIZATION, CONTENT_TYPE};
+use http::{HeaderValue, Request, Uri};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
 use router::{HealthPolicy, Lease, ReplicaSet, ReplicaSnapshot};
-use secrecy::{ExposeSecret, SecretString};
+use secrecy::ExposeSecret;
 
 use crate::config::{Config, ConfigError, UpstreamConfig};
 use crate::openai::Endpoint;
@@ -21,9 +31,10 @@ pub struct Target {
     pub base_url: String,
     /// Model name the upstream expects.
     pub model: String,
-    api_key: Option<SecretString>,
-    /// Parsed endpoint URLs, indexed by [`Endpoint::ALL`] order (parsed once, not per request).
-    urls: Vec<reqwest::Url>,
+    /// `Bearer <key>` for the upstream, marked sensitive.
+    authorization: Option<HeaderValue>,
+    /// Endpoint URIs, indexed by [`Endpoint::ALL`] order (parsed once, not per request).
+    uris: Vec<Uri>,
 }
 
 /// One tier: its replicas and their routing state.
@@ -71,10 +82,15 @@ impl AttemptError {
     }
 }
 
+/// The response of an upstream, body still streaming.
+pub type UpstreamResponse = http::Response<hyper::body::Incoming>;
+
+type HttpsClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+
 /// All tiers and the shared HTTP client.
 #[derive(Debug)]
 pub struct Upstreams {
-    client: reqwest::Client,
+    client: HttpsClient,
     config: UpstreamConfig,
     tiers: BTreeMap<String, Tier>,
 }
@@ -84,18 +100,26 @@ impl Upstreams {
     pub fn new(config: &Config) -> Result<Self, ConfigError> {
         crate::telemetry::install_crypto_provider();
         let up = &config.upstream;
-        let client = reqwest::Client::builder()
-            .connect_timeout(up.connect_timeout())
-            .pool_max_idle_per_host(up.pool_max_idle_per_host)
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        http.set_nodelay(true);
+        http.set_connect_timeout(Some(up.connect_timeout()));
+        let tls = match hyper_rustls::HttpsConnectorBuilder::new().with_native_roots() {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(error = %e, "no system CA certificates; using the bundled Mozilla roots");
+                hyper_rustls::HttpsConnectorBuilder::new().with_webpki_roots()
+            }
+        };
+        let https = tls
+            .https_or_http()
+            .enable_http1()
+            .enable_http2()
+            .wrap_connector(http);
+        let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
-            .tcp_nodelay(true)
-            // A POST to a model server is never redirected; following one would resend the body.
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .map_err(|e| ConfigError::Invalid {
-                field: "upstream".into(),
-                message: format!("cannot build the HTTP client: {e}"),
-            })?;
+            .pool_max_idle_per_host(up.pool_max_idle_per_host)
+            .build(https);
         let policy = HealthPolicy {
             failure_threshold: up.failure_threshold,
             cooldown: Duration::from_millis(up.cooldown_ms),
@@ -106,20 +130,33 @@ impl Upstreams {
             for (i, r) in tier.replicas.iter().enumerate() {
                 let field = format!("tiers.{name}.replicas[{i}]");
                 let base_url = r.url.trim_end_matches('/').to_owned();
-                let urls = Endpoint::ALL
+                let uris = Endpoint::ALL
                     .iter()
-                    .map(|e| reqwest::Url::parse(&format!("{base_url}/{}", e.path())))
+                    .map(|e| format!("{base_url}/{}", e.path()).parse::<Uri>())
                     .collect::<Result<Vec<_>, _>>()
                     .map_err(|e| ConfigError::Invalid {
                         field: format!("{field}.url"),
                         message: format!("not a valid URL: {e}"),
                     })?;
+                let authorization = match r.api_key(&field)? {
+                    Some(key) => {
+                        let mut v =
+                            HeaderValue::from_str(&format!("Bearer {}", key.expose_secret()))
+                                .map_err(|_| ConfigError::Invalid {
+                                    field: format!("{field}.api_key_env"),
+                                    message: "the key is not a valid header value".into(),
+                                })?;
+                        v.set_sensitive(true);
+                        Some(v)
+                    }
+                    None => None,
+                };
                 targets.push(Target {
                     name: r.name.clone(),
                     base_url,
                     model: r.model.clone(),
-                    api_key: r.api_key(&field)?,
-                    urls,
+                    authorization,
+                    uris,
                 });
             }
             let set = ReplicaSet::new(
@@ -175,23 +212,49 @@ impl Upstreams {
         endpoint: Endpoint,
         body: Bytes,
         request_id: &str,
-    ) -> Result<reqwest::Response, AttemptError> {
-        let url = target.urls[endpoint as usize].clone();
-        let mut req = self
-            .client
-            .post(url)
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .header("x-request-id", request_id)
-            .body(body);
-        if let Some(key) = &target.api_key {
-            req = req.bearer_auth(key.expose_secret());
+    ) -> Result<UpstreamResponse, AttemptError> {
+        let mut req = Request::post(target.uris[endpoint as usize].clone())
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if let Ok(id) = HeaderValue::from_str(request_id) {
+            req = req.header("x-request-id", id);
         }
-        match tokio::time::timeout(self.config.first_byte_timeout(), req.send()).await {
+        if let Some(auth) = &target.authorization {
+            req = req.header(AUTHORIZATION, auth.clone());
+        }
+        let req = req
+            .body(Full::new(body))
+            .map_err(|e| AttemptError::Transport(e.to_string()))?;
+        match tokio::time::timeout(self.config.first_byte_timeout(), self.client.request(req)).await
+        {
             Err(_) => Err(AttemptError::Timeout),
             Ok(Ok(resp)) => Ok(resp),
-            Ok(Err(e)) if e.is_connect() => Err(AttemptError::Connect(e.to_string())),
-            Ok(Err(e)) if e.is_timeout() => Err(AttemptError::Timeout),
-            Ok(Err(e)) => Err(AttemptError::Transport(e.to_string())),
+            Ok(Err(e)) if e.is_connect() => Err(AttemptError::Connect(error_chain(&e))),
+            Ok(Err(e)) => Err(AttemptError::Transport(error_chain(&e))),
         }
     }
+}
+
+/// Read a whole response body before `deadline`.
+pub async fn read_body(
+    resp: UpstreamResponse,
+    deadline: Instant,
+) -> Result<(http::response::Parts, Bytes), AttemptError> {
+    let (parts, body) = resp.into_parts();
+    match tokio::time::timeout_at(deadline.into(), body.collect()).await {
+        Err(_) => Err(AttemptError::Timeout),
+        Ok(Err(e)) => Err(AttemptError::Transport(error_chain(&e))),
+        Ok(Ok(collected)) => Ok((parts, collected.to_bytes())),
+    }
+}
+
+/// An error with its sources, for logs.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    s
 }

@@ -189,6 +189,15 @@ pub fn build_router(state: AppState) -> Router {
         .route("/admin/v1/keys/{key}", delete(routes::admin::revoke_key))
         .route("/admin/v1/replicas", get(routes::admin::replicas))
         .route(
+            "/admin/v1/reports/weekly",
+            get(routes::admin::weekly_report),
+        )
+        .route(
+            "/admin/v1/reports/explain",
+            get(routes::admin::explain_report),
+        )
+        .route("/admin/v1/reports/loops", get(routes::admin::loops_report))
+        .route(
             "/admin/v1/prices",
             post(routes::admin::set_price).get(routes::admin::list_prices),
         )

@@ -51,11 +51,67 @@ pub enum Command {
         #[command(subcommand)]
         command: KeyCommand,
     },
+    /// Cost reports from the ledger.
+    Report {
+        /// Report command.
+        #[command(subcommand)]
+        command: ReportCommand,
+        /// Output format.
+        #[arg(long, value_enum, default_value = "table", global = true)]
+        format: Format,
+    },
     /// Manage model prices (USD per 1M tokens, with history).
     Prices {
         /// Price command.
         #[command(subcommand)]
         command: PriceCommand,
+    },
+}
+
+/// Output format of reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// Human tables.
+    Table,
+    /// Comma-separated values (one section per table).
+    Csv,
+    /// The admin API's JSON.
+    Json,
+}
+
+/// `gatewayctl report …`
+#[derive(Debug, Subcommand)]
+pub enum ReportCommand {
+    /// Cost, requests, tokens, cache savings and waste by tenant, model, tier and feature, with
+    /// the change from the previous week.
+    Weekly {
+        /// ISO week, e.g. 2026-W48 (default: this week).
+        #[arg(long)]
+        week: Option<String>,
+        /// Only this tenant.
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// Why the cost changed between two weeks: additive terms and top contributors.
+    Explain {
+        /// First week (default: the week before --to).
+        #[arg(long)]
+        from: Option<String>,
+        /// Second week (default: this week).
+        #[arg(long)]
+        to: Option<String>,
+        /// Only this tenant.
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// Keys/sessions repeating the same request at a steady cadence (agent loops), with cost.
+    Loops {
+        /// Look back this many hours.
+        #[arg(long, default_value_t = 24)]
+        hours: u32,
+        /// Least repeats of the same request.
+        #[arg(long, default_value_t = 5)]
+        min_repeats: usize,
     },
 }
 
@@ -307,6 +363,28 @@ pub async fn run(cli: Cli, out: &mut impl Write) -> anyhow::Result<()> {
             }
         },
         Command::Prices { command } => prices(&admin, command).await?,
+        Command::Report { command, format } => {
+            let (value, tables) = report(&admin, command).await?;
+            match format {
+                Format::Json => writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?,
+                Format::Csv => {
+                    for (title, t) in tables {
+                        writeln!(out, "# {title}")?;
+                        for row in std::iter::once(&t.0).chain(t.1.iter()) {
+                            let cells: Vec<String> = row.iter().map(|c| csv_cell(c)).collect();
+                            writeln!(out, "{}", cells.join(","))?;
+                        }
+                    }
+                }
+                Format::Table => {
+                    for (title, (header, rows)) in tables {
+                        let header: Vec<&str> = header.iter().map(String::as_str).collect();
+                        writeln!(out, "{title}\n{}\n", table(&header, rows))?;
+                    }
+                }
+            }
+            return Ok(());
+        }
     };
     if cli.json {
         writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
@@ -358,6 +436,219 @@ async fn prices(admin: &Admin, command: PriceCommand) -> anyhow::Result<(Value, 
                 rows,
             );
             (v, h)
+        }
+    })
+}
+
+type Tables = Vec<(String, (Vec<String>, Vec<Vec<String>>))>;
+
+fn csv_cell(c: &str) -> String {
+    if c.contains([',', '"', '\n']) {
+        format!("\"{}\"", c.replace('"', "\"\""))
+    } else {
+        c.to_owned()
+    }
+}
+
+fn usd(v: &Value) -> String {
+    format!("{:.4}", v.as_i64().unwrap_or(0) as f64 / 1e6)
+}
+
+fn change(this: &Value, prev: &Value) -> String {
+    let (a, b) = (this.as_i64().unwrap_or(0), prev.as_i64().unwrap_or(0));
+    if b == 0 {
+        if a == 0 {
+            "0%".into()
+        } else {
+            "new".into()
+        }
+    } else {
+        format!("{:+.1}%", (a - b) as f64 * 100.0 / b as f64)
+    }
+}
+
+fn strings(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| (*s).to_owned()).collect()
+}
+
+async fn report(admin: &Admin, command: ReportCommand) -> anyhow::Result<(Value, Tables)> {
+    use reqwest::Method;
+    let q = |pairs: &[(&str, Option<String>)]| {
+        let parts: Vec<String> = pairs
+            .iter()
+            .filter_map(|(k, v)| v.as_ref().map(|v| format!("{k}={v}")))
+            .collect();
+        if parts.is_empty() {
+            String::new()
+        } else {
+            format!("?{}", parts.join("&"))
+        }
+    };
+    Ok(match command {
+        ReportCommand::Weekly { week, tenant } => {
+            let v = admin
+                .call(
+                    Method::GET,
+                    &format!("reports/weekly{}", q(&[("week", week), ("tenant", tenant)])),
+                    None,
+                )
+                .await?;
+            let header = strings(&[
+                "KEY",
+                "COST $",
+                "CHANGE",
+                "REQUESTS",
+                "$/1K REQ",
+                "PROMPT TOK",
+                "COMPL TOK",
+                "CACHE SAVED $",
+                "WASTE $ (LOOPS/RETRIES/ERRORS)",
+            ]);
+            let line = |l: &Value| {
+                let t = &l["this"];
+                let req = t["requests"].as_i64().unwrap_or(0);
+                let per_k = if req > 0 {
+                    t["cost"].as_i64().unwrap_or(0) as f64 / 1e6 * 1000.0 / req as f64
+                } else {
+                    0.0
+                };
+                vec![
+                    s(l, "key"),
+                    usd(&t["cost"]),
+                    change(&t["cost"], &l["previous"]["cost"]),
+                    req.to_string(),
+                    format!("{per_k:.4}"),
+                    t["prompt_tokens"].to_string(),
+                    t["completion_tokens"].to_string(),
+                    usd(&t["saved"]),
+                    format!(
+                        "{}/{}/{}",
+                        usd(&t["waste_loops"]),
+                        usd(&t["waste_retries"]),
+                        usd(&t["waste_errors"])
+                    ),
+                ]
+            };
+            let mut tables: Tables = vec![(
+                format!("Week {} (vs {})", s(&v, "week"), s(&v, "previous_week")),
+                (header.clone(), vec![line(&v["total"])]),
+            )];
+            if let Some(by) = v["by"].as_object() {
+                for (dim, lines) in by {
+                    let rows = lines
+                        .as_array()
+                        .map(|a| a.iter().map(line).collect())
+                        .unwrap_or_default();
+                    tables.push((format!("By {dim}"), (header.clone(), rows)));
+                }
+            }
+            (v, tables)
+        }
+        ReportCommand::Explain { from, to, tenant } => {
+            let v = admin
+                .call(
+                    Method::GET,
+                    &format!(
+                        "reports/explain{}",
+                        q(&[("from", from), ("to", to), ("tenant", tenant)])
+                    ),
+                    None,
+                )
+                .await?;
+            let total =
+                v["to_micros"].as_i64().unwrap_or(0) - v["from_micros"].as_i64().unwrap_or(0);
+            let terms = v["terms"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .map(|t| {
+                            let m = t["micros"].as_i64().unwrap_or(0);
+                            let share = if total != 0 {
+                                format!("{:.0}%", m as f64 * 100.0 / total as f64)
+                            } else {
+                                "-".into()
+                            };
+                            vec![s(t, "term"), format!("{:+.4}", m as f64 / 1e6), share]
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            let mut tables: Tables = vec![(
+                format!(
+                    "Cost {} → {}: ${} → ${} ({:+.4})",
+                    s(&v, "from_week"),
+                    s(&v, "to_week"),
+                    usd(&v["from_micros"]),
+                    usd(&v["to_micros"]),
+                    total as f64 / 1e6
+                ),
+                (strings(&["TERM", "CHANGE $", "SHARE"]), terms),
+            )];
+            if let Some(top) = v["top"].as_object() {
+                for (dim, list) in top {
+                    let rows = list
+                        .as_array()
+                        .map(|a| {
+                            a.iter()
+                                .map(|c| {
+                                    let d = c["to_micros"].as_i64().unwrap_or(0)
+                                        - c["from_micros"].as_i64().unwrap_or(0);
+                                    vec![
+                                        s(c, "key"),
+                                        usd(&c["from_micros"]),
+                                        usd(&c["to_micros"]),
+                                        format!("{:+.4}", d as f64 / 1e6),
+                                    ]
+                                })
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    tables.push((
+                        format!("Top contributors by {dim}"),
+                        (strings(&["KEY", "FROM $", "TO $", "CHANGE $"]), rows),
+                    ));
+                }
+            }
+            (v, tables)
+        }
+        ReportCommand::Loops { hours, min_repeats } => {
+            let v = admin
+                .call(
+                    Method::GET,
+                    &format!("reports/loops?hours={hours}&min_repeats={min_repeats}"),
+                    None,
+                )
+                .await?;
+            let rows = list(&v)
+                .iter()
+                .map(|f| {
+                    vec![
+                        s(f, "tenant"),
+                        s(f, "key_id"),
+                        s(f, "session"),
+                        s(f, "fingerprint"),
+                        s(f, "requests"),
+                        format!("{:.1}", f["mean_interval_secs"].as_f64().unwrap_or(0.0)),
+                        usd(&f["cost_micros"]),
+                    ]
+                })
+                .collect();
+            let header = strings(&[
+                "TENANT",
+                "KEY",
+                "SESSION",
+                "FINGERPRINT",
+                "REPEATS",
+                "EVERY (s)",
+                "COST $",
+            ]);
+            (
+                v,
+                vec![(
+                    "Repeated requests at a steady cadence".to_owned(),
+                    (header, rows),
+                )],
+            )
         }
     })
 }

@@ -73,6 +73,7 @@ fn new_event(ctx: &RequestContext, endpoint: Endpoint) -> UsageEvent {
         retries: 0,
         cache_status: CacheStatus::Bypass,
         cost_micros: 0,
+        output_cost_micros: 0,
         saved_micros: 0,
         loop_flag: false,
         retry_storm_flag: false,
@@ -495,7 +496,12 @@ pub fn settle(state: &AppState, mut event: UsageEvent) {
             completion_tokens: event.completion_tokens,
             cached_tokens: event.cached_tokens,
         };
-        event.cost_micros = state.prices.book().cost(model, &usage, event.started_at);
+        let (input, output) = state
+            .prices
+            .book()
+            .cost_split(model, &usage, event.started_at);
+        event.cost_micros = input + output;
+        event.output_cost_micros = output;
     }
     let m = &state.metrics;
     let tier = event.tier.as_deref().unwrap_or("none");

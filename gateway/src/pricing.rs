@@ -47,15 +47,24 @@ pub fn usd_to_micros(usd: f64) -> Option<i64> {
 }
 
 impl Price {
-    /// Cost of `usage` at this price, micro-dollars, rounded half up.
-    pub fn cost(&self, usage: &Usage) -> i64 {
+    /// Cost of `usage` at this price, micro-dollars: (input incl. cached input, output), each
+    /// rounded half up once.
+    pub fn cost_split(&self, usage: &Usage) -> (i64, i64) {
         let cached = usage.cached_tokens.min(usage.prompt_tokens);
         let uncached = usage.prompt_tokens - cached;
-        let nano_total = i128::from(uncached) * i128::from(self.input)
-            + i128::from(cached) * i128::from(self.cached_input)
-            + i128::from(usage.completion_tokens) * i128::from(self.output);
-        // nano_total is in micro-dollars × 1e6; round to micro-dollars.
-        i64::try_from((nano_total + 500_000) / 1_000_000).unwrap_or(i64::MAX)
+        // Token counts × micro-dollars per 1M tokens: micro-dollars × 1e6.
+        let input = i128::from(uncached) * i128::from(self.input)
+            + i128::from(cached) * i128::from(self.cached_input);
+        let output = i128::from(usage.completion_tokens) * i128::from(self.output);
+        let round =
+            |scaled: i128| i64::try_from((scaled + 500_000) / 1_000_000).unwrap_or(i64::MAX);
+        (round(input), round(output))
+    }
+
+    /// Total cost of `usage` at this price, micro-dollars.
+    pub fn cost(&self, usage: &Usage) -> i64 {
+        let (input, output) = self.cost_split(usage);
+        input + output
     }
 }
 
@@ -95,6 +104,12 @@ impl PriceBook {
     /// Cost of `usage` on `model` for a request that started at `at`; 0 for unpriced models.
     pub fn cost(&self, model: &str, usage: &Usage, at: DateTime<Utc>) -> i64 {
         self.price_at(model, at).map_or(0, |p| p.cost(usage))
+    }
+
+    /// [`Price::cost_split`] at the price in force at `at`; (0, 0) for unpriced models.
+    pub fn cost_split(&self, model: &str, usage: &Usage, at: DateTime<Utc>) -> (i64, i64) {
+        self.price_at(model, at)
+            .map_or((0, 0), |p| p.cost_split(usage))
     }
 }
 

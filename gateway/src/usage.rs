@@ -14,6 +14,12 @@ use serde::{Deserialize, Serialize};
 pub enum CacheStatus {
     /// Not eligible for caching, or no cache configured.
     Bypass,
+    /// Eligible, not found: answered upstream.
+    Miss,
+    /// Answered from the exact cache (cost 0; `saved_micros` what it would have cost).
+    HitExact,
+    /// Answered from the semantic cache (cost 0; `saved_micros` what it would have cost).
+    HitSemantic,
 }
 
 /// How the token counts were obtained.
@@ -79,6 +85,8 @@ pub struct UsageEvent {
     pub cache_status: CacheStatus,
     /// Cost at the served model's price in force at `started_at`, micro-dollars.
     pub cost_micros: i64,
+    /// The part of `cost_micros` paid for output (completion) tokens; the rest is input.
+    pub output_cost_micros: i64,
     /// What a cache hit would have cost upstream, micro-dollars (0 otherwise).
     pub saved_micros: i64,
     /// Set when the loop detector flagged the request.

@@ -30,6 +30,7 @@ CREATE TABLE ledger (
     cached_tokens       BIGINT NOT NULL,
     usage_source        TEXT NOT NULL,
     cost_micros         BIGINT NOT NULL,
+    output_cost_micros  BIGINT NOT NULL,
     saved_micros        BIGINT NOT NULL,
     cache_status        TEXT NOT NULL,
     status              INTEGER NOT NULL,

@@ -28,6 +28,7 @@ CREATE TABLE ledger (
     cached_tokens       INTEGER NOT NULL,
     usage_source        TEXT NOT NULL,
     cost_micros         INTEGER NOT NULL,
+    output_cost_micros  INTEGER NOT NULL,
     saved_micros        INTEGER NOT NULL,
     cache_status        TEXT NOT NULL,
     status              INTEGER NOT NULL,

@@ -45,6 +45,7 @@ fn full_event(i: u32) -> UsageEvent {
         retries: 2,
         cache_status: CacheStatus::Bypass,
         cost_micros: 987_654,
+        output_cost_micros: 654_321,
         saved_micros: 12,
         loop_flag: true,
         retry_storm_flag: true,

@@ -3,6 +3,7 @@
 //! request path, spooled to local disk while the database is unreachable.
 
 pub mod postgres;
+pub mod report;
 pub mod spool;
 pub mod sqlite;
 pub mod writer;
@@ -29,7 +30,65 @@ pub trait LedgerStore: Send + Sync + 'static {
     ) -> Result<Vec<UsageEvent>, StoreError>;
     /// Number of rows stored.
     async fn count(&self) -> Result<u64, StoreError>;
+    /// Sums over `[from, to)` (optionally one tenant), grouped by `group` (key `a|b|…`; one row
+    /// with key `""` when `group` is empty).
+    async fn aggregate(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+        tenant: Option<&str>,
+        group: &[report::Dimension],
+    ) -> Result<Vec<(String, report::Aggregate)>, StoreError>;
+    /// Rows whose (key, session, fingerprint) repeats at least `min` times in `[from, to)`.
+    async fn repeats(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+        min: usize,
+    ) -> Result<Vec<report::RepeatRow>, StoreError>;
 }
+
+/// Body of [`LedgerStore::aggregate`], identical for both stores.
+macro_rules! aggregate_body {
+    ($pool:expr, $from:expr, $to:expr, $tenant:expr, $group:expr) => {{
+        let sql = $crate::ledger::report::aggregate_sql($group, $tenant.is_some());
+        let mut q = sqlx::query(&sql).bind($from).bind($to);
+        if let Some(t) = $tenant {
+            q = q.bind(t);
+        }
+        let rows = q.fetch_all($pool).await?;
+        rows.iter()
+            .map(|r| $crate::ledger::report::decode_aggregate!(r))
+            .collect()
+    }};
+}
+pub(crate) use aggregate_body;
+
+/// Body of [`LedgerStore::repeats`], identical for both stores.
+macro_rules! repeats_body {
+    ($pool:expr, $from:expr, $to:expr, $min:expr) => {{
+        use sqlx::Row;
+        let rows = sqlx::query($crate::ledger::report::REPEATS_SQL)
+            .bind($from)
+            .bind($to)
+            .bind(i64::try_from($min).unwrap_or(i64::MAX))
+            .fetch_all($pool)
+            .await?;
+        rows.iter()
+            .map(|r| {
+                Ok($crate::ledger::report::RepeatRow {
+                    key_id: r.try_get("key_id")?,
+                    tenant: r.try_get("tenant_name")?,
+                    session: r.try_get("session")?,
+                    fingerprint: r.try_get("fingerprint")?,
+                    started_at: r.try_get("started_at")?,
+                    cost_micros: r.try_get("cost_micros")?,
+                })
+            })
+            .collect()
+    }};
+}
+pub(crate) use repeats_body;
 
 /// Open the ledger in the database at `url` (already migrated by the store).
 pub async fn open(url: &str) -> Result<Arc<dyn LedgerStore>, StoreError> {
@@ -43,7 +102,7 @@ pub async fn open(url: &str) -> Result<Arc<dyn LedgerStore>, StoreError> {
 /// Columns in insert order, shared by both stores' statements.
 pub(crate) const COLUMNS: &str = "request_id, started_at, tenant_id, tenant_name, key_id, \
      feature, end_user, session, tags, endpoint, requested_model, served_model, tier, replica, \
-     prompt_tokens, completion_tokens, cached_tokens, usage_source, cost_micros, saved_micros, \
+     prompt_tokens, completion_tokens, cached_tokens, usage_source, cost_micros, output_cost_micros, saved_micros, \
      cache_status, status, error_kind, stream, client_disconnected, latency_ms, ttft_ms, retries, \
      loop_flag, retry_storm_flag, fingerprint";
 
@@ -84,6 +143,7 @@ macro_rules! decode_row {
             cached_tokens: u64::try_from(r.try_get::<i64, _>("cached_tokens")?).unwrap_or(0),
             usage_source: $crate::ledger::enum_parse("usage_source", r.try_get("usage_source")?)?,
             cost_micros: r.try_get("cost_micros")?,
+            output_cost_micros: r.try_get("output_cost_micros")?,
             saved_micros: r.try_get("saved_micros")?,
             cache_status: $crate::ledger::enum_parse("cache_status", r.try_get("cache_status")?)?,
             status: u16::try_from(r.try_get::<i32, _>("status")?).unwrap_or(0),

@@ -8,6 +8,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Datelike, Duration as Days, NaiveDate, TimeZone, Utc};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
+use super::report::{Aggregate, Dimension, RepeatRow};
 use super::{decode_row, enum_text, tokens, LedgerStore, COLUMNS};
 use crate::store::StoreError;
 use crate::usage::UsageEvent;
@@ -95,9 +96,9 @@ impl LedgerStore for PostgresLedger {
              $1::text[], $2::timestamptz[], $3::text[], $4::text[], $5::text[], $6::text[], \
              $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[], \
              $13::text[], $14::text[], $15::int8[], $16::int8[], $17::int8[], $18::text[], \
-             $19::int8[], $20::int8[], $21::text[], $22::int4[], $23::text[], $24::bool[], \
-             $25::bool[], $26::float8[], $27::float8[], $28::int4[], $29::bool[], $30::bool[], \
-             $31::text[]) ON CONFLICT DO NOTHING"
+             $19::int8[], $20::int8[], $21::int8[], $22::text[], $23::int4[], $24::text[], \
+             $25::bool[], $26::bool[], $27::float8[], $28::float8[], $29::int4[], $30::bool[], \
+             $31::bool[], $32::text[]) ON CONFLICT DO NOTHING"
         );
         let result = sqlx::query(&sql)
             .bind(col!(|e| e.request_id.clone()))
@@ -119,6 +120,7 @@ impl LedgerStore for PostgresLedger {
             .bind(col!(|e| tokens(e.cached_tokens)))
             .bind(col!(|e| enum_text(&e.usage_source)))
             .bind(col!(|e| e.cost_micros))
+            .bind(col!(|e| e.output_cost_micros))
             .bind(col!(|e| e.saved_micros))
             .bind(col!(|e| enum_text(&e.cache_status)))
             .bind(col!(|e| i32::from(e.status)))
@@ -151,6 +153,25 @@ impl LedgerStore for PostgresLedger {
             .fetch_all(&self.pool)
             .await?;
         rows.iter().map(|r| decode_row!(r)).collect()
+    }
+
+    async fn aggregate(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+        tenant: Option<&str>,
+        group: &[Dimension],
+    ) -> Result<Vec<(String, Aggregate)>, StoreError> {
+        super::aggregate_body!(&self.pool, from, to, tenant, group)
+    }
+
+    async fn repeats(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+        min: usize,
+    ) -> Result<Vec<RepeatRow>, StoreError> {
+        super::repeats_body!(&self.pool, from, to, min)
     }
 
     async fn count(&self) -> Result<u64, StoreError> {

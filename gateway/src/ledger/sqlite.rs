@@ -7,6 +7,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 
+use super::report::{Aggregate, Dimension, RepeatRow};
 use super::{decode_row, enum_text, tokens, LedgerStore, COLUMNS};
 use crate::store::StoreError;
 use crate::usage::UsageEvent;
@@ -39,7 +40,7 @@ impl LedgerStore for SqliteLedger {
         let sql = format!(
             "INSERT OR IGNORE INTO ledger ({COLUMNS}) VALUES \
              ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, \
-             $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31)"
+             $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32)"
         );
         let mut tx = self.pool.begin().await?;
         let mut inserted = 0;
@@ -64,6 +65,7 @@ impl LedgerStore for SqliteLedger {
                 .bind(tokens(e.cached_tokens))
                 .bind(enum_text(&e.usage_source))
                 .bind(e.cost_micros)
+                .bind(e.output_cost_micros)
                 .bind(e.saved_micros)
                 .bind(enum_text(&e.cache_status))
                 .bind(i32::from(e.status))
@@ -99,6 +101,25 @@ impl LedgerStore for SqliteLedger {
             .fetch_all(&self.pool)
             .await?;
         rows.iter().map(|r| decode_row!(r)).collect()
+    }
+
+    async fn aggregate(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+        tenant: Option<&str>,
+        group: &[Dimension],
+    ) -> Result<Vec<(String, Aggregate)>, StoreError> {
+        super::aggregate_body!(&self.pool, from, to, tenant, group)
+    }
+
+    async fn repeats(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+        min: usize,
+    ) -> Result<Vec<RepeatRow>, StoreError> {
+        super::repeats_body!(&self.pool, from, to, min)
     }
 
     async fn count(&self) -> Result<u64, StoreError> {

@@ -13,6 +13,8 @@ use serde_json::{json, Value};
 use crate::app::AppState;
 use crate::error::ApiError;
 use crate::keys;
+use crate::ledger::report::{self, IsoWeek};
+use crate::ledger::LedgerStore;
 use crate::pricing::{usd_to_micros, Price};
 use crate::routes::{parse_json, read_body};
 use crate::store::{NewKey, StoreError, Tenant};
@@ -244,4 +246,79 @@ pub async fn list_prices(State(state): State<AppState>) -> Result<Json<Value>, A
         .map(price_json)
         .collect();
     Ok(Json(json!({"object": "list", "data": prices})))
+}
+
+/// Query of the report endpoints.
+#[derive(Deserialize)]
+pub struct ReportQuery {
+    /// ISO week (`2026-W48`); default: the current week.
+    week: Option<String>,
+    /// First week of an explanation.
+    from: Option<String>,
+    /// Second week of an explanation.
+    to: Option<String>,
+    /// Restrict to one tenant (name).
+    tenant: Option<String>,
+    /// Loops: look back this many hours (default 24).
+    hours: Option<u32>,
+    /// Loops: least repeats of the same request (default 5).
+    min_repeats: Option<usize>,
+}
+
+fn ledger(state: &AppState) -> Result<&dyn LedgerStore, ApiError> {
+    state
+        .ledger
+        .as_deref()
+        .ok_or_else(|| ApiError::NotFound("the ledger is disabled (ledger.enabled = false)".into()))
+}
+
+fn week(param: &str, value: Option<&str>, default: IsoWeek) -> Result<IsoWeek, ApiError> {
+    match value {
+        None => Ok(default),
+        Some(v) => IsoWeek::parse(v, chrono::Utc::now()).ok_or_else(|| {
+            ApiError::invalid(
+                param,
+                format!("`{param}` must be an ISO week like 2026-W48, got {v:?}"),
+            )
+        }),
+    }
+}
+
+/// `GET /admin/v1/reports/weekly?week=2026-W48[&tenant=…]`
+pub async fn weekly_report(
+    State(state): State<AppState>,
+    Query(q): Query<ReportQuery>,
+) -> Result<Json<Value>, ApiError> {
+    let current = IsoWeek::containing(chrono::Utc::now());
+    let w = week("week", q.week.as_deref(), current)?;
+    let report = report::weekly(ledger(&state)?, w, q.tenant.as_deref()).await?;
+    Ok(Json(
+        serde_json::to_value(report).map_err(ApiError::internal)?,
+    ))
+}
+
+/// `GET /admin/v1/reports/explain?from=2026-W47&to=2026-W48[&tenant=…]`
+pub async fn explain_report(
+    State(state): State<AppState>,
+    Query(q): Query<ReportQuery>,
+) -> Result<Json<Value>, ApiError> {
+    let current = IsoWeek::containing(chrono::Utc::now());
+    let to = week("to", q.to.as_deref(), current)?;
+    let from = week("from", q.from.as_deref(), to.previous())?;
+    let e = report::explain(ledger(&state)?, from, to, q.tenant.as_deref()).await?;
+    Ok(Json(serde_json::to_value(e).map_err(ApiError::internal)?))
+}
+
+/// `GET /admin/v1/reports/loops[?hours=24&min_repeats=5]`
+pub async fn loops_report(
+    State(state): State<AppState>,
+    Query(q): Query<ReportQuery>,
+) -> Result<Json<Value>, ApiError> {
+    let now = chrono::Utc::now();
+    let since = now - chrono::Duration::hours(i64::from(q.hours.unwrap_or(24)));
+    let min = q.min_repeats.unwrap_or(5).max(2);
+    let found = report::loops(ledger(&state)?, since, now, min, 0.5).await?;
+    Ok(Json(
+        json!({"object": "list", "since": since, "min_repeats": min, "data": found}),
+    ))
 }

@@ -1,0 +1,697 @@
+//! Reports over the ledger: the weekly cost report, the explanation of a change in cost between
+//! two weeks, and agent loops found from billing data alone.
+//!
+//! Waste is counted once per row, in priority order: loop (flagged by the loop detector), then
+//! retry storm, then failed request (status ≥ 400, including clients that hung up mid-stream).
+//! Everything else is *useful* spend, which the explanation breaks down further.
+
+use std::collections::{BTreeMap, HashMap};
+
+use chrono::{DateTime, Datelike, Duration, NaiveDate, TimeZone, Utc, Weekday};
+use serde::Serialize;
+
+use super::LedgerStore;
+use crate::store::StoreError;
+
+/// A ledger column (or expression) to group by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Dimension {
+    /// Tenant name.
+    Tenant,
+    /// Served model (requested model when nothing was served).
+    Model,
+    /// Tier.
+    Tier,
+    /// `feature` tag.
+    Feature,
+    /// `session` tag.
+    Session,
+    /// API key id.
+    Key,
+}
+
+impl Dimension {
+    /// SQL expression for the dimension (fixed strings, never input).
+    fn sql(self) -> &'static str {
+        match self {
+            Self::Tenant => "tenant_name",
+            Self::Model => "COALESCE(served_model, requested_model)",
+            Self::Tier => "COALESCE(tier, '-')",
+            Self::Feature => "COALESCE(feature, '-')",
+            Self::Session => "COALESCE(session, '-')",
+            Self::Key => "key_id",
+        }
+    }
+}
+
+/// Sums over a set of ledger rows. Money in micro-dollars.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Aggregate {
+    /// Rows.
+    pub requests: i64,
+    /// Total cost.
+    pub cost: i64,
+    /// Prompt tokens.
+    pub prompt_tokens: i64,
+    /// Completion tokens.
+    pub completion_tokens: i64,
+    /// Prompt tokens served from upstream prefix caches.
+    pub cached_tokens: i64,
+    /// What cache hits would have cost.
+    pub saved: i64,
+    /// Requests answered from the gateway's cache.
+    pub cache_hits: i64,
+    /// Cost of rows flagged as agent loops.
+    pub waste_loops: i64,
+    /// Cost of rows flagged as retry storms (and not loops).
+    pub waste_retries: i64,
+    /// Cost of failed rows (status ≥ 400) not already counted as loops or retries.
+    pub waste_errors: i64,
+    /// Useful rows: not waste (cache hits included).
+    pub useful_requests: i64,
+    /// Useful rows answered upstream (billed).
+    pub billed_requests: i64,
+    /// Cost of billed useful rows.
+    pub billed_cost: i64,
+    /// Output part of `billed_cost`.
+    pub billed_output_cost: i64,
+    /// Prompt tokens of billed useful rows.
+    pub billed_prompt_tokens: i64,
+    /// Completion tokens of billed useful rows.
+    pub billed_completion_tokens: i64,
+}
+
+impl Aggregate {
+    /// Total waste.
+    pub fn waste(&self) -> i64 {
+        self.waste_loops + self.waste_retries + self.waste_errors
+    }
+}
+
+const WASTE: &str = "(loop_flag OR retry_storm_flag OR status >= 400)";
+const HIT: &str = "cache_status IN ('hit_exact', 'hit_semantic')";
+
+/// The aggregate query both stores run: `$1 <= started_at < $2`, optionally `tenant_name = $3`,
+/// grouped by `group` (joined with `|` into one key column).
+pub(crate) fn aggregate_sql(group: &[Dimension], tenant_filter: bool) -> String {
+    let key = if group.is_empty() {
+        "''".to_owned()
+    } else {
+        group
+            .iter()
+            .map(|d| d.sql())
+            .collect::<Vec<_>>()
+            .join(" || '|' || ")
+    };
+    let sum = |expr: &str| format!("CAST(COALESCE(SUM({expr}), 0) AS BIGINT)");
+    let when = |cond: &str, value: &str| sum(&format!("CASE WHEN {cond} THEN {value} ELSE 0 END"));
+    let billed = format!("NOT {WASTE} AND NOT ({HIT})");
+    let columns = [
+        format!("{key} AS key"),
+        "CAST(COUNT(*) AS BIGINT) AS requests".to_owned(),
+        format!("{} AS cost", sum("cost_micros")),
+        format!("{} AS prompt_tokens", sum("prompt_tokens")),
+        format!("{} AS completion_tokens", sum("completion_tokens")),
+        format!("{} AS cached_tokens", sum("cached_tokens")),
+        format!("{} AS saved", sum("saved_micros")),
+        format!("{} AS cache_hits", when(HIT, "1")),
+        format!("{} AS waste_loops", when("loop_flag", "cost_micros")),
+        format!(
+            "{} AS waste_retries",
+            when("retry_storm_flag AND NOT loop_flag", "cost_micros")
+        ),
+        format!(
+            "{} AS waste_errors",
+            when(
+                "status >= 400 AND NOT loop_flag AND NOT retry_storm_flag",
+                "cost_micros"
+            )
+        ),
+        format!("{} AS useful_requests", when(&format!("NOT {WASTE}"), "1")),
+        format!("{} AS billed_requests", when(&billed, "1")),
+        format!("{} AS billed_cost", when(&billed, "cost_micros")),
+        format!(
+            "{} AS billed_output_cost",
+            when(&billed, "output_cost_micros")
+        ),
+        format!("{} AS billed_prompt_tokens", when(&billed, "prompt_tokens")),
+        format!(
+            "{} AS billed_completion_tokens",
+            when(&billed, "completion_tokens")
+        ),
+    ];
+    let mut sql = format!(
+        "SELECT {} FROM ledger WHERE started_at >= $1 AND started_at < $2",
+        columns.join(", ")
+    );
+    if tenant_filter {
+        sql.push_str(" AND tenant_name = $3");
+    }
+    if !group.is_empty() {
+        sql.push_str(&format!(" GROUP BY {key}"));
+    }
+    sql
+}
+
+/// Decode one aggregate row (same code for both drivers).
+macro_rules! decode_aggregate {
+    ($row:expr) => {{
+        use sqlx::Row;
+        let r = $row;
+        Ok::<_, StoreError>((
+            r.try_get::<String, _>("key")?,
+            $crate::ledger::report::Aggregate {
+                requests: r.try_get("requests")?,
+                cost: r.try_get("cost")?,
+                prompt_tokens: r.try_get("prompt_tokens")?,
+                completion_tokens: r.try_get("completion_tokens")?,
+                cached_tokens: r.try_get("cached_tokens")?,
+                saved: r.try_get("saved")?,
+                cache_hits: r.try_get("cache_hits")?,
+                waste_loops: r.try_get("waste_loops")?,
+                waste_retries: r.try_get("waste_retries")?,
+                waste_errors: r.try_get("waste_errors")?,
+                useful_requests: r.try_get("useful_requests")?,
+                billed_requests: r.try_get("billed_requests")?,
+                billed_cost: r.try_get("billed_cost")?,
+                billed_output_cost: r.try_get("billed_output_cost")?,
+                billed_prompt_tokens: r.try_get("billed_prompt_tokens")?,
+                billed_completion_tokens: r.try_get("billed_completion_tokens")?,
+            },
+        ))
+    }};
+}
+pub(crate) use decode_aggregate;
+
+/// An ISO week, `2026-W48`: Monday 00:00 UTC to the next Monday.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct IsoWeek {
+    /// ISO year.
+    pub year: i32,
+    /// ISO week number.
+    pub week: u32,
+}
+
+impl IsoWeek {
+    /// The week containing `t`.
+    pub fn containing(t: DateTime<Utc>) -> Self {
+        let w = t.iso_week();
+        Self {
+            year: w.year(),
+            week: w.week(),
+        }
+    }
+
+    /// Parse `2026-W48` (or `2026-w48`, `W48` meaning this year's).
+    pub fn parse(s: &str, now: DateTime<Utc>) -> Option<Self> {
+        let s = s.trim();
+        let (year, week) = match s.split_once(['W', 'w']) {
+            Some(("", w)) => (now.iso_week().year(), w),
+            Some((y, w)) => (y.trim_end_matches('-').parse().ok()?, w),
+            None => return None,
+        };
+        let week: u32 = week.parse().ok()?;
+        NaiveDate::from_isoywd_opt(year, week, Weekday::Mon)?;
+        Some(Self { year, week })
+    }
+
+    /// First instant of the week.
+    pub fn start(self) -> DateTime<Utc> {
+        let monday =
+            NaiveDate::from_isoywd_opt(self.year, self.week, Weekday::Mon).unwrap_or_default();
+        Utc.from_utc_datetime(&monday.and_hms_opt(0, 0, 0).unwrap_or_default())
+    }
+
+    /// First instant after the week.
+    pub fn end(self) -> DateTime<Utc> {
+        self.start() + Duration::days(7)
+    }
+
+    /// The week before.
+    pub fn previous(self) -> Self {
+        Self::containing(self.start() - Duration::days(1))
+    }
+}
+
+impl std::fmt::Display for IsoWeek {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-W{:02}", self.year, self.week)
+    }
+}
+
+/// One line of a weekly report: this week and the previous one.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReportLine {
+    /// The group's value (tenant name, model, …).
+    pub key: String,
+    /// This week.
+    pub this: Aggregate,
+    /// The week before.
+    pub previous: Aggregate,
+}
+
+/// The weekly cost report.
+#[derive(Debug, Clone, Serialize)]
+pub struct WeeklyReport {
+    /// The week reported.
+    pub week: String,
+    /// The week compared against.
+    pub previous_week: String,
+    /// Everything.
+    pub total: ReportLine,
+    /// By dimension, biggest spend first.
+    pub by: BTreeMap<String, Vec<ReportLine>>,
+}
+
+async fn grouped(
+    ledger: &dyn LedgerStore,
+    week: IsoWeek,
+    tenant: Option<&str>,
+    group: &[Dimension],
+) -> Result<HashMap<String, Aggregate>, StoreError> {
+    Ok(ledger
+        .aggregate(week.start(), week.end(), tenant, group)
+        .await?
+        .into_iter()
+        .collect())
+}
+
+fn lines(
+    this: HashMap<String, Aggregate>,
+    previous: HashMap<String, Aggregate>,
+) -> Vec<ReportLine> {
+    let mut keys: Vec<String> = this.keys().chain(previous.keys()).cloned().collect();
+    keys.sort();
+    keys.dedup();
+    let mut out: Vec<ReportLine> = keys
+        .into_iter()
+        .map(|key| ReportLine {
+            this: this.get(&key).copied().unwrap_or_default(),
+            previous: previous.get(&key).copied().unwrap_or_default(),
+            key,
+        })
+        .collect();
+    out.sort_by(|a, b| b.this.cost.cmp(&a.this.cost).then(a.key.cmp(&b.key)));
+    out
+}
+
+/// Build the weekly report for `week` (optionally one tenant) with the change from the week
+/// before.
+pub async fn weekly(
+    ledger: &dyn LedgerStore,
+    week: IsoWeek,
+    tenant: Option<&str>,
+) -> Result<WeeklyReport, StoreError> {
+    let previous = week.previous();
+    let total = lines(
+        grouped(ledger, week, tenant, &[]).await?,
+        grouped(ledger, previous, tenant, &[]).await?,
+    )
+    .pop()
+    .unwrap_or(ReportLine {
+        key: String::new(),
+        this: Aggregate::default(),
+        previous: Aggregate::default(),
+    });
+    let mut by = BTreeMap::new();
+    for (name, dim) in [
+        ("tenant", Dimension::Tenant),
+        ("model", Dimension::Model),
+        ("tier", Dimension::Tier),
+        ("feature", Dimension::Feature),
+    ] {
+        let this = grouped(ledger, week, tenant, &[dim]).await?;
+        let prev = grouped(ledger, previous, tenant, &[dim]).await?;
+        by.insert(name.to_owned(), lines(this, prev));
+    }
+    Ok(WeeklyReport {
+        week: week.to_string(),
+        previous_week: previous.to_string(),
+        total: ReportLine {
+            key: "total".into(),
+            ..total
+        },
+        by,
+    })
+}
+
+/// One term of an explanation.
+#[derive(Debug, Clone, Serialize)]
+pub struct Term {
+    /// What changed.
+    pub term: &'static str,
+    /// Its contribution to the change in cost, micro-dollars (signed).
+    pub micros: i64,
+}
+
+/// A contributor to the change (a tenant, tag or session) and its change in cost.
+#[derive(Debug, Clone, Serialize)]
+pub struct Contributor {
+    /// Its value.
+    pub key: String,
+    /// Cost in the first week.
+    pub from_micros: i64,
+    /// Cost in the second week.
+    pub to_micros: i64,
+}
+
+/// Why the cost changed between two weeks.
+#[derive(Debug, Clone, Serialize)]
+pub struct Explanation {
+    /// First week.
+    pub from_week: String,
+    /// Second week.
+    pub to_week: String,
+    /// Cost in the first week.
+    pub from_micros: i64,
+    /// Cost in the second week.
+    pub to_micros: i64,
+    /// Terms, adding up exactly to `to_micros - from_micros`.
+    pub terms: Vec<Term>,
+    /// Largest changes by tenant, feature tag and session.
+    pub top: BTreeMap<String, Vec<Contributor>>,
+}
+
+/// Logarithmic mean, the LMDI weight.
+fn log_mean(a: f64, b: f64) -> f64 {
+    if (a - b).abs() < 1e-9 {
+        a
+    } else {
+        (a - b) / (a.ln() - b.ln())
+    }
+}
+
+/// Zero-safe log ratio (LMDI's small-value substitution).
+fn ln_ratio(a: f64, b: f64) -> f64 {
+    const EPS: f64 = 1e-9;
+    (a.max(EPS) / b.max(EPS)).ln()
+}
+
+/// Useful spend of one segment as factors: cost = N · share · billed · per-token · price.
+struct Factors {
+    share: f64,
+    billed: f64,
+    prompt: f64,
+    completion: f64,
+    input_price: f64,
+    output_price: f64,
+    input_cost: f64,
+    output_cost: f64,
+}
+
+fn factors(a: &Aggregate, useful_total: f64) -> Factors {
+    let div = |x: i64, y: i64| if y > 0 { x as f64 / y as f64 } else { 0.0 };
+    let input_cost = (a.billed_cost - a.billed_output_cost) as f64;
+    Factors {
+        share: if useful_total > 0.0 {
+            a.useful_requests as f64 / useful_total
+        } else {
+            0.0
+        },
+        billed: div(a.billed_requests, a.useful_requests),
+        prompt: div(a.billed_prompt_tokens, a.billed_requests),
+        completion: div(a.billed_completion_tokens, a.billed_requests),
+        input_price: div(a.billed_cost - a.billed_output_cost, a.billed_prompt_tokens),
+        output_price: div(a.billed_output_cost, a.billed_completion_tokens),
+        input_cost,
+        output_cost: a.billed_output_cost as f64,
+    }
+}
+
+/// Decompose the change in cost from `from` to `to` into additive terms: traffic volume,
+/// model/tier mix (segments are tenant × served model), cache hit rate (the share of requests
+/// answered by the gateway's cache), prompt length, completion length, unit price (price changes
+/// and the upstreams' prefix-cache discount), and waste (loops, retry storms, failed requests),
+/// by LMDI-I (log-mean Divisia index), which has no residual; rounding is put in `rounding`.
+pub async fn explain(
+    ledger: &dyn LedgerStore,
+    from: IsoWeek,
+    to: IsoWeek,
+    tenant: Option<&str>,
+) -> Result<Explanation, StoreError> {
+    let seg = [Dimension::Tenant, Dimension::Model];
+    let s0 = grouped(ledger, from, tenant, &seg).await?;
+    let s1 = grouped(ledger, to, tenant, &seg).await?;
+    let t0 = s0.values().fold(Aggregate::default(), add);
+    let t1 = s1.values().fold(Aggregate::default(), add);
+    let (n0, n1) = (t0.useful_requests as f64, t1.useful_requests as f64);
+    let mut effects = [0.0f64; 6]; // volume, mix, cache, prompt, completion, price
+    let mut keys: Vec<&String> = s0.keys().chain(s1.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    for key in keys {
+        let a0 = s0.get(key).copied().unwrap_or_default();
+        let a1 = s1.get(key).copied().unwrap_or_default();
+        let (f0, f1) = (factors(&a0, n0), factors(&a1, n1));
+        for (c0, c1, len0, len1, p0, p1, is_input) in [
+            (
+                f0.input_cost,
+                f1.input_cost,
+                f0.prompt,
+                f1.prompt,
+                f0.input_price,
+                f1.input_price,
+                true,
+            ),
+            (
+                f0.output_cost,
+                f1.output_cost,
+                f0.completion,
+                f1.completion,
+                f0.output_price,
+                f1.output_price,
+                false,
+            ),
+        ] {
+            if c0 <= 0.0 && c1 <= 0.0 {
+                continue;
+            }
+            let w = log_mean(c1.max(1e-9), c0.max(1e-9));
+            effects[0] += w * ln_ratio(n1, n0);
+            effects[1] += w * ln_ratio(f1.share, f0.share);
+            effects[2] += w * ln_ratio(f1.billed, f0.billed);
+            effects[if is_input { 3 } else { 4 }] += w * ln_ratio(len1, len0);
+            effects[5] += w * ln_ratio(p1, p0);
+        }
+    }
+    let names = [
+        "traffic volume",
+        "model/tier mix",
+        "cache hit rate",
+        "prompt length",
+        "completion length",
+        "unit price",
+    ];
+    let mut terms: Vec<Term> = names
+        .iter()
+        .zip(effects)
+        .map(|(term, e)| Term {
+            term,
+            micros: e.round() as i64,
+        })
+        .collect();
+    terms.push(Term {
+        term: "waste: agent loops",
+        micros: t1.waste_loops - t0.waste_loops,
+    });
+    terms.push(Term {
+        term: "waste: retry storms",
+        micros: t1.waste_retries - t0.waste_retries,
+    });
+    terms.push(Term {
+        term: "waste: failed requests",
+        micros: t1.waste_errors - t0.waste_errors,
+    });
+    let explained: i64 = terms.iter().map(|t| t.micros).sum();
+    terms.push(Term {
+        term: "rounding",
+        micros: (t1.cost - t0.cost) - explained,
+    });
+
+    let mut top = BTreeMap::new();
+    for (name, dim) in [
+        ("tenant", Dimension::Tenant),
+        ("feature", Dimension::Feature),
+        ("session", Dimension::Session),
+    ] {
+        let a = grouped(ledger, from, tenant, &[dim]).await?;
+        let b = grouped(ledger, to, tenant, &[dim]).await?;
+        let mut c: Vec<Contributor> = lines(b, a)
+            .into_iter()
+            // Untagged traffic is not a session.
+            .filter(|l| !(dim == Dimension::Session && l.key == "-"))
+            .map(|l| Contributor {
+                key: l.key,
+                from_micros: l.previous.cost,
+                to_micros: l.this.cost,
+            })
+            .collect();
+        c.sort_by_key(|x| std::cmp::Reverse((x.to_micros - x.from_micros).abs()));
+        c.truncate(5);
+        top.insert(name.to_owned(), c);
+    }
+    Ok(Explanation {
+        from_week: from.to_string(),
+        to_week: to.to_string(),
+        from_micros: t0.cost,
+        to_micros: t1.cost,
+        terms,
+        top,
+    })
+}
+
+fn add(a: Aggregate, b: &Aggregate) -> Aggregate {
+    Aggregate {
+        requests: a.requests + b.requests,
+        cost: a.cost + b.cost,
+        prompt_tokens: a.prompt_tokens + b.prompt_tokens,
+        completion_tokens: a.completion_tokens + b.completion_tokens,
+        cached_tokens: a.cached_tokens + b.cached_tokens,
+        saved: a.saved + b.saved,
+        cache_hits: a.cache_hits + b.cache_hits,
+        waste_loops: a.waste_loops + b.waste_loops,
+        waste_retries: a.waste_retries + b.waste_retries,
+        waste_errors: a.waste_errors + b.waste_errors,
+        useful_requests: a.useful_requests + b.useful_requests,
+        billed_requests: a.billed_requests + b.billed_requests,
+        billed_cost: a.billed_cost + b.billed_cost,
+        billed_output_cost: a.billed_output_cost + b.billed_output_cost,
+        billed_prompt_tokens: a.billed_prompt_tokens + b.billed_prompt_tokens,
+        billed_completion_tokens: a.billed_completion_tokens + b.billed_completion_tokens,
+    }
+}
+
+/// A repeated request at a steady cadence: an agent stuck in a loop, seen in billing data.
+#[derive(Debug, Clone, Serialize)]
+pub struct LoopFinding {
+    /// API key id.
+    pub key_id: String,
+    /// Tenant name.
+    pub tenant: String,
+    /// `session` tag, or `-`.
+    pub session: String,
+    /// The repeated request's fingerprint.
+    pub fingerprint: String,
+    /// How many times it was sent.
+    pub requests: usize,
+    /// Mean time between repeats, seconds.
+    pub mean_interval_secs: f64,
+    /// Coefficient of variation of the intervals (0 = perfectly steady).
+    pub cadence_cv: f64,
+    /// What the repeats cost.
+    pub cost_micros: i64,
+    /// First and last repeat.
+    pub first: DateTime<Utc>,
+    /// Last repeat.
+    pub last: DateTime<Utc>,
+}
+
+/// Find sessions/keys that sent the same request at least `min_repeats` times since `since`
+/// with intervals whose coefficient of variation is at most `max_cv`.
+pub async fn loops(
+    ledger: &dyn LedgerStore,
+    since: DateTime<Utc>,
+    until: DateTime<Utc>,
+    min_repeats: usize,
+    max_cv: f64,
+) -> Result<Vec<LoopFinding>, StoreError> {
+    let rows = ledger.repeats(since, until, min_repeats.max(2)).await?;
+    let mut groups: BTreeMap<(String, String, String), Vec<RepeatRow>> = BTreeMap::new();
+    for r in rows {
+        groups
+            .entry((r.key_id.clone(), r.session.clone(), r.fingerprint.clone()))
+            .or_default()
+            .push(r);
+    }
+    let mut out = Vec::new();
+    for ((key_id, session, fingerprint), mut hits) in groups {
+        hits.sort_by_key(|h| h.started_at);
+        if hits.len() < min_repeats {
+            continue;
+        }
+        let intervals: Vec<f64> = hits
+            .windows(2)
+            .map(|w| (w[1].started_at - w[0].started_at).num_milliseconds() as f64 / 1000.0)
+            .collect();
+        let mean = intervals.iter().sum::<f64>() / intervals.len() as f64;
+        let var =
+            intervals.iter().map(|i| (i - mean).powi(2)).sum::<f64>() / intervals.len() as f64;
+        let cv = if mean > 0.0 { var.sqrt() / mean } else { 0.0 };
+        if cv > max_cv {
+            continue;
+        }
+        out.push(LoopFinding {
+            tenant: hits[0].tenant.clone(),
+            key_id,
+            session,
+            fingerprint,
+            requests: hits.len(),
+            mean_interval_secs: mean,
+            cadence_cv: cv,
+            cost_micros: hits.iter().map(|h| h.cost_micros).sum(),
+            first: hits[0].started_at,
+            last: hits[hits.len() - 1].started_at,
+        });
+    }
+    out.sort_by_key(|f| std::cmp::Reverse(f.cost_micros));
+    Ok(out)
+}
+
+/// One row of a repeated request (for [`loops`]).
+#[derive(Debug, Clone)]
+pub struct RepeatRow {
+    /// API key id.
+    pub key_id: String,
+    /// Tenant name.
+    pub tenant: String,
+    /// Session tag or `-`.
+    pub session: String,
+    /// Fingerprint.
+    pub fingerprint: String,
+    /// Start time.
+    pub started_at: DateTime<Utc>,
+    /// Cost.
+    pub cost_micros: i64,
+}
+
+/// Rows whose (key, session, fingerprint) occurs at least `$3` times in `[$1, $2)`.
+pub(crate) const REPEATS_SQL: &str =
+    "SELECT l.key_id, l.tenant_name, COALESCE(l.session, '-') AS session, \
+     l.fingerprint, l.started_at, l.cost_micros FROM ledger l JOIN ( \
+       SELECT key_id, COALESCE(session, '-') AS session, fingerprint FROM ledger \
+       WHERE started_at >= $1 AND started_at < $2 \
+       GROUP BY key_id, COALESCE(session, '-'), fingerprint HAVING COUNT(*) >= $3 \
+     ) g ON g.key_id = l.key_id AND g.session = COALESCE(l.session, '-') \
+       AND g.fingerprint = l.fingerprint \
+     WHERE l.started_at >= $1 AND l.started_at < $2";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn iso_weeks_parse_and_bound() {
+        let now = Utc
+            .with_ymd_and_hms(2026, 11, 30, 12, 0, 0)
+            .single()
+            .unwrap_or_default();
+        let w = IsoWeek::parse("2026-W48", now).unwrap_or(IsoWeek { year: 0, week: 0 });
+        assert_eq!(w.to_string(), "2026-W48");
+        assert_eq!(w.start().to_rfc3339(), "2026-11-23T00:00:00+00:00");
+        assert_eq!(w.end(), IsoWeek::containing(now).start());
+        assert_eq!(w.previous().to_string(), "2026-W47");
+        assert_eq!(IsoWeek::parse("W49", now), Some(IsoWeek::containing(now)));
+        assert_eq!(IsoWeek::parse("2026-W54", now), None);
+        assert_eq!(IsoWeek::parse("yesterday", now), None);
+        assert_eq!(
+            IsoWeek {
+                year: 2027,
+                week: 1
+            }
+            .previous()
+            .to_string(),
+            "2026-W53"
+        );
+    }
+}

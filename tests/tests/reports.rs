@@ -1,0 +1,352 @@
+//! Reports over the ledger: the weekly report, the explanation of a change on a synthetic
+//! fortnight whose causes are known, loops found from billing data, and `gatewayctl report`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Duration, Utc};
+use e2e::{config, replica, Sim, StoreKind, TestApp, TestStore, ADMIN_TOKEN, BOTH};
+use gateway::ledger::report::{self, IsoWeek};
+use gateway::usage::{CacheStatus, UsageEvent, UsageSource};
+
+const W1: IsoWeek = IsoWeek {
+    year: 2026,
+    week: 46,
+};
+const W2: IsoWeek = IsoWeek {
+    year: 2026,
+    week: 47,
+};
+
+struct Row<'a> {
+    tenant: &'a str,
+    model: &'a str,
+    at: DateTime<Utc>,
+    prompt: u64,
+    completion: u64,
+    in_price: i64,
+    out_price: i64,
+    hit: bool,
+    looped: bool,
+    session: &'a str,
+    fingerprint: String,
+}
+
+fn event(i: usize, r: &Row) -> UsageEvent {
+    let (input, output) = if r.hit {
+        (0, 0)
+    } else {
+        (
+            r.prompt as i64 * r.in_price,
+            r.completion as i64 * r.out_price,
+        )
+    };
+    UsageEvent {
+        request_id: format!("{}-{i}-{}", r.tenant, r.at.timestamp_micros()),
+        started_at: r.at,
+        tenant_id: format!("ten_{}", r.tenant),
+        tenant_name: r.tenant.into(),
+        key_id: format!("key_{}", r.tenant),
+        tags: BTreeMap::from([
+            ("feature".to_owned(), format!("{}-app", r.tenant)),
+            ("session".to_owned(), r.session.to_owned()),
+        ]),
+        endpoint: "chat".into(),
+        requested_model: r.model.into(),
+        served_model: Some(r.model.into()),
+        tier: Some(
+            if r.model.ends_with("large") {
+                "large"
+            } else {
+                "small"
+            }
+            .into(),
+        ),
+        replica: Some("r1".into()),
+        prompt_tokens: r.prompt,
+        completion_tokens: r.completion,
+        cached_tokens: 0,
+        usage_source: UsageSource::Upstream,
+        status: 200,
+        error_kind: None,
+        stream: false,
+        client_disconnected: false,
+        latency_ms: 100.0,
+        ttft_ms: Some(20.0),
+        retries: 0,
+        cache_status: if r.hit {
+            CacheStatus::HitExact
+        } else {
+            CacheStatus::Miss
+        },
+        cost_micros: input + output,
+        output_cost_micros: output,
+        saved_micros: if r.hit {
+            r.prompt as i64 * r.in_price + r.completion as i64 * r.out_price
+        } else {
+            0
+        },
+        loop_flag: r.looped,
+        retry_storm_flag: false,
+        fingerprint: r.fingerprint.clone(),
+    }
+}
+
+/// Two weeks with known causes of change:
+/// - alpha (small model) doubles its prompt length;
+/// - beta (large model) sees its cache hit rate halve (50% → 25% of requests);
+/// - one beta session loops in week 2: 40 identical requests every 30 s.
+fn fortnight() -> Vec<UsageEvent> {
+    let mut rows = Vec::new();
+    for (week, alpha_prompt, beta_hits) in [(W1, 1000, 50), (W2, 2000, 25)] {
+        let start = week.start() + Duration::hours(10);
+        for i in 0..100 {
+            let at = start + Duration::minutes(i as i64 * 7);
+            rows.push(event(
+                i,
+                &Row {
+                    tenant: "alpha",
+                    model: "m-small",
+                    at,
+                    prompt: alpha_prompt,
+                    completion: 100,
+                    in_price: 1,
+                    out_price: 4,
+                    hit: false,
+                    looped: false,
+                    session: "-",
+                    fingerprint: format!("fa{i}"),
+                },
+            ));
+            rows.push(event(
+                1000 + i,
+                &Row {
+                    tenant: "beta",
+                    model: "m-large",
+                    at: at + Duration::seconds(1),
+                    prompt: 500,
+                    completion: 200,
+                    in_price: 5,
+                    out_price: 20,
+                    hit: i < beta_hits,
+                    looped: false,
+                    session: "-",
+                    fingerprint: format!("fb{i}"),
+                },
+            ));
+        }
+    }
+    let loop_start = W2.start() + Duration::days(2);
+    for i in 0..40 {
+        rows.push(event(
+            5000 + i,
+            &Row {
+                tenant: "beta",
+                model: "m-large",
+                at: loop_start + Duration::seconds(30 * i as i64),
+                prompt: 500,
+                completion: 200,
+                in_price: 5,
+                out_price: 20,
+                hit: false,
+                looped: true,
+                session: "s-loop",
+                fingerprint: "same-question".into(),
+            },
+        ));
+    }
+    rows
+}
+
+fn term(e: &report::Explanation, name: &str) -> i64 {
+    e.terms
+        .iter()
+        .find(|t| t.term == name)
+        .unwrap_or_else(|| panic!("term {name}"))
+        .micros
+}
+
+#[tokio::test]
+async fn explain_attributes_a_synthetic_fortnight_to_its_known_causes_on_both_stores() {
+    for kind in BOTH {
+        let store = TestStore::new(kind).await.unwrap();
+        let ledger = gateway::ledger::open(&store.url).await.unwrap();
+        ledger.insert(&fortnight()).await.unwrap();
+        let e = report::explain(ledger.as_ref(), W1, W2, None)
+            .await
+            .unwrap();
+        let total = e.to_micros - e.from_micros;
+        assert_eq!(
+            e.terms.iter().map(|t| t.micros).sum::<i64>(),
+            total,
+            "{kind:?}: terms add up"
+        );
+        // alpha input cost 100 × 1000 µ$ → 100 × 2000 µ$
+        assert!(
+            (term(&e, "prompt length") - 100_000).abs() <= 2,
+            "{kind:?}: {e:#?}"
+        );
+        // beta billed requests 50 → 75 at 6,500 µ$ each
+        assert!(
+            (term(&e, "cache hit rate") - 162_500).abs() <= 2,
+            "{kind:?}: {e:#?}"
+        );
+        assert_eq!(term(&e, "waste: agent loops"), 40 * 6_500);
+        for quiet in [
+            "traffic volume",
+            "model/tier mix",
+            "completion length",
+            "unit price",
+            "waste: retry storms",
+            "waste: failed requests",
+        ] {
+            assert!(
+                term(&e, quiet).abs() <= 2,
+                "{kind:?}: {quiet} should be ~0: {e:#?}"
+            );
+        }
+        assert!(term(&e, "rounding").abs() <= 5);
+        assert_eq!(e.top["tenant"][0].key, "beta");
+        assert_eq!(e.top["session"][0].key, "s-loop");
+
+        let alpha_only = report::explain(ledger.as_ref(), W1, W2, Some("alpha"))
+            .await
+            .unwrap();
+        assert_eq!(alpha_only.to_micros - alpha_only.from_micros, 100_000);
+    }
+}
+
+#[tokio::test]
+async fn the_weekly_report_sums_the_ledger_with_the_change_from_last_week() {
+    let store = TestStore::new(StoreKind::Postgres).await.unwrap();
+    let ledger = gateway::ledger::open(&store.url).await.unwrap();
+    ledger.insert(&fortnight()).await.unwrap();
+    let r = report::weekly(ledger.as_ref(), W2, None).await.unwrap();
+    assert_eq!(r.week, "2026-W47");
+    assert_eq!(r.previous_week, "2026-W46");
+    assert_eq!(r.total.this.requests, 240);
+    assert_eq!(r.total.previous.requests, 200);
+    // week 2: alpha 100 × (2000 + 400) + beta 75 × 6500 + loop 40 × 6500
+    assert_eq!(r.total.this.cost, 240_000 + 487_500 + 260_000);
+    assert_eq!(r.total.previous.cost, 140_000 + 325_000);
+    assert_eq!(r.total.this.waste_loops, 260_000);
+    assert_eq!(r.total.this.cache_hits, 25);
+    assert_eq!(r.total.this.saved, 25 * 6_500);
+    let by_tenant = &r.by["tenant"];
+    assert_eq!(by_tenant[0].key, "beta", "biggest spender first");
+    assert_eq!(by_tenant[1].this.cost, 240_000);
+    let tiers: Vec<_> = r.by["tier"].iter().map(|l| l.key.as_str()).collect();
+    assert_eq!(tiers, vec!["large", "small"]);
+    assert_eq!(r.by["feature"].len(), 2);
+}
+
+#[tokio::test]
+async fn loops_are_found_from_billing_data_alone() {
+    let store = TestStore::new(StoreKind::Sqlite).await.unwrap();
+    let ledger = gateway::ledger::open(&store.url).await.unwrap();
+    let mut rows = fortnight();
+    // The same question asked 6 times at irregular times is not a loop.
+    for (i, minutes) in [0i64, 1, 90, 95, 400, 401].into_iter().enumerate() {
+        rows.push(event(
+            9000 + i,
+            &Row {
+                tenant: "gamma",
+                model: "m-small",
+                at: W2.start() + Duration::days(3) + Duration::minutes(minutes),
+                prompt: 10,
+                completion: 10,
+                in_price: 1,
+                out_price: 1,
+                hit: false,
+                looped: false,
+                session: "s-human",
+                fingerprint: "popular".into(),
+            },
+        ));
+    }
+    ledger.insert(&rows).await.unwrap();
+    let found = report::loops(ledger.as_ref(), W2.start(), W2.end(), 5, 0.5)
+        .await
+        .unwrap();
+    assert_eq!(found.len(), 1, "{found:#?}");
+    let f = &found[0];
+    assert_eq!(
+        (f.session.as_str(), f.requests, f.tenant.as_str()),
+        ("s-loop", 40, "beta")
+    );
+    assert!((f.mean_interval_secs - 30.0).abs() < 0.01);
+    assert_eq!(f.cost_micros, 40 * 6_500);
+}
+
+#[tokio::test]
+async fn gatewayctl_prints_the_reports_as_tables_csv_and_json() {
+    let sim = Sim::zero("sim-small").await;
+    let mut c = config(
+        vec![replica("s", &sim.url, "sim-small")],
+        vec![replica("l", &sim.url, "sim-small")],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    c.ledger.spool_dir = dir.path().to_owned();
+    let store = TestStore::new(StoreKind::Sqlite).await.unwrap();
+    gateway::ledger::open(&store.url)
+        .await
+        .unwrap()
+        .insert(&fortnight())
+        .await
+        .unwrap();
+    let app = TestApp::spawn_with_ledger(c, store).await;
+    let ctl = |args: Vec<&str>| {
+        let base = app.base.clone();
+        let args: Vec<String> = args.into_iter().map(str::to_owned).collect();
+        async move {
+            let out = tokio::process::Command::new(e2e::binary("gatewayctl"))
+                .args(&args)
+                .env("GATEWAY_URL", base)
+                .env("GATEWAY_ADMIN_TOKEN", ADMIN_TOKEN)
+                .output()
+                .await
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            String::from_utf8(out.stdout).unwrap()
+        }
+    };
+    let table = ctl(vec!["report", "weekly", "--week", "2026-W47"]).await;
+    assert!(
+        table.contains("Week 2026-W47 (vs 2026-W46)")
+            && table.contains("By tenant")
+            && table.contains("beta"),
+        "{table}"
+    );
+    assert!(
+        table.contains("0.9875"),
+        "total cost $0.9875 shown: {table}"
+    );
+    let csv = ctl(vec![
+        "report", "weekly", "--week", "2026-W47", "--format", "csv",
+    ])
+    .await;
+    assert!(csv.lines().any(|l| l.starts_with("alpha,0.2400,")), "{csv}");
+    let json = ctl(vec![
+        "report", "explain", "--from", "2026-W46", "--to", "2026-W47", "--format", "json",
+    ])
+    .await;
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["to_week"], "2026-W47");
+    let explain = ctl(vec![
+        "report", "explain", "--from", "2026-W46", "--to", "2026-W47",
+    ])
+    .await;
+    assert!(
+        explain.contains("cache hit rate") && explain.contains("Top contributors by session"),
+        "{explain}"
+    );
+    let r = app
+        .admin(reqwest::Method::GET, "reports/weekly?week=yesterday", None)
+        .await;
+    assert_eq!(r.status(), 400);
+}

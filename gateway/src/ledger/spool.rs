@@ -43,6 +43,16 @@ impl Spool {
 
     /// Append rows durably (written and fsynced before returning).
     pub fn append(&self, rows: &[UsageEvent]) -> io::Result<()> {
+        self.write(rows, true)
+    }
+
+    /// Append rows without waiting for the disk (the request path's overflow: the OS has them,
+    /// and the next synced append or replay flushes them).
+    pub fn append_unsynced(&self, rows: &[UsageEvent]) -> io::Result<()> {
+        self.write(rows, false)
+    }
+
+    fn write(&self, rows: &[UsageEvent], sync: bool) -> io::Result<()> {
         if rows.is_empty() {
             return Ok(());
         }
@@ -51,21 +61,30 @@ impl Spool {
             serde_json::to_writer(&mut buf, r)?;
             buf.push(b'\n');
         }
-        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        let mut f = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.path)?;
-        f.write_all(&buf)?;
-        f.sync_data()?;
-        self.rows.fetch_add(rows.len() as u64, Ordering::AcqRel);
+        let f = {
+            // Hold the lock for the write only, so a concurrent append never waits on a disk
+            // flush; fsync after it covers every byte written to the file so far.
+            let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+            let mut f = OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&self.path)?;
+            f.write_all(&buf)?;
+            self.rows.fetch_add(rows.len() as u64, Ordering::AcqRel);
+            f
+        };
+        if sync {
+            f.sync_data()?;
+        }
         Ok(())
     }
 
     /// Every complete row in order, and the byte offset just past them. A torn last line (a
     /// crash mid-append) is left for the next read.
+    ///
+    /// Takes no lock: the file only grows between truncations, which only the (single) replayer
+    /// performs, and a line still being appended is torn and left for the next read.
     pub fn read(&self) -> io::Result<(Vec<UsageEvent>, u64)> {
-        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         let mut bytes = Vec::new();
         match File::open(&self.path) {
             Ok(mut f) => {

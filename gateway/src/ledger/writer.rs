@@ -59,7 +59,8 @@ impl UsageSink for LedgerSink {
         match self.tx.try_send(event) {
             Ok(()) => self.metrics.queue.inc(),
             Err(mpsc::error::TrySendError::Full(e) | mpsc::error::TrySendError::Closed(e)) => {
-                match self.spool.append(std::slice::from_ref(&e)) {
+                // No fsync on the request path: the writer's next spool append or replay syncs.
+                match self.spool.append_unsynced(std::slice::from_ref(&e)) {
                     Ok(()) => {
                         self.metrics.count("overflow_spooled", 1);
                         self.metrics.spooled.set(self.spool.rows() as i64);
@@ -94,14 +95,15 @@ impl LedgerWriter {
         let metrics = WriterMetrics::new(metrics);
         metrics.spooled.set(spool.rows() as i64);
         let stop = CancellationToken::new();
-        let task = Task {
+        let task = Arc::new(Task {
+            replay_lock: tokio::sync::Mutex::new(()),
             store,
             spool: Arc::clone(&spool),
             metrics: metrics.clone(),
             batch_rows: config.batch_rows,
             flush: Duration::from_millis(config.flush_ms),
             write_timeout: Duration::from_millis(config.write_timeout_ms),
-        };
+        });
         let handle = tokio::spawn(task.run(rx, stop.clone()));
         Ok((
             Arc::new(LedgerSink { tx, spool, metrics }),
@@ -117,6 +119,7 @@ impl LedgerWriter {
 }
 
 struct Task {
+    replay_lock: tokio::sync::Mutex<()>,
     store: Arc<dyn LedgerStore>,
     spool: Arc<Spool>,
     metrics: WriterMetrics,
@@ -125,10 +128,14 @@ struct Task {
     write_timeout: Duration,
 }
 
+/// Database writes in flight at once: one can be in Postgres while the next batch is built.
+const IN_FLIGHT: usize = 2;
+
 impl Task {
-    async fn run(self, mut rx: mpsc::Receiver<UsageEvent>, stop: CancellationToken) {
+    async fn run(self: Arc<Self>, mut rx: mpsc::Receiver<UsageEvent>, stop: CancellationToken) {
         let mut replay_tick = tokio::time::interval(Duration::from_secs(1));
         replay_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut inflight = tokio::task::JoinSet::new();
         loop {
             let mut batch = Vec::new();
             tokio::select! {
@@ -138,7 +145,11 @@ impl Task {
                         batch.push(e);
                     }
                     self.metrics.queue.set(0);
+                    while inflight.join_next().await.is_some() {}
                     self.write_or_spool(batch).await;
+                    if self.spool.rows() > 0 {
+                        self.replay().await;
+                    }
                     return;
                 }
                 next = rx.recv() => match next {
@@ -147,6 +158,7 @@ impl Task {
                 },
                 _ = replay_tick.tick() => {
                     if self.spool.rows() > 0 {
+                        while inflight.join_next().await.is_some() {}
                         self.replay().await;
                     }
                     continue;
@@ -160,7 +172,17 @@ impl Task {
                 }
             }
             self.metrics.queue.set(rx.len() as i64);
-            self.write_or_spool(batch).await;
+            while inflight.len() >= IN_FLIGHT {
+                inflight.join_next().await;
+            }
+            if self.spool.rows() > 0 {
+                // Rows are waiting on disk: settle what is in flight, then keep disk order.
+                while inflight.join_next().await.is_some() {}
+                self.write_or_spool(batch).await;
+            } else {
+                let task = Arc::clone(&self);
+                inflight.spawn(async move { task.write_or_spool(batch).await });
+            }
         }
     }
 
@@ -183,16 +205,28 @@ impl Task {
         }
     }
 
-    async fn write_or_spool(&self, batch: Vec<UsageEvent>) {
+    /// Write `batch` (in chunks of `batch_rows`), or spool what could not be written. While the
+    /// spool holds rows, it is replayed first and new rows queue behind it on disk.
+    async fn write_or_spool(&self, mut batch: Vec<UsageEvent>) {
         if batch.is_empty() {
             return;
         }
         if self.spool.rows() > 0 {
             self.replay().await;
         }
-        if self.spool.rows() == 0 && self.write(&batch).await {
-            self.metrics.count("written", batch.len());
-            return;
+        if self.spool.rows() == 0 {
+            let mut written = 0;
+            for chunk in batch.chunks(self.batch_rows) {
+                if !self.write(chunk).await {
+                    break;
+                }
+                written += chunk.len();
+            }
+            self.metrics.count("written", written);
+            if written == batch.len() {
+                return;
+            }
+            batch.drain(..written);
         }
         self.to_spool(batch).await;
     }
@@ -213,8 +247,10 @@ impl Task {
         self.metrics.spooled.set(self.spool.rows() as i64);
     }
 
-    /// Replay the spool in order; drop what was written.
+    /// Replay the spool in order; drop what was written. One replay at a time (the truncation
+    /// offset must come from the read it follows).
     async fn replay(&self) {
+        let _one_at_a_time = self.replay_lock.lock().await;
         let spool = Arc::clone(&self.spool);
         let Ok(Ok((rows, offset))) = tokio::task::spawn_blocking(move || spool.read()).await else {
             tracing::error!("ledger spool unreadable");

@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/services.sh
+# The dashboard test loads the page in headless Chromium (it fails, not skips, without one).
+command -v chromium >/dev/null || command -v chromium-browser >/dev/null \
+  || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check \
   -r tests/python/requirements.txt
 

@@ -21,7 +21,11 @@ use sqlx::Connection;
 
 fn event(i: u64, week: IsoWeek) -> UsageEvent {
     let tenant = format!("tenant-{}", i % 50);
-    let model = if i.is_multiple_of(4) { "large" } else { "small" };
+    let model = if i.is_multiple_of(4) {
+        "large"
+    } else {
+        "small"
+    };
     let prompt = 200 + (i * 7919) % 3000;
     let completion = 20 + (i * 104_729) % 400;
     let hit = i.is_multiple_of(10);

@@ -154,8 +154,9 @@ pub fn redact_url(url: &str) -> String {
 /// 2. `TraceLayer`: one span per request (method, path) for logs;
 /// 3. `PropagateRequestIdLayer`: copies `x-request-id` onto the response;
 /// 4. per route group: `/v1/*` requires a tenant API key (`middleware::auth::require_api_key` puts the
-///    resolved key in the request extensions); `/admin/v1/*` requires the admin token
-///    (`middleware::auth::require_admin`).
+///    resolved key in the request extensions); `/admin/v1/*` and `GET /dashboard` (the HTML cost
+///    dashboard) require the admin token (`middleware::auth::require_admin`: bearer, or HTTP
+///    Basic auth with the token as password, so a browser can open the dashboard).
 ///
 /// Unauthenticated allowlist: `GET /healthz`, `GET /readyz`, `GET /metrics`.
 /// Body size limits are enforced in the handlers (`server.max_body_bytes`, 413 in OpenAI shape).
@@ -197,6 +198,7 @@ pub fn build_router(state: AppState) -> Router {
             get(routes::admin::explain_report),
         )
         .route("/admin/v1/reports/loops", get(routes::admin::loops_report))
+        .route("/dashboard", get(routes::dashboard::dashboard))
         .route(
             "/admin/v1/prices",
             post(routes::admin::set_price).get(routes::admin::list_prices),

@@ -49,3 +49,31 @@ CREATE TABLE ledger (
 ) PARTITION BY RANGE (started_at);
 CREATE TABLE ledger_default PARTITION OF ledger DEFAULT;
 CREATE INDEX ledger_tenant_time ON ledger (tenant_id, started_at);
+
+-- Daily rollup of the ledger for the reports: one row per (UTC day, tenant, model, tier, feature),
+-- maintained by the ledger writer from the rows it actually inserted (a replayed row adds nothing).
+-- Columns mirror the report's aggregate definitions (gateway/src/ledger/report.rs).
+CREATE TABLE ledger_daily (
+    day                      DATE NOT NULL,
+    tenant_name              TEXT NOT NULL,
+    model                    TEXT NOT NULL,
+    tier                     TEXT NOT NULL,
+    feature                  TEXT NOT NULL,
+    requests                 BIGINT NOT NULL,
+    cost                     BIGINT NOT NULL,
+    prompt_tokens            BIGINT NOT NULL,
+    completion_tokens        BIGINT NOT NULL,
+    cached_tokens            BIGINT NOT NULL,
+    saved                    BIGINT NOT NULL,
+    cache_hits               BIGINT NOT NULL,
+    waste_loops              BIGINT NOT NULL,
+    waste_retries            BIGINT NOT NULL,
+    waste_errors             BIGINT NOT NULL,
+    useful_requests          BIGINT NOT NULL,
+    billed_requests          BIGINT NOT NULL,
+    billed_cost              BIGINT NOT NULL,
+    billed_output_cost       BIGINT NOT NULL,
+    billed_prompt_tokens     BIGINT NOT NULL,
+    billed_completion_tokens BIGINT NOT NULL,
+    PRIMARY KEY (day, tenant_name, model, tier, feature)
+);

@@ -44,3 +44,31 @@ CREATE TABLE ledger (
 );
 CREATE INDEX ledger_time ON ledger (started_at);
 CREATE INDEX ledger_tenant_time ON ledger (tenant_id, started_at);
+
+-- Daily rollup of the ledger for the reports: one row per (UTC day, tenant, model, tier, feature),
+-- maintained by the ledger writer from the rows it actually inserted (a replayed row adds nothing).
+-- Columns mirror the report's aggregate definitions (gateway/src/ledger/report.rs).
+CREATE TABLE ledger_daily (
+    day                      TEXT NOT NULL,
+    tenant_name              TEXT NOT NULL,
+    model                    TEXT NOT NULL,
+    tier                     TEXT NOT NULL,
+    feature                  TEXT NOT NULL,
+    requests                 INTEGER NOT NULL,
+    cost                     INTEGER NOT NULL,
+    prompt_tokens            INTEGER NOT NULL,
+    completion_tokens        INTEGER NOT NULL,
+    cached_tokens            INTEGER NOT NULL,
+    saved                    INTEGER NOT NULL,
+    cache_hits               INTEGER NOT NULL,
+    waste_loops              INTEGER NOT NULL,
+    waste_retries            INTEGER NOT NULL,
+    waste_errors             INTEGER NOT NULL,
+    useful_requests          INTEGER NOT NULL,
+    billed_requests          INTEGER NOT NULL,
+    billed_cost              INTEGER NOT NULL,
+    billed_output_cost       INTEGER NOT NULL,
+    billed_prompt_tokens     INTEGER NOT NULL,
+    billed_completion_tokens INTEGER NOT NULL,
+    PRIMARY KEY (day, tenant_name, model, tier, feature)
+);

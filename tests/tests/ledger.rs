@@ -86,6 +86,29 @@ async fn every_usage_field_lands_in_the_ledger_and_replays_are_no_ops_on_both_st
         assert_eq!(by_id("req-1"), rows[0], "{kind:?}");
         assert_eq!(by_id("req-2"), rows[1], "{kind:?}");
         assert_eq!(ledger.count().await.unwrap(), 2);
+        // The daily rollup counted each row once despite the replay, and agrees with the rows.
+        use gateway::ledger::report::Dimension;
+        let day = Utc::now()
+            .date_naive()
+            .and_hms_opt(0, 0, 0)
+            .unwrap()
+            .and_utc();
+        let next = day + chrono::Duration::days(1);
+        let rollup = ledger
+            .aggregate(day, next, None, &[Dimension::Tenant])
+            .await
+            .unwrap();
+        let raw = ledger
+            .aggregate(
+                day + chrono::Duration::microseconds(1),
+                next,
+                None,
+                &[Dimension::Tenant],
+            )
+            .await
+            .unwrap();
+        assert_eq!(rollup, raw, "{kind:?}");
+        assert_eq!(rollup[0].1.requests, 2);
     }
 }
 

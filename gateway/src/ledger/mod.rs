@@ -51,14 +51,26 @@ pub trait LedgerStore: Send + Sync + 'static {
 /// Body of [`LedgerStore::aggregate`], identical for both stores.
 macro_rules! aggregate_body {
     ($pool:expr, $from:expr, $to:expr, $tenant:expr, $group:expr) => {{
-        let sql = $crate::ledger::report::aggregate_sql($group, $tenant.is_some());
-        let mut q = sqlx::query(&sql).bind($from).bind($to);
+        use $crate::ledger::report as r;
+        // Whole days on rollup dimensions come from the daily rollup; anything else from rows.
+        let rollup = r::rollup_covers($group, $from, $to);
+        let sql = if rollup {
+            r::rollup_sql($group, $tenant.is_some())
+        } else {
+            r::aggregate_sql($group, $tenant.is_some())
+        };
+        let q = sqlx::query(&sql);
+        let mut q = if rollup {
+            q.bind($from.date_naive()).bind($to.date_naive())
+        } else {
+            q.bind($from).bind($to)
+        };
         if let Some(t) = $tenant {
             q = q.bind(t);
         }
         let rows = q.fetch_all($pool).await?;
         rows.iter()
-            .map(|r| $crate::ledger::report::decode_aggregate!(r))
+            .map(|row| $crate::ledger::report::decode_aggregate!(row))
             .collect()
     }};
 }

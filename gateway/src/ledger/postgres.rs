@@ -91,16 +91,20 @@ impl LedgerStore for PostgresLedger {
                 rows.iter().map($f).collect::<Vec<_>>()
             };
         }
+        // One statement: insert the new rows, add exactly those to the daily rollup, count them.
+        let rollup =
+            super::report::rollup_upsert_sql("(started_at AT TIME ZONE 'UTC')::date", "ins");
         let sql = format!(
-            "INSERT INTO ledger ({COLUMNS}) SELECT * FROM UNNEST(\
+            "WITH ins AS (INSERT INTO ledger ({COLUMNS}) SELECT * FROM UNNEST(\
              $1::text[], $2::timestamptz[], $3::text[], $4::text[], $5::text[], $6::text[], \
              $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[], \
              $13::text[], $14::text[], $15::int8[], $16::int8[], $17::int8[], $18::text[], \
              $19::int8[], $20::int8[], $21::int8[], $22::text[], $23::int4[], $24::text[], \
              $25::bool[], $26::bool[], $27::float8[], $28::float8[], $29::int4[], $30::bool[], \
-             $31::bool[], $32::text[]) ON CONFLICT DO NOTHING"
+             $31::bool[], $32::text[]) ON CONFLICT DO NOTHING RETURNING *), \
+             up AS ({rollup}) SELECT COUNT(*) FROM ins"
         );
-        let result = sqlx::query(&sql)
+        let inserted: i64 = sqlx::query_scalar(&sql)
             .bind(col!(|e| e.request_id.clone()))
             .bind(col!(|e| e.started_at))
             .bind(col!(|e| e.tenant_id.clone()))
@@ -133,9 +137,9 @@ impl LedgerStore for PostgresLedger {
             .bind(col!(|e| e.loop_flag))
             .bind(col!(|e| e.retry_storm_flag))
             .bind(col!(|e| e.fingerprint.clone()))
-            .execute(&self.pool)
+            .fetch_one(&self.pool)
             .await?;
-        Ok(result.rows_affected())
+        Ok(u64::try_from(inserted).unwrap_or(0))
     }
 
     async fn rows_between(

@@ -92,66 +92,141 @@ impl Aggregate {
 const WASTE: &str = "(loop_flag OR retry_storm_flag OR status >= 400)";
 const HIT: &str = "cache_status IN ('hit_exact', 'hit_semantic')";
 
-/// The aggregate query both stores run: `$1 <= started_at < $2`, optionally `tenant_name = $3`,
-/// grouped by `group` (joined with `|` into one key column).
-pub(crate) fn aggregate_sql(group: &[Dimension], tenant_filter: bool) -> String {
-    let key = if group.is_empty() {
+/// Every measure of [`Aggregate`] as (column name, SQL over raw ledger rows). The one place
+/// these definitions live: the raw aggregate and the daily rollup both use them.
+fn measures() -> Vec<(&'static str, String)> {
+    let when = |cond: &str, value: &str| format!("CASE WHEN {cond} THEN {value} ELSE 0 END");
+    let billed = format!("NOT {WASTE} AND NOT ({HIT})");
+    vec![
+        ("requests", "1".to_owned()),
+        ("cost", "cost_micros".to_owned()),
+        ("prompt_tokens", "prompt_tokens".to_owned()),
+        ("completion_tokens", "completion_tokens".to_owned()),
+        ("cached_tokens", "cached_tokens".to_owned()),
+        ("saved", "saved_micros".to_owned()),
+        ("cache_hits", when(HIT, "1")),
+        ("waste_loops", when("loop_flag", "cost_micros")),
+        (
+            "waste_retries",
+            when("retry_storm_flag AND NOT loop_flag", "cost_micros"),
+        ),
+        (
+            "waste_errors",
+            when(
+                "status >= 400 AND NOT loop_flag AND NOT retry_storm_flag",
+                "cost_micros",
+            ),
+        ),
+        ("useful_requests", when(&format!("NOT {WASTE}"), "1")),
+        ("billed_requests", when(&billed, "1")),
+        ("billed_cost", when(&billed, "cost_micros")),
+        ("billed_output_cost", when(&billed, "output_cost_micros")),
+        ("billed_prompt_tokens", when(&billed, "prompt_tokens")),
+        (
+            "billed_completion_tokens",
+            when(&billed, "completion_tokens"),
+        ),
+    ]
+}
+
+fn sum(expr: &str) -> String {
+    format!("CAST(COALESCE(SUM({expr}), 0) AS BIGINT)")
+}
+
+fn key_sql(group: &[Dimension], column: fn(Dimension) -> &'static str) -> String {
+    if group.is_empty() {
         "''".to_owned()
     } else {
         group
             .iter()
-            .map(|d| d.sql())
+            .map(|d| column(*d))
             .collect::<Vec<_>>()
             .join(" || '|' || ")
-    };
-    let sum = |expr: &str| format!("CAST(COALESCE(SUM({expr}), 0) AS BIGINT)");
-    let when = |cond: &str, value: &str| sum(&format!("CASE WHEN {cond} THEN {value} ELSE 0 END"));
-    let billed = format!("NOT {WASTE} AND NOT ({HIT})");
-    let columns = [
-        format!("{key} AS key"),
-        "CAST(COUNT(*) AS BIGINT) AS requests".to_owned(),
-        format!("{} AS cost", sum("cost_micros")),
-        format!("{} AS prompt_tokens", sum("prompt_tokens")),
-        format!("{} AS completion_tokens", sum("completion_tokens")),
-        format!("{} AS cached_tokens", sum("cached_tokens")),
-        format!("{} AS saved", sum("saved_micros")),
-        format!("{} AS cache_hits", when(HIT, "1")),
-        format!("{} AS waste_loops", when("loop_flag", "cost_micros")),
-        format!(
-            "{} AS waste_retries",
-            when("retry_storm_flag AND NOT loop_flag", "cost_micros")
-        ),
-        format!(
-            "{} AS waste_errors",
-            when(
-                "status >= 400 AND NOT loop_flag AND NOT retry_storm_flag",
-                "cost_micros"
-            )
-        ),
-        format!("{} AS useful_requests", when(&format!("NOT {WASTE}"), "1")),
-        format!("{} AS billed_requests", when(&billed, "1")),
-        format!("{} AS billed_cost", when(&billed, "cost_micros")),
-        format!(
-            "{} AS billed_output_cost",
-            when(&billed, "output_cost_micros")
-        ),
-        format!("{} AS billed_prompt_tokens", when(&billed, "prompt_tokens")),
-        format!(
-            "{} AS billed_completion_tokens",
-            when(&billed, "completion_tokens")
-        ),
-    ];
-    let mut sql = format!(
-        "SELECT {} FROM ledger WHERE started_at >= $1 AND started_at < $2",
-        columns.join(", ")
-    );
+    }
+}
+
+fn grouped_select(key: &str, measures: &[String], from: &str, tenant_filter: bool) -> String {
+    let mut sql = format!("SELECT {key} AS key, {} FROM {from}", measures.join(", "));
     if tenant_filter {
         sql.push_str(" AND tenant_name = $3");
     }
-    if !group.is_empty() {
+    if key != "''" {
         sql.push_str(&format!(" GROUP BY {key}"));
     }
     sql
+}
+
+/// The aggregate over raw rows both stores run: `$1 <= started_at < $2`, optionally
+/// `tenant_name = $3`, grouped by `group` (joined with `|` into one key column).
+pub(crate) fn aggregate_sql(group: &[Dimension], tenant_filter: bool) -> String {
+    let cols: Vec<String> = measures()
+        .into_iter()
+        .map(|(name, expr)| format!("{} AS {name}", sum(&expr)))
+        .collect();
+    grouped_select(
+        &key_sql(group, Dimension::sql),
+        &cols,
+        "ledger WHERE started_at >= $1 AND started_at < $2",
+        tenant_filter,
+    )
+}
+
+impl Dimension {
+    /// The rollup's column for this dimension, if the rollup keeps it.
+    fn rollup_column(self) -> Option<&'static str> {
+        match self {
+            Self::Tenant => Some("tenant_name"),
+            Self::Model => Some("model"),
+            Self::Tier => Some("tier"),
+            Self::Feature => Some("feature"),
+            Self::Session | Self::Key => None,
+        }
+    }
+}
+
+/// Whether `group` can be answered from the daily rollup for `[from, to)`.
+pub(crate) fn rollup_covers(group: &[Dimension], from: DateTime<Utc>, to: DateTime<Utc>) -> bool {
+    let midnight = |t: DateTime<Utc>| t.time() == chrono::NaiveTime::MIN;
+    midnight(from) && midnight(to) && group.iter().all(|d| d.rollup_column().is_some())
+}
+
+/// The same aggregate from the daily rollup: `$1 <= day < $2` (dates), optionally `$3` tenant.
+pub(crate) fn rollup_sql(group: &[Dimension], tenant_filter: bool) -> String {
+    let cols: Vec<String> = measures()
+        .into_iter()
+        .map(|(name, _)| format!("{} AS {name}", sum(name)))
+        .collect();
+    grouped_select(
+        &key_sql(group, |d| d.rollup_column().unwrap_or("''")),
+        &cols,
+        "ledger_daily WHERE day >= $1 AND day < $2",
+        tenant_filter,
+    )
+}
+
+/// Add the rows of `source` (raw ledger rows; a table, CTE or filtered subquery) to the daily
+/// rollup. `day` is the dialect's expression for the UTC day of `started_at`. Keys are upserted
+/// in a fixed order so concurrent writers lock rollup rows in the same order.
+pub(crate) fn rollup_upsert_sql(day: &str, source: &str) -> String {
+    let ms = measures();
+    let names: Vec<&str> = ms.iter().map(|(n, _)| *n).collect();
+    let sums: Vec<String> = ms.iter().map(|(_, e)| sum(e)).collect();
+    let updates: Vec<String> = names
+        .iter()
+        .map(|n| format!("{n} = ledger_daily.{n} + excluded.{n}"))
+        .collect();
+    format!(
+        "INSERT INTO ledger_daily (day, tenant_name, model, tier, feature, {}) \
+         SELECT {day}, tenant_name, {}, {}, {}, {} FROM {source} \
+         GROUP BY 1, 2, 3, 4, 5 ORDER BY 1, 2, 3, 4, 5 \
+         ON CONFLICT (day, tenant_name, model, tier, feature) DO UPDATE SET {}",
+        names.join(", "),
+        Dimension::Model.sql(),
+        Dimension::Tier.sql(),
+        Dimension::Feature.sql(),
+        sums.join(", "),
+        updates.join(", ")
+    )
 }
 
 /// Decode one aggregate row (same code for both drivers).

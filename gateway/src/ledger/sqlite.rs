@@ -42,10 +42,14 @@ impl LedgerStore for SqliteLedger {
              ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, \
              $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32)"
         );
+        let rollup = super::report::rollup_upsert_sql(
+            "substr(started_at, 1, 10)",
+            "ledger WHERE request_id = $1",
+        );
         let mut tx = self.pool.begin().await?;
         let mut inserted = 0;
         for e in rows {
-            inserted += sqlx::query(&sql)
+            let new = sqlx::query(&sql)
                 .bind(&e.request_id)
                 .bind(e.started_at)
                 .bind(&e.tenant_id)
@@ -81,6 +85,14 @@ impl LedgerStore for SqliteLedger {
                 .execute(&mut *tx)
                 .await?
                 .rows_affected();
+            if new > 0 {
+                // Only a row stored now counts in the rollup (a replayed one was ignored above).
+                sqlx::query(&rollup)
+                    .bind(&e.request_id)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            inserted += new;
         }
         tx.commit().await?;
         Ok(inserted)

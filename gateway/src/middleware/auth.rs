@@ -1,10 +1,13 @@
-//! Authentication: tenant API keys for `/v1`, the admin token for `/admin/v1`. Deny by default:
-//! only the routes named in `build_router`'s allowlist skip these layers.
+//! Authentication: tenant API keys for `/v1`, the admin token for `/admin/v1` and `/dashboard`.
+//! Deny by default: only the routes named in `build_router`'s allowlist skip these layers.
 
 use axum::extract::{Request, State};
-use axum::http::header::AUTHORIZATION;
+use axum::http::header::{AUTHORIZATION, WWW_AUTHENTICATE};
+use axum::http::HeaderValue;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use base64::engine::general_purpose::STANDARD;
+use base64::Engine as _;
 use secrecy::ExposeSecret;
 use subtle::ConstantTimeEq;
 
@@ -36,8 +39,30 @@ pub async fn require_api_key(
     }
 }
 
-/// Compare the bearer token with `admin.token` in constant time; 403 when no token is configured,
-/// 401 when it does not match.
+/// The realm browsers show when they prompt for the dashboard's credentials.
+const DASHBOARD_REALM: &str = "Basic realm=\"llm-gateway\"";
+
+/// The admin token a request presents: `Authorization: Bearer <token>`, or HTTP Basic auth
+/// whose password is the token (any user name), so a browser can open `/dashboard`.
+fn admin_credential(req: &Request) -> Option<String> {
+    let value = authorization(req)?;
+    if let Some(token) = value.strip_prefix("Bearer ") {
+        return Some(token.to_owned());
+    }
+    let (scheme, encoded) = value.split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("basic") {
+        return None;
+    }
+    let decoded = STANDARD.decode(encoded.trim()).ok()?;
+    let decoded = String::from_utf8(decoded).ok()?;
+    decoded
+        .split_once(':')
+        .map(|(_user, password)| password.to_owned())
+}
+
+/// Compare the presented admin token (bearer, or the password of HTTP Basic auth) with
+/// `admin.token` in constant time; 403 when no token is configured, 401 when it does not match.
+/// Under `/dashboard` the 401 carries `WWW-Authenticate: Basic` so browsers prompt for it.
 pub async fn require_admin(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let Some(expected) = &state.config.admin.token else {
         return ApiError::Forbidden(
@@ -45,15 +70,19 @@ pub async fn require_admin(State(state): State<AppState>, req: Request, next: Ne
         )
         .into_response();
     };
-    let presented = authorization(&req)
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
+    let presented = admin_credential(&req).unwrap_or_default();
     let ok: bool = presented
         .as_bytes()
         .ct_eq(expected.expose_secret().as_bytes())
         .into();
     if !ok {
-        return ApiError::Unauthorized("invalid admin token".into()).into_response();
+        let mut response = ApiError::Unauthorized("invalid admin token".into()).into_response();
+        if req.uri().path().starts_with("/dashboard") {
+            response
+                .headers_mut()
+                .insert(WWW_AUTHENTICATE, HeaderValue::from_static(DASHBOARD_REALM));
+        }
+        return response;
     }
     next.run(req).await
 }

@@ -265,14 +265,20 @@ pub struct ReportQuery {
     min_repeats: Option<usize>,
 }
 
-fn ledger(state: &AppState) -> Result<&dyn LedgerStore, ApiError> {
+/// The ledger, or 404 when it is disabled.
+pub(crate) fn ledger(state: &AppState) -> Result<&dyn LedgerStore, ApiError> {
     state
         .ledger
         .as_deref()
         .ok_or_else(|| ApiError::NotFound("the ledger is disabled (ledger.enabled = false)".into()))
 }
 
-fn week(param: &str, value: Option<&str>, default: IsoWeek) -> Result<IsoWeek, ApiError> {
+/// Parse the ISO week in query parameter `param` (400 naming it when malformed).
+pub(crate) fn week(
+    param: &str,
+    value: Option<&str>,
+    default: IsoWeek,
+) -> Result<IsoWeek, ApiError> {
     match value {
         None => Ok(default),
         Some(v) => IsoWeek::parse(v, chrono::Utc::now()).ok_or_else(|| {

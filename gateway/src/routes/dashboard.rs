@@ -1,0 +1,401 @@
+//! `GET /dashboard`: this week's cost by tenant, model and tier, and why it changed since last
+//! week, as one self-contained HTML page (inline CSS and inline SVG: no scripts, fonts or
+//! external resources), so every deployment, the embedded SQLite one included, has a dashboard.
+//!
+//! Behind the admin token (bearer, or HTTP Basic auth with the token as password so a browser
+//! can open it). Money is shown exactly: micro-dollars as USD with 6 decimals (`$1234.567890`).
+
+use axum::extract::{Query, State};
+use axum::http::header::{CACHE_CONTROL, CONTENT_SECURITY_POLICY, CONTENT_TYPE};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+
+use crate::app::AppState;
+use crate::error::ApiError;
+use crate::ledger::report::{self, Aggregate, Explanation, IsoWeek, ReportLine, WeeklyReport};
+use crate::routes::admin::{ledger, week};
+
+/// The page may load nothing: inline styles and `data:` images only.
+pub const CSP: &str = "default-src 'none'; style-src 'unsafe-inline'; img-src data:";
+
+/// Width of the bars' area in the charts, in SVG user units.
+const BAR_AREA: f64 = 560.0;
+/// Width of the label column left of the bars.
+const LABEL_WIDTH: f64 = 220.0;
+/// Height of one chart row.
+const ROW: u32 = 28;
+
+/// Query of `GET /dashboard`.
+#[derive(Deserialize)]
+pub struct DashboardQuery {
+    /// ISO week (`2026-W48`); default: the current week.
+    week: Option<String>,
+    /// Restrict to one tenant (name).
+    tenant: Option<String>,
+}
+
+/// `GET /dashboard[?week=2026-W48][&tenant=…]`: the weekly report and its explanation as HTML.
+pub async fn dashboard(
+    State(state): State<AppState>,
+    Query(q): Query<DashboardQuery>,
+) -> Result<Response, ApiError> {
+    let now = chrono::Utc::now();
+    let w = week("week", q.week.as_deref(), IsoWeek::containing(now))?;
+    let tenant = q.tenant.as_deref().filter(|t| !t.is_empty());
+    let store = ledger(&state)?;
+    let weekly = report::weekly(store, w, tenant).await?;
+    let explanation = report::explain(store, w.previous(), w, tenant).await?;
+    let html = render(&weekly, &explanation, w, tenant, now);
+    Ok((
+        [
+            (CONTENT_TYPE, "text/html; charset=utf-8"),
+            (CONTENT_SECURITY_POLICY, CSP),
+            (CACHE_CONTROL, "no-store"),
+        ],
+        html,
+    )
+        .into_response())
+}
+
+/// Escape text for HTML element content and (double- or single-quoted) attribute values.
+pub fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Percent-encode a query parameter value (unreserved characters pass).
+fn url_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Micro-dollars as exact USD with 6 decimals: `$1234.567890`, `-$0.000100`.
+pub fn usd(micros: i64) -> String {
+    let sign = if micros < 0 { "-" } else { "" };
+    let abs = micros.unsigned_abs();
+    format!("{sign}${}.{:06}", abs / 1_000_000, abs % 1_000_000)
+}
+
+/// A signed change in micro-dollars: `+$0.100000`, `-$0.100000`, `$0.000000`.
+fn usd_change(micros: i64) -> String {
+    if micros > 0 {
+        format!("+{}", usd(micros))
+    } else {
+        usd(micros)
+    }
+}
+
+/// Relative change, `+12.5%`; `new` when there was nothing before.
+fn percent(this: i64, previous: i64) -> String {
+    match (this, previous) {
+        (0, 0) => "0.0%".to_owned(),
+        (_, 0) => "new".to_owned(),
+        _ => format!(
+            "{:+.1}%",
+            (this - previous) as f64 * 100.0 / previous.abs() as f64
+        ),
+    }
+}
+
+/// Cost per 1,000 requests, micro-dollars (rounded to the nearest micro-dollar).
+fn per_thousand(a: &Aggregate) -> i64 {
+    if a.requests <= 0 {
+        return 0;
+    }
+    let v = (i128::from(a.cost) * 1000 + i128::from(a.requests) / 2) / i128::from(a.requests);
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// Render the whole page.
+fn render(
+    r: &WeeklyReport,
+    e: &Explanation,
+    w: IsoWeek,
+    tenant: Option<&str>,
+    now: chrono::DateTime<chrono::Utc>,
+) -> String {
+    let scope = tenant.map_or(String::new(), |t| format!(" — tenant {}", escape(t)));
+    let link = |target: IsoWeek| {
+        let mut href = format!("?week={target}");
+        if let Some(t) = tenant {
+            href.push_str(&format!("&tenant={}", url_encode(t)));
+        }
+        escape(&href)
+    };
+    let next = IsoWeek::containing(w.end());
+    let next_link = if next.start() <= now {
+        format!(r#" · <a href="{}">{next} →</a>"#, link(next))
+    } else {
+        String::new()
+    };
+    let mut html = format!(
+        r#"<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="{csp}">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>LLM gateway — cost {week}</title>
+<style>{STYLE}</style>
+</head>
+<body>
+<header>
+<h1>Cost dashboard <span class="week">{week}</span>{scope}</h1>
+<p class="nav">compared with {previous} · <a href="{prev_link}">← {previous}</a>{next_link}</p>
+</header>
+"#,
+        csp = escape(CSP),
+        week = escape(&r.week),
+        previous = escape(&r.previous_week),
+        prev_link = link(w.previous()),
+    );
+    html.push_str(&headline(&r.total));
+    for (dim, title, color) in [
+        ("tenant", "Cost by tenant", "#4f6df5"),
+        ("model", "Cost by model", "#16a34a"),
+        ("tier", "Cost by tier", "#d97706"),
+    ] {
+        let lines = r.by.get(dim).map(Vec::as_slice).unwrap_or_default();
+        html.push_str(&chart(dim, title, color, lines));
+    }
+    html.push_str(&explanation(e));
+    html.push_str(
+        "<footer>Amounts are exact: the ledger's micro-dollars shown as USD with 6 decimals. \
+         Weeks are ISO weeks, Monday 00:00 UTC.</footer>\n</body>\n</html>\n",
+    );
+    html
+}
+
+/// The headline numbers with the change from last week.
+fn headline(total: &ReportLine) -> String {
+    let (a, b) = (&total.this, &total.previous);
+    let mut out = String::from("<section class=\"headline\">\n");
+    out.push_str(&card_money("cost", "Cost", a.cost, b.cost));
+    out.push_str(&format!(
+        r#"<div class="card" id="headline-requests" data-value="{this}"><div class="label">Requests</div><div class="value">{this}</div><div class="change">{delta:+} ({pct}) vs {previous}</div></div>
+"#,
+        this = a.requests,
+        previous = b.requests,
+        delta = a.requests - b.requests,
+        pct = percent(a.requests, b.requests),
+    ));
+    out.push_str(&card_money(
+        "cost-per-1k",
+        "Cost per 1k requests",
+        per_thousand(a),
+        per_thousand(b),
+    ));
+    out.push_str(&card_money("saved", "Cache savings", a.saved, b.saved));
+    out.push_str(&card_money("waste", "Waste", a.waste(), b.waste()));
+    out.push_str("</section>\n");
+    out
+}
+
+/// One headline card for an amount of money.
+fn card_money(id: &str, label: &str, this: i64, previous: i64) -> String {
+    format!(
+        r#"<div class="card" id="headline-{id}" data-cost-micros="{this}"><div class="label">{label}</div><div class="value">{value}</div><div class="change">{delta} ({pct}) vs {prev}</div></div>
+"#,
+        value = usd(this),
+        delta = usd_change(this - previous),
+        pct = percent(this, previous),
+        prev = usd(previous),
+    )
+}
+
+/// A horizontal bar chart (one `<rect>` per line, width proportional to this week's cost) and a
+/// table of the exact amounts under it.
+fn chart(dim: &str, title: &str, color: &str, lines: &[ReportLine]) -> String {
+    let max = lines.iter().map(|l| l.this.cost).max().unwrap_or(0).max(0);
+    let rows = u32::try_from(lines.len()).unwrap_or(u32::MAX).max(1);
+    let height = rows * ROW + 8;
+    let width = LABEL_WIDTH + BAR_AREA + 140.0;
+    let mut out = format!(
+        r#"<section class="chart" id="by-{dim}">
+<h2>{title}</h2>
+<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" aria-label="{title}">
+"#
+    );
+    if lines.is_empty() {
+        out.push_str(
+            r##"<text x="0" y="20" fill="#6b7280">No spend recorded this week.</text>
+"##,
+        );
+    }
+    for (i, l) in (0u32..).zip(lines) {
+        let y = i * ROW + 4;
+        let cost = l.this.cost.max(0);
+        let bar = if max > 0 {
+            cost as f64 / max as f64 * BAR_AREA
+        } else {
+            0.0
+        };
+        let key = escape(&l.key);
+        let label = escape(&shorten(&l.key, 30));
+        out.push_str(&format!(
+            r##"<g class="row"><text x="{lx}" y="{ty}" text-anchor="end" class="key">{label}</text><rect x="{LABEL_WIDTH}" y="{y}" width="{bar:.2}" height="20" rx="3" fill="{color}" data-key="{key}" data-cost-micros="{cost}"><title>{key}: {amount} ({requests} requests)</title></rect><text x="{vx:.2}" y="{ty}" class="amount">{amount}</text></g>
+"##,
+            lx = LABEL_WIDTH - 8.0,
+            ty = y + 15,
+            amount = usd(l.this.cost),
+            requests = l.this.requests,
+            vx = LABEL_WIDTH + bar + 6.0,
+        ));
+    }
+    out.push_str("</svg>\n");
+    out.push_str(&format!(
+        r#"<table class="amounts" id="table-{dim}">
+<thead><tr><th>{dim}</th><th>This week</th><th>Last week</th><th>Change</th><th>Requests</th><th>Waste</th></tr></thead>
+<tbody>
+"#
+    ));
+    for l in lines {
+        out.push_str(&format!(
+            r#"<tr data-key="{key}" data-cost-micros="{cost}"><td>{key}</td><td class="num">{this}</td><td class="num">{prev}</td><td class="num">{delta} ({pct})</td><td class="num">{requests}</td><td class="num">{waste}</td></tr>
+"#,
+            key = escape(&l.key),
+            cost = l.this.cost,
+            this = usd(l.this.cost),
+            prev = usd(l.previous.cost),
+            delta = usd_change(l.this.cost - l.previous.cost),
+            pct = percent(l.this.cost, l.previous.cost),
+            requests = l.this.requests,
+            waste = usd(l.this.waste()),
+        ));
+    }
+    out.push_str("</tbody>\n</table>\n</section>\n");
+    out
+}
+
+/// The week-over-week explanation: terms adding up to the change, and the largest contributors.
+fn explanation(e: &Explanation) -> String {
+    let mut out = format!(
+        r#"<section class="explain" id="explanation">
+<h2>Why the cost changed: {from} → {to}</h2>
+<p>{from_cost} → {to_cost} (<span id="explain-change" data-cost-micros="{change}">{change_usd}</span>). The terms below add up exactly to the change.</p>
+<table class="amounts" id="table-terms">
+<thead><tr><th>Term</th><th>Contribution</th></tr></thead>
+<tbody>
+"#,
+        from = escape(&e.from_week),
+        to = escape(&e.to_week),
+        from_cost = usd(e.from_micros),
+        to_cost = usd(e.to_micros),
+        change = e.to_micros - e.from_micros,
+        change_usd = usd_change(e.to_micros - e.from_micros),
+    );
+    for t in &e.terms {
+        out.push_str(&format!(
+            r#"<tr data-term="{term}" data-cost-micros="{micros}"><td>{term}</td><td class="num">{amount}</td></tr>
+"#,
+            term = escape(t.term),
+            micros = t.micros,
+            amount = usd_change(t.micros),
+        ));
+    }
+    out.push_str("</tbody>\n</table>\n");
+    if let Some(top) = e.top.get("tenant").filter(|c| !c.is_empty()) {
+        out.push_str(
+            r#"<h3>Largest changes by tenant</h3>
+<table class="amounts" id="table-top-tenants">
+<thead><tr><th>Tenant</th><th>Before</th><th>After</th><th>Change</th></tr></thead>
+<tbody>
+"#,
+        );
+        for c in top {
+            out.push_str(&format!(
+                r#"<tr><td>{key}</td><td class="num">{from}</td><td class="num">{to}</td><td class="num">{delta}</td></tr>
+"#,
+                key = escape(&c.key),
+                from = usd(c.from_micros),
+                to = usd(c.to_micros),
+                delta = usd_change(c.to_micros - c.from_micros),
+            ));
+        }
+        out.push_str("</tbody>\n</table>\n");
+    }
+    out.push_str("</section>\n");
+    out
+}
+
+/// At most `max` characters, with an ellipsis when cut (the full key is in the `<title>`).
+fn shorten(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        s.to_owned()
+    } else {
+        let mut out: String = s.chars().take(max.saturating_sub(1)).collect();
+        out.push('…');
+        out
+    }
+}
+
+const STYLE: &str = "
+body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:0;padding:24px 32px;\
+background:#f6f7fb;color:#111827}
+h1{font-size:24px;margin:0 0 4px}h1 .week{color:#4f6df5}h2{font-size:18px;margin:0 0 12px}
+h3{font-size:15px;margin:16px 0 8px}.nav{color:#6b7280;margin:0 0 20px}.nav a{color:#4f6df5}
+.headline{display:flex;flex-wrap:wrap;gap:12px;margin-bottom:20px}
+.card{background:#fff;border:1px solid #e5e7eb;border-radius:8px;padding:12px 16px;min-width:180px}
+.card .label{color:#6b7280;font-size:13px}.card .value{font-size:22px;font-weight:600;\
+font-variant-numeric:tabular-nums}.card .change{color:#6b7280;font-size:12px}
+section.chart,section.explain{background:#fff;border:1px solid #e5e7eb;border-radius:8px;\
+padding:16px;margin-bottom:20px}
+svg{display:block;max-width:100%;height:auto;font-size:13px}svg .key{fill:#374151}\
+svg .amount{fill:#111827;font-variant-numeric:tabular-nums}
+table.amounts{border-collapse:collapse;margin-top:12px;font-size:13px}
+table.amounts th,table.amounts td{border-bottom:1px solid #e5e7eb;padding:4px 12px;text-align:left}
+table.amounts td.num{text-align:right;font-variant-numeric:tabular-nums;font-family:ui-monospace,monospace}
+footer{color:#6b7280;font-size:12px}
+";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn money_is_exact_with_six_decimals() {
+        assert_eq!(usd(0), "$0.000000");
+        assert_eq!(usd(1_234_567_890), "$1234.567890");
+        assert_eq!(usd(-100), "-$0.000100");
+        assert_eq!(usd_change(100_000), "+$0.100000");
+        assert_eq!(percent(150, 100), "+50.0%");
+        assert_eq!(percent(5, 0), "new");
+    }
+
+    #[test]
+    fn interpolated_text_is_escaped() {
+        assert_eq!(
+            escape(r#"<a href="x">'&'</a>"#),
+            "&lt;a href=&quot;x&quot;&gt;&#39;&amp;&#39;&lt;/a&gt;"
+        );
+        assert_eq!(url_encode("a b&c"), "a%20b%26c");
+    }
+
+    #[test]
+    fn cost_per_thousand_requests_rounds() {
+        let a = Aggregate {
+            requests: 3,
+            cost: 1_000,
+            ..Aggregate::default()
+        };
+        assert_eq!(per_thousand(&a), 333_333);
+        assert_eq!(per_thousand(&Aggregate::default()), 0);
+    }
+}

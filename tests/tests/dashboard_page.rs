@@ -1,0 +1,430 @@
+//! The built-in cost dashboard (`GET /dashboard`) on the embedded SQLite ledger: admin-token
+//! protected (HTTP Basic for browsers), self-contained HTML, and, loaded in headless Chromium,
+//! one bar per tenant whose amount matches the weekly report computed through the library.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration as StdDuration;
+
+use chrono::{DateTime, Duration, Utc};
+use e2e::{config, replica, Sim, StoreKind, TestApp, TestStore, ADMIN_TOKEN};
+use gateway::ledger::report::{self, IsoWeek};
+use gateway::usage::{CacheStatus, UsageEvent, UsageSource};
+
+/// A tenant name that breaks the page unless it is escaped.
+const TRICKY: &str = "o'hara & <co>";
+
+fn event(
+    i: usize,
+    tenant: &str,
+    model: &str,
+    at: DateTime<Utc>,
+    prompt: u64,
+    hit: bool,
+) -> UsageEvent {
+    let (in_price, out_price, tier) = if model.ends_with("large") {
+        (5, 20, "large")
+    } else {
+        (1, 4, "small")
+    };
+    let completion = 100u64;
+    let full = prompt as i64 * in_price + completion as i64 * out_price;
+    let (cost, output) = if hit {
+        (0, 0)
+    } else {
+        (full, completion as i64 * out_price)
+    };
+    UsageEvent {
+        request_id: format!("dash-{i}-{}", at.timestamp_micros()),
+        started_at: at,
+        tenant_id: format!("ten_{i}"),
+        tenant_name: tenant.into(),
+        key_id: format!("key_{tenant}"),
+        tags: BTreeMap::from([("feature".to_owned(), "dash".to_owned())]),
+        endpoint: "chat".into(),
+        requested_model: model.into(),
+        served_model: Some(model.into()),
+        tier: Some(tier.into()),
+        replica: Some("r1".into()),
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+        cached_tokens: 0,
+        usage_source: UsageSource::Upstream,
+        status: if i % 17 == 1 { 500 } else { 200 },
+        error_kind: None,
+        stream: false,
+        client_disconnected: false,
+        latency_ms: 100.0,
+        ttft_ms: Some(20.0),
+        retries: 0,
+        cache_status: if hit {
+            CacheStatus::HitExact
+        } else {
+            CacheStatus::Miss
+        },
+        cost_micros: cost,
+        output_cost_micros: output,
+        saved_micros: if hit { full } else { 0 },
+        loop_flag: false,
+        retry_storm_flag: false,
+        fingerprint: format!("fp{i}"),
+    }
+}
+
+/// Rows in the previous week and in the current week so far (from its start to now).
+fn rows(now: DateTime<Utc>) -> Vec<UsageEvent> {
+    let this = IsoWeek::containing(now);
+    let previous = this.previous();
+    let tenants = [
+        ("alpha", "m-small", 1000u64),
+        ("beta", "m-large", 500),
+        (TRICKY, "m-small", 300),
+    ];
+    let mut out = Vec::new();
+    let mut i = 0;
+    for (t, (tenant, model, prompt)) in tenants.iter().enumerate() {
+        // Last week: 20 requests each.
+        for n in 0..20 {
+            i += 1;
+            let at = previous.start() + Duration::hours(10) + Duration::minutes(n * 13 + t as i64);
+            out.push(event(i, tenant, model, at, *prompt, n % 5 == 0));
+        }
+        // This week: a different volume per tenant, spread between the week's start and now.
+        let count = 10 + 15 * t as i64;
+        let elapsed = (now - this.start()).num_microseconds().unwrap_or(i64::MAX);
+        for n in 0..count {
+            i += 1;
+            let offset = elapsed / (count + 2) * (n + 1);
+            let at = this.start() + Duration::microseconds(offset);
+            assert!(at >= this.start() && at < now);
+            out.push(event(i, tenant, model, at, *prompt * 2, n % 4 == 0));
+        }
+    }
+    out
+}
+
+/// Micro-dollars as the page shows them.
+fn usd(micros: i64) -> String {
+    let sign = if micros < 0 { "-" } else { "" };
+    let abs = micros.unsigned_abs();
+    format!("{sign}${}.{:06}", abs / 1_000_000, abs % 1_000_000)
+}
+
+fn unescape(s: &str) -> String {
+    s.replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&quot;", "\"")
+        .replace("&#39;", "'")
+        .replace("&apos;", "'")
+        .replace("&nbsp;", "\u{a0}")
+        .replace("&amp;", "&")
+}
+
+/// Every `<tag …>` start tag in `html`, as its attributes (values unescaped).
+fn tags(html: &str, tag: &str) -> Vec<BTreeMap<String, String>> {
+    let open = format!("<{tag} ");
+    let mut out = Vec::new();
+    let mut rest = html;
+    while let Some(pos) = rest.find(&open) {
+        rest = &rest[pos + open.len()..];
+        let mut attrs = BTreeMap::new();
+        let mut chars = rest.char_indices().peekable();
+        let mut end = rest.len();
+        loop {
+            while chars.peek().is_some_and(|(_, c)| c.is_whitespace()) {
+                chars.next();
+            }
+            let Some(&(start, c)) = chars.peek() else {
+                break;
+            };
+            if c == '>' || c == '/' {
+                end = start;
+                break;
+            }
+            let mut name_end = start;
+            while let Some(&(j, c)) = chars.peek() {
+                if c == '=' || c == '>' || c.is_whitespace() {
+                    break;
+                }
+                name_end = j + c.len_utf8();
+                chars.next();
+            }
+            let name = rest[start..name_end].to_owned();
+            let mut value = String::new();
+            if chars.peek().is_some_and(|(_, c)| *c == '=') {
+                chars.next();
+                let quote = chars.next().map(|(_, q)| q).unwrap_or('"');
+                for (_, c) in chars.by_ref() {
+                    if c == quote {
+                        break;
+                    }
+                    value.push(c);
+                }
+            }
+            attrs.insert(name, unescape(&value));
+        }
+        out.push(attrs);
+        rest = &rest[end..];
+    }
+    out
+}
+
+/// The part of `html` from the element with `id` to the next `</section>`.
+fn section<'a>(html: &'a str, id: &str) -> &'a str {
+    let marker = format!("id=\"{id}\"");
+    let start = html
+        .find(&marker)
+        .unwrap_or_else(|| panic!("no #{id} in the page"));
+    let end = html[start..]
+        .find("</section>")
+        .map_or(html.len(), |e| start + e);
+    &html[start..end]
+}
+
+fn chromium() -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    for name in ["chromium", "chromium-browser", "google-chrome"] {
+        for dir in std::env::split_paths(&path) {
+            let candidate = dir.join(name);
+            if candidate.is_file() {
+                return candidate;
+            }
+        }
+    }
+    panic!(
+        "chromium is not installed: the dashboard test needs a headless browser \
+         (apt-get install chromium; scripts/test.sh installs it)"
+    );
+}
+
+/// Run headless Chromium with `args` and `url`; its stdout.
+async fn run_chromium(profile: &Path, args: &[String], url: &str) -> String {
+    let mut cmd = tokio::process::Command::new(chromium());
+    cmd.args([
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+    ])
+    .arg(format!("--user-data-dir={}", profile.display()))
+    .args(args)
+    .arg(url)
+    .kill_on_drop(true);
+    let out = tokio::time::timeout(StdDuration::from_secs(90), cmd.output())
+        .await
+        .expect("chromium finished within 90 s")
+        .expect("chromium runs");
+    assert!(
+        out.status.success(),
+        "chromium failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8 DOM")
+}
+
+#[tokio::test]
+async fn the_dashboard_renders_the_weekly_report_in_headless_chromium() {
+    let sim = Sim::zero("sim-small").await;
+    let mut c = config(
+        vec![replica("s", &sim.url, "sim-small")],
+        vec![replica("l", &sim.url, "sim-small")],
+    );
+    let spool = tempfile::tempdir().unwrap();
+    c.ledger.spool_dir = spool.path().to_owned();
+    let store = TestStore::new(StoreKind::Sqlite).await.unwrap();
+    let now = Utc::now();
+    let ledger = gateway::ledger::open(&store.url).await.unwrap();
+    ledger.insert(&rows(now)).await.unwrap();
+    let app = TestApp::spawn_with_ledger(c, store).await;
+
+    let week = IsoWeek::containing(now);
+    let expected = report::weekly(ledger.as_ref(), week, None).await.unwrap();
+    let explanation = report::explain(ledger.as_ref(), week.previous(), week, None)
+        .await
+        .unwrap();
+    assert_eq!(expected.by["tenant"].len(), 3);
+    assert!(expected.total.this.cost > 0 && expected.total.previous.cost > 0);
+
+    // Plain HTTP: a browser is asked for credentials, Basic and bearer both work.
+    let url = format!("{}/dashboard", app.base);
+    let anonymous = app.http.get(&url).send().await.unwrap();
+    assert_eq!(anonymous.status(), 401);
+    assert_eq!(
+        anonymous.headers()["www-authenticate"],
+        "Basic realm=\"llm-gateway\""
+    );
+    let wrong = app
+        .http
+        .get(&url)
+        .basic_auth("admin", Some("not-the-token"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 401);
+    let ok = app
+        .http
+        .get(&url)
+        .basic_auth("anyone", Some(ADMIN_TOKEN))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    assert!(ok.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/html"));
+    let csp = "default-src 'none'; style-src 'unsafe-inline'; img-src data:";
+    assert_eq!(ok.headers()["content-security-policy"], csp);
+    let served = ok.text().await.unwrap();
+    assert!(served.contains("http-equiv=\"Content-Security-Policy\""));
+    assert!(
+        served.contains("o&#39;hara &amp; &lt;co&gt;"),
+        "tenant escaped"
+    );
+    assert!(!served.contains(TRICKY), "no raw tenant name in the page");
+    for external in ["<script", "<link", " src=", "url(", "@import"] {
+        assert!(
+            !served.contains(external),
+            "the page loads nothing: {external}"
+        );
+    }
+    let bearer = app
+        .http
+        .get(&url)
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bearer.status(), 200);
+    let bogus = app
+        .http
+        .get(format!("{url}?week=bogus"))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bogus.status(), 400);
+    let body: serde_json::Value = bogus.json().await.unwrap();
+    assert_eq!(body["error"]["param"], "week");
+    assert_eq!(body["error"]["type"], "invalid_request_error");
+    // The admin API is unchanged: no WWW-Authenticate there.
+    let api = app
+        .http
+        .get(format!("{}/admin/v1/tenants", app.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(api.status(), 401);
+    assert!(api.headers().get("www-authenticate").is_none());
+
+    // Headless Chromium, authenticating with the URL's user info (HTTP Basic).
+    let port = app.base.rsplit(':').next().unwrap();
+    let browser_url = format!("http://admin:{ADMIN_TOKEN}@127.0.0.1:{port}/dashboard");
+    let profile = tempfile::tempdir().unwrap();
+    let dom = run_chromium(profile.path(), &["--dump-dom".to_owned()], &browser_url).await;
+    assert!(
+        dom.contains("Cost dashboard"),
+        "Chromium did not load the page: {dom}"
+    );
+
+    // One bar per tenant, with this week's cost from the library's report.
+    let bars = tags(section(&dom, "by-tenant"), "rect");
+    let shown: BTreeMap<String, i64> = bars
+        .iter()
+        .map(|a| {
+            (
+                a["data-key"].clone(),
+                a["data-cost-micros"].parse().unwrap(),
+            )
+        })
+        .collect();
+    let want: BTreeMap<String, i64> = expected.by["tenant"]
+        .iter()
+        .map(|l| (l.key.clone(), l.this.cost))
+        .collect();
+    assert_eq!(shown, want);
+    assert!(shown.contains_key(TRICKY));
+    // The biggest spender's bar spans the whole bar area; the others are proportional.
+    let top = &expected.by["tenant"][0];
+    let top_bar = bars.iter().find(|a| a["data-key"] == top.key).unwrap();
+    assert_eq!(top_bar["width"], "560.00");
+    for bar in &bars {
+        let cost: f64 = bar["data-cost-micros"].parse().unwrap();
+        let width: f64 = bar["width"].parse().unwrap();
+        assert!((width - cost / top.this.cost as f64 * 560.0).abs() < 0.01);
+    }
+    for (dim, section_id) in [("model", "by-model"), ("tier", "by-tier")] {
+        let rects = tags(section(&dom, section_id), "rect");
+        assert_eq!(rects.len(), expected.by[dim].len(), "{dim}");
+        for (rect, line) in rects.iter().zip(&expected.by[dim]) {
+            assert_eq!(rect["data-key"], line.key);
+            assert_eq!(rect["data-cost-micros"], line.this.cost.to_string());
+        }
+    }
+
+    // The headline cost matches the report, to the micro-dollar.
+    let headline = section(&dom, "headline-cost");
+    assert!(headline.contains(&format!(
+        "data-cost-micros=\"{}\"",
+        expected.total.this.cost
+    )));
+    let value = |s: &str| {
+        s.split("class=\"value\">")
+            .nth(1)
+            .and_then(|v| v.split('<').next())
+            .unwrap()
+            .to_owned()
+    };
+    assert_eq!(value(headline), usd(expected.total.this.cost), "{headline}");
+    let requests = section(&dom, "headline-requests");
+    assert_eq!(value(requests), expected.total.this.requests.to_string());
+
+    // The explanation's terms, as the library computes them, adding up to the change.
+    let terms = tags(section(&dom, "explanation"), "tr");
+    let shown_terms: Vec<(String, i64)> = terms
+        .iter()
+        .filter(|a| a.contains_key("data-term"))
+        .map(|a| {
+            (
+                a["data-term"].clone(),
+                a["data-cost-micros"].parse().unwrap(),
+            )
+        })
+        .collect();
+    let want_terms: Vec<(String, i64)> = explanation
+        .terms
+        .iter()
+        .map(|t| (t.term.to_owned(), t.micros))
+        .collect();
+    assert_eq!(shown_terms, want_terms);
+    assert_eq!(
+        shown_terms.iter().map(|(_, m)| m).sum::<i64>(),
+        expected.total.this.cost - expected.total.previous.cost
+    );
+
+    // And it paints: a full-page screenshot with the charts in it.
+    let shot = profile.path().join("dash.png");
+    let shot_profile = tempfile::tempdir().unwrap();
+    run_chromium(
+        shot_profile.path(),
+        &[
+            format!("--screenshot={}", shot.display()),
+            "--window-size=1200,1600".to_owned(),
+            "--hide-scrollbars".to_owned(),
+        ],
+        &browser_url,
+    )
+    .await;
+    let png = std::fs::read(&shot).expect("screenshot written");
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    assert!(png.len() > 10 * 1024, "screenshot is {} bytes", png.len());
+
+    app.stop().await;
+}

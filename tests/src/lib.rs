@@ -525,3 +525,71 @@ impl Drop for PrivatePostgres {
         let _ = self.stop();
     }
 }
+
+/// A synthetic ledger row: a billed (cache miss) small- or large-tier chat request of `tenant`
+/// on `model`, costed at `in_price`/`out_price` micro-dollars per token, tagged
+/// `feature=<tenant>-app`. Tests edit the fields they care about (see [`into_cache_hit`]).
+#[expect(
+    clippy::too_many_arguments,
+    reason = "a test fixture spelled out at each call"
+)]
+pub fn ledger_event(
+    request_id: String,
+    tenant: &str,
+    model: &str,
+    at: chrono::DateTime<chrono::Utc>,
+    prompt: u64,
+    completion: u64,
+    in_price: i64,
+    out_price: i64,
+) -> gateway::usage::UsageEvent {
+    use gateway::usage::{CacheStatus, UsageSource};
+    let output = completion as i64 * out_price;
+    gateway::usage::UsageEvent {
+        request_id,
+        started_at: at,
+        tenant_id: format!("ten_{tenant}"),
+        tenant_name: tenant.into(),
+        key_id: format!("key_{tenant}"),
+        tags: BTreeMap::from([("feature".to_owned(), format!("{tenant}-app"))]),
+        endpoint: "chat".into(),
+        requested_model: model.into(),
+        served_model: Some(model.into()),
+        tier: Some(
+            if model.ends_with("large") {
+                "large"
+            } else {
+                "small"
+            }
+            .into(),
+        ),
+        replica: Some("r1".into()),
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+        cached_tokens: 0,
+        usage_source: UsageSource::Upstream,
+        status: 200,
+        error_kind: None,
+        stream: false,
+        client_disconnected: false,
+        latency_ms: 100.0,
+        ttft_ms: Some(20.0),
+        retries: 0,
+        cache_status: CacheStatus::Miss,
+        cost_micros: prompt as i64 * in_price + output,
+        output_cost_micros: output,
+        saved_micros: 0,
+        loop_flag: false,
+        retry_storm_flag: false,
+        fingerprint: format!("fp-{tenant}-{}", at.timestamp_micros()),
+    }
+}
+
+/// Turn a billed row into an exact-cache hit: it cost nothing and saved what it would have cost.
+pub fn into_cache_hit(mut e: gateway::usage::UsageEvent) -> gateway::usage::UsageEvent {
+    e.cache_status = gateway::usage::CacheStatus::HitExact;
+    e.saved_micros = e.cost_micros;
+    e.cost_micros = 0;
+    e.output_cost_micros = 0;
+    e
+}

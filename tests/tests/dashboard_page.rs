@@ -11,7 +11,7 @@ use std::time::Duration as StdDuration;
 use chrono::{DateTime, Duration, Utc};
 use e2e::{config, replica, Sim, StoreKind, TestApp, TestStore, ADMIN_TOKEN};
 use gateway::ledger::report::{self, IsoWeek};
-use gateway::usage::{CacheStatus, UsageEvent, UsageSource};
+use gateway::usage::UsageEvent;
 
 /// A tenant name that breaks the page unless it is escaped.
 const TRICKY: &str = "o'hara & <co>";
@@ -24,52 +24,21 @@ fn event(
     prompt: u64,
     hit: bool,
 ) -> UsageEvent {
-    let (in_price, out_price, tier) = if model.ends_with("large") {
-        (5, 20, "large")
+    let (in_price, out_price) = if model.ends_with("large") {
+        (5, 20)
     } else {
-        (1, 4, "small")
+        (1, 4)
     };
-    let completion = 100u64;
-    let full = prompt as i64 * in_price + completion as i64 * out_price;
-    let (cost, output) = if hit {
-        (0, 0)
+    let id = format!("dash-{i}-{}", at.timestamp_micros());
+    let mut e = e2e::ledger_event(id, tenant, model, at, prompt, 100, in_price, out_price);
+    e.tenant_id = format!("ten_{i}");
+    e.tags.insert("feature".to_owned(), "dash".to_owned());
+    e.status = if i % 17 == 1 { 500 } else { 200 };
+    e.fingerprint = format!("fp{i}");
+    if hit {
+        e2e::into_cache_hit(e)
     } else {
-        (full, completion as i64 * out_price)
-    };
-    UsageEvent {
-        request_id: format!("dash-{i}-{}", at.timestamp_micros()),
-        started_at: at,
-        tenant_id: format!("ten_{i}"),
-        tenant_name: tenant.into(),
-        key_id: format!("key_{tenant}"),
-        tags: BTreeMap::from([("feature".to_owned(), "dash".to_owned())]),
-        endpoint: "chat".into(),
-        requested_model: model.into(),
-        served_model: Some(model.into()),
-        tier: Some(tier.into()),
-        replica: Some("r1".into()),
-        prompt_tokens: prompt,
-        completion_tokens: completion,
-        cached_tokens: 0,
-        usage_source: UsageSource::Upstream,
-        status: if i % 17 == 1 { 500 } else { 200 },
-        error_kind: None,
-        stream: false,
-        client_disconnected: false,
-        latency_ms: 100.0,
-        ttft_ms: Some(20.0),
-        retries: 0,
-        cache_status: if hit {
-            CacheStatus::HitExact
-        } else {
-            CacheStatus::Miss
-        },
-        cost_micros: cost,
-        output_cost_micros: output,
-        saved_micros: if hit { full } else { 0 },
-        loop_flag: false,
-        retry_storm_flag: false,
-        fingerprint: format!("fp{i}"),
+        e
     }
 }
 

@@ -928,37 +928,13 @@ const THIS_WEEK: IsoWeek = IsoWeek {
 
 /// One billed small-tier chat request of `tenant`, tagged `feature=<tenant>-chat`.
 fn event(n: usize, tenant: &str, at: DateTime<Utc>, cost_micros: i64) -> UsageEvent {
-    UsageEvent {
-        request_id: format!("req-{n}"),
-        started_at: at,
-        tenant_id: format!("ten_{tenant}"),
-        tenant_name: tenant.into(),
-        key_id: format!("key_{tenant}"),
-        tags: BTreeMap::from([("feature".to_owned(), format!("{tenant}-chat"))]),
-        endpoint: "chat".into(),
-        requested_model: "m-small".into(),
-        served_model: Some("m-small".into()),
-        tier: Some("small".into()),
-        replica: Some("r1".into()),
-        prompt_tokens: 1_000,
-        completion_tokens: 100,
-        cached_tokens: 0,
-        usage_source: UsageSource::Upstream,
-        status: 200,
-        error_kind: None,
-        stream: false,
-        client_disconnected: false,
-        latency_ms: 100.0,
-        ttft_ms: Some(20.0),
-        retries: 0,
-        cache_status: CacheStatus::Miss,
-        cost_micros,
-        output_cost_micros: cost_micros / 4,
-        saved_micros: 0,
-        loop_flag: false,
-        retry_storm_flag: false,
-        fingerprint: format!("fp{n}"),
-    }
+    let mut e = e2e::ledger_event(format!("req-{n}"), tenant, "m-small", at, 1_000, 100, 0, 0);
+    e.tags
+        .insert("feature".to_owned(), format!("{tenant}-chat"));
+    e.cost_micros = cost_micros;
+    e.output_cost_micros = cost_micros / 4;
+    e.fingerprint = format!("fp{n}");
+    e
 }
 
 /// Ledger rows of every kind in [`THIS_WEEK`] and the week before (different amounts), plus

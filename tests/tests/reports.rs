@@ -3,12 +3,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
-use std::collections::BTreeMap;
-
 use chrono::{DateTime, Duration, Utc};
 use e2e::{config, replica, Sim, StoreKind, TestApp, TestStore, ADMIN_TOKEN, BOTH};
 use gateway::ledger::report::{self, IsoWeek};
-use gateway::usage::{CacheStatus, UsageEvent, UsageSource};
+use gateway::usage::UsageEvent;
 
 const W1: IsoWeek = IsoWeek {
     year: 2026,
@@ -34,62 +32,23 @@ struct Row<'a> {
 }
 
 fn event(i: usize, r: &Row) -> UsageEvent {
-    let (input, output) = if r.hit {
-        (0, 0)
+    let mut e = e2e::ledger_event(
+        format!("{}-{i}-{}", r.tenant, r.at.timestamp_micros()),
+        r.tenant,
+        r.model,
+        r.at,
+        r.prompt,
+        r.completion,
+        r.in_price,
+        r.out_price,
+    );
+    e.tags.insert("session".to_owned(), r.session.to_owned());
+    e.loop_flag = r.looped;
+    e.fingerprint = r.fingerprint.clone();
+    if r.hit {
+        e2e::into_cache_hit(e)
     } else {
-        (
-            r.prompt as i64 * r.in_price,
-            r.completion as i64 * r.out_price,
-        )
-    };
-    UsageEvent {
-        request_id: format!("{}-{i}-{}", r.tenant, r.at.timestamp_micros()),
-        started_at: r.at,
-        tenant_id: format!("ten_{}", r.tenant),
-        tenant_name: r.tenant.into(),
-        key_id: format!("key_{}", r.tenant),
-        tags: BTreeMap::from([
-            ("feature".to_owned(), format!("{}-app", r.tenant)),
-            ("session".to_owned(), r.session.to_owned()),
-        ]),
-        endpoint: "chat".into(),
-        requested_model: r.model.into(),
-        served_model: Some(r.model.into()),
-        tier: Some(
-            if r.model.ends_with("large") {
-                "large"
-            } else {
-                "small"
-            }
-            .into(),
-        ),
-        replica: Some("r1".into()),
-        prompt_tokens: r.prompt,
-        completion_tokens: r.completion,
-        cached_tokens: 0,
-        usage_source: UsageSource::Upstream,
-        status: 200,
-        error_kind: None,
-        stream: false,
-        client_disconnected: false,
-        latency_ms: 100.0,
-        ttft_ms: Some(20.0),
-        retries: 0,
-        cache_status: if r.hit {
-            CacheStatus::HitExact
-        } else {
-            CacheStatus::Miss
-        },
-        cost_micros: input + output,
-        output_cost_micros: output,
-        saved_micros: if r.hit {
-            r.prompt as i64 * r.in_price + r.completion as i64 * r.out_price
-        } else {
-            0
-        },
-        loop_flag: r.looped,
-        retry_storm_flag: false,
-        fingerprint: r.fingerprint.clone(),
+        e
     }
 }
 

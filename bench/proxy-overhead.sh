@@ -83,6 +83,8 @@ replicas = [{ name = "sim", url = "http://127.0.0.1:$P_UP/v1", model = "sim-smal
 replicas = [{ name = "sim-l", url = "http://127.0.0.1:$P_UP/v1", model = "sim-small", max_concurrency = 4096 }]
 [models]
 fast = "small"
+[ledger]
+spool_dir = "$WORK/spool"
 EOF
 RUST_LOG=warn "$BIN/gateway" serve --config "$WORK/gateway.toml" >"$WORK/gateway.log" 2>&1 &
 GW_PID=$!

@@ -20,6 +20,7 @@ OPEN_CONNS=${OPEN_CONNS:-64}
 P_UP=${P_UP:-19101}
 P_NGINX=${P_NGINX:-19102}
 P_GW=${P_GW:-19103}
+P_GW_NOLEDGER=${P_GW_NOLEDGER:-19104}
 
 command -v nginx >/dev/null || { echo "needs nginx: apt-get install nginx" >&2; exit 1; }
 command -v oha >/dev/null || { echo "needs oha: cargo install oha --locked" >&2; exit 1; }
@@ -90,6 +91,12 @@ RUST_LOG=warn "$BIN/gateway" serve --config "$WORK/gateway.toml" >"$WORK/gateway
 GW_PID=$!
 PIDS+=($GW_PID)
 wait_port "$P_GW"
+# The same gateway with the cost ledger off, to measure what the ledger adds.
+sed -e "s/127.0.0.1:$P_GW/127.0.0.1:$P_GW_NOLEDGER/" -e 's/^\[ledger\]$/[ledger]\nenabled = false/' \
+  "$WORK/gateway.toml" >"$WORK/gateway-noledger.toml"
+RUST_LOG=warn "$BIN/gateway" serve --config "$WORK/gateway-noledger.toml" >"$WORK/gateway-noledger.log" 2>&1 &
+PIDS+=($!)
+wait_port "$P_GW_NOLEDGER"
 export GATEWAY_URL="http://127.0.0.1:$P_GW" GATEWAY_ADMIN_TOKEN=$ADMIN
 "$BIN/gatewayctl" tenants create bench >/dev/null
 KEY=$("$BIN/gatewayctl" --json keys create --tenant bench | python3 -c 'import json,sys; print(json.load(sys.stdin)["key"])')
@@ -110,16 +117,18 @@ run() {
 # Warm up every path (connections, tokenizer, key snapshot).
 for target in "direct http://127.0.0.1:$P_UP/v1/chat/completions $BODY_DIRECT" \
               "nginx http://127.0.0.1:$P_NGINX/v1/chat/completions $BODY_DIRECT" \
-              "gateway http://127.0.0.1:$P_GW/v1/chat/completions $BODY_GW"; do
+              "gateway http://127.0.0.1:$P_GW/v1/chat/completions $BODY_GW" \
+              "gateway-noledger http://127.0.0.1:$P_GW_NOLEDGER/v1/chat/completions $BODY_GW"; do
   set -- $target
   run "warm-$1" "$2" "$3" -z 3s -c 16
 done
 
-for name in direct nginx gateway; do
+for name in direct nginx gateway gateway-noledger; do
   case $name in
     direct) url=http://127.0.0.1:$P_UP/v1/chat/completions; body=$BODY_DIRECT ;;
     nginx) url=http://127.0.0.1:$P_NGINX/v1/chat/completions; body=$BODY_DIRECT ;;
     gateway) url=http://127.0.0.1:$P_GW/v1/chat/completions; body=$BODY_GW ;;
+    gateway-noledger) url=http://127.0.0.1:$P_GW_NOLEDGER/v1/chat/completions; body=$BODY_GW ;;
   esac
   run "open-$name" "$url" "$body" -z "$DURATION" -q "$RATE" --latency-correction -c "$OPEN_CONNS"
   if [ "$name" = gateway ]; then
@@ -144,7 +153,7 @@ def ok(d):
     total = sum(codes.values())
     return codes.get("200", 0), total
 rows = []
-for n in ["direct", "nginx", "gateway"]:
+for n in ["direct", "nginx", "gateway", "gateway-noledger"]:
     o, s = load("open-" + n), load("sat-" + n)
     rows.append((n, pct(o, "p50"), pct(o, "p99"), o["summary"]["requestsPerSec"], ok(o), s["summary"]["requestsPerSec"], ok(s)))
 print(f"\nopen loop at {rate} req/s (latency in ms), then saturation with {conns} connections\n")
@@ -152,10 +161,11 @@ print("| path | p50 ms | p99 ms | achieved req/s | 200s/total | saturation req/s
 print("|---|---|---|---|---|---|---|")
 for n, p50, p99, rps, (o2, ot), sat, (s2, st) in rows:
     print(f"| {n} | {p50:.3f} | {p99:.3f} | {rps:.0f} | {o2}/{ot} | {sat:.0f} | {s2}/{st} |")
-d, ng, g = rows
+d, ng, g, gn = rows
 print()
 print(f"gateway added latency vs direct: p50 {g[1]-d[1]:+.3f} ms, p99 {g[2]-d[2]:+.3f} ms")
 print(f"nginx added latency vs direct:   p50 {ng[1]-d[1]:+.3f} ms, p99 {ng[2]-d[2]:+.3f} ms")
 print(f"gateway saturation throughput = {100*g[5]/ng[5]:.0f}% of nginx, {100*g[5]/d[5]:.0f}% of direct")
+print(f"cost ledger (SQLite) adds vs the same gateway without it: p50 {g[1]-gn[1]:+.3f} ms, p99 {g[2]-gn[2]:+.3f} ms, saturation {100*g[5]/gn[5]:.0f}% of no-ledger")
 print(f"gateway resident memory: idle {rss_idle/1024:.1f} MiB, peak under load {rss_load/1024:.1f} MiB")
 PY

@@ -121,8 +121,25 @@ impl AppState {
         };
         let shutdown = CancellationToken::new();
         let every = Duration::from_millis(config.store.key_refresh_ms);
-        tokio::spawn(Arc::clone(&auth).refresh_every(every, shutdown.clone()));
-        tokio::spawn(Arc::clone(&prices).refresh_every(every, shutdown.clone()));
+        let (a, p) = (Arc::clone(&auth), Arc::clone(&prices));
+        tokio::spawn(store::refresh_every(
+            "keys",
+            every,
+            shutdown.clone(),
+            move || {
+                let a = Arc::clone(&a);
+                async move { a.refresh().await }
+            },
+        ));
+        tokio::spawn(store::refresh_every(
+            "prices",
+            every,
+            shutdown.clone(),
+            move || {
+                let p = Arc::clone(&p);
+                async move { p.refresh().await }
+            },
+        ));
         Ok(Self(Arc::new(Inner {
             config,
             store,

@@ -8,12 +8,10 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use rand::distr::{Alphanumeric, SampleString};
 use sha2::{Digest, Sha256};
-use tokio_util::sync::CancellationToken;
 
 use crate::error::ApiError;
 use crate::store::{ApiKey, Store, StoreError};
@@ -148,23 +146,6 @@ impl Authenticator {
             map
         });
         Ok(key)
-    }
-
-    /// Reload the snapshot every `every` until `shutdown` fires. Failures are logged and retried
-    /// on the next tick (the last good snapshot stays in force).
-    pub async fn refresh_every(self: Arc<Self>, every: Duration, shutdown: CancellationToken) {
-        let mut tick = tokio::time::interval(every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = tick.tick() => {
-                    if let Err(e) = self.refresh().await {
-                        tracing::warn!(error = %e, "key refresh failed; keeping the last snapshot");
-                    }
-                }
-            }
-        }
     }
 }
 

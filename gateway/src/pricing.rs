@@ -9,12 +9,10 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use tokio_util::sync::CancellationToken;
 
 use crate::openai::Usage;
 use crate::store::{Store, StoreError};
@@ -159,22 +157,6 @@ impl Prices {
     /// The current book.
     pub fn book(&self) -> Arc<PriceBook> {
         self.book.load_full()
-    }
-
-    /// Reload every `every` until `shutdown`.
-    pub async fn refresh_every(self: Arc<Self>, every: Duration, shutdown: CancellationToken) {
-        let mut tick = tokio::time::interval(every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = tick.tick() => {
-                    if let Err(e) = self.refresh().await {
-                        tracing::warn!(error = %e, "price refresh failed; keeping the last book");
-                    }
-                }
-            }
-        }
     }
 }
 

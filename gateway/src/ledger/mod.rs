@@ -48,6 +48,37 @@ pub trait LedgerStore: Send + Sync + 'static {
     ) -> Result<Vec<report::RepeatRow>, StoreError>;
 }
 
+/// Body of [`LedgerStore::rows_between`], identical for both stores.
+macro_rules! rows_between_body {
+    ($pool:expr, $from:expr, $to:expr) => {{
+        let sql = format!(
+            "SELECT {} FROM ledger WHERE started_at >= $1 AND started_at < $2 \
+             ORDER BY started_at, request_id",
+            $crate::ledger::COLUMNS
+        );
+        let rows = sqlx::query(&sql)
+            .bind($from)
+            .bind($to)
+            .fetch_all($pool)
+            .await?;
+        rows.iter()
+            .map(|r| $crate::ledger::decode_row!(r))
+            .collect()
+    }};
+}
+pub(crate) use rows_between_body;
+
+/// Body of [`LedgerStore::count`], identical for both stores.
+macro_rules! count_body {
+    ($pool:expr) => {{
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger")
+            .fetch_one($pool)
+            .await?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }};
+}
+pub(crate) use count_body;
+
 /// Body of [`LedgerStore::aggregate`], identical for both stores.
 macro_rules! aggregate_body {
     ($pool:expr, $from:expr, $to:expr, $tenant:expr, $group:expr) => {{

@@ -8,7 +8,7 @@ use chrono::{DateTime, Utc};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 
 use super::report::{Aggregate, Dimension, RepeatRow};
-use super::{decode_row, enum_text, tokens, LedgerStore, COLUMNS};
+use super::{enum_text, tokens, LedgerStore, COLUMNS};
 use crate::store::StoreError;
 use crate::usage::UsageEvent;
 
@@ -103,16 +103,7 @@ impl LedgerStore for SqliteLedger {
         from: DateTime<Utc>,
         to: DateTime<Utc>,
     ) -> Result<Vec<UsageEvent>, StoreError> {
-        let sql = format!(
-            "SELECT {COLUMNS} FROM ledger WHERE started_at >= $1 AND started_at < $2 \
-             ORDER BY started_at, request_id"
-        );
-        let rows = sqlx::query(&sql)
-            .bind(from)
-            .bind(to)
-            .fetch_all(&self.pool)
-            .await?;
-        rows.iter().map(|r| decode_row!(r)).collect()
+        super::rows_between_body!(&self.pool, from, to)
     }
 
     async fn aggregate(
@@ -135,9 +126,6 @@ impl LedgerStore for SqliteLedger {
     }
 
     async fn count(&self) -> Result<u64, StoreError> {
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger")
-            .fetch_one(&self.pool)
-            .await?;
-        Ok(u64::try_from(n).unwrap_or(0))
+        super::count_body!(&self.pool)
     }
 }

@@ -43,7 +43,6 @@ CREATE TABLE ledger (
     fingerprint         TEXT NOT NULL
 );
 CREATE INDEX ledger_time ON ledger (started_at);
-CREATE INDEX ledger_tenant_time ON ledger (tenant_id, started_at);
 
 -- Daily rollup of the ledger for the reports: one row per (UTC day, tenant, model, tier, feature),
 -- maintained by the ledger writer from the rows it actually inserted (a replayed row adds nothing).

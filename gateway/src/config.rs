@@ -104,7 +104,7 @@ impl Default for LedgerConfig {
         Self {
             enabled: true,
             spool_dir: "spool".into(),
-            batch_rows: 8000,
+            batch_rows: 16000,
             flush_ms: 200,
             queue_capacity: 100_000,
             write_timeout_ms: 2_000,

@@ -593,3 +593,12 @@ pub fn into_cache_hit(mut e: gateway::usage::UsageEvent) -> gateway::usage::Usag
     e.output_cost_micros = 0;
     e
 }
+
+/// A finished process's stdout followed by its stderr, for assertions and failure messages.
+pub fn output_text(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}

@@ -105,11 +105,7 @@ async fn ctl(app: &TestApp, args: &[&str]) -> (bool, String) {
         .output()
         .await
         .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = e2e::output_text(&out);
     (out.status.success(), text)
 }
 

@@ -47,11 +47,7 @@ async fn gateway_demo_serves_the_python_sdk_with_the_key_it_prints() {
         .output()
         .await
         .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = e2e::output_text(&out);
     assert!(
         out.status.success(),
         "python SDK against gateway demo:\n{text}"

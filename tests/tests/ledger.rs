@@ -112,6 +112,13 @@ async fn every_usage_field_lands_in_the_ledger_and_replays_are_no_ops_on_both_st
     }
 }
 
+/// Rows that started within an hour of now.
+async fn recent_rows(ledger: &dyn LedgerStore) -> Vec<UsageEvent> {
+    let now = Utc::now();
+    let hour = chrono::Duration::hours(1);
+    ledger.rows_between(now - hour, now + hour).await.unwrap()
+}
+
 async fn wait_for_rows(ledger: &dyn LedgerStore, n: u64, within: Duration) {
     let start = Instant::now();
     loop {
@@ -168,13 +175,7 @@ async fn requests_are_costed_at_the_price_in_force_including_cached_tokens() {
     assert_eq!(app.chat(body).await.status(), 200);
     wait_for_rows(ledger.as_ref(), 3, Duration::from_secs(5)).await;
 
-    let rows = ledger
-        .rows_between(
-            Utc::now() - chrono::Duration::hours(1),
-            Utc::now() + chrono::Duration::hours(1),
-        )
-        .await
-        .unwrap();
+    let rows = recent_rows(ledger.as_ref()).await;
     assert_eq!(rows.len(), 3);
     assert_eq!(rows[0].cached_tokens, 0);
     assert!(
@@ -269,13 +270,7 @@ async fn a_database_outage_loses_no_row_and_writes_none_twice() {
     let ledger = gateway::ledger::open(&pg.url).await.unwrap();
     wait_for_rows(ledger.as_ref(), 200, Duration::from_secs(15)).await;
     app.stop().await;
-    let rows = ledger
-        .rows_between(
-            Utc::now() - chrono::Duration::hours(1),
-            Utc::now() + chrono::Duration::hours(1),
-        )
-        .await
-        .unwrap();
+    let rows = recent_rows(ledger.as_ref()).await;
     let ids: std::collections::HashSet<_> = rows.iter().map(|r| r.request_id.clone()).collect();
     assert_eq!(rows.len(), 200, "every request has exactly one row");
     assert_eq!(ids.len(), 200);

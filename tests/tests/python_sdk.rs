@@ -22,11 +22,7 @@ async fn the_python_sdk_runs_chat_streaming_models_embeddings_and_sees_auth_erro
         .output()
         .await
         .expect("python3 runs");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = e2e::output_text(&out);
     assert!(out.status.success(), "python SDK checks failed:\n{text}");
     assert!(text.contains("all checks passed"), "{text}");
 }

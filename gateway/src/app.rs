@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use axum::extract::Request;
 use axum::middleware::from_fn_with_state;
-use axum::routing::{delete, get, post};
+use axum::routing::{delete, get, post, put};
 use axum::Router;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -47,6 +47,8 @@ pub struct Inner {
     pub sink: SharedSink,
     /// Model prices.
     pub prices: Arc<Prices>,
+    /// Budgets and rate limits.
+    pub budgets: Arc<crate::budget::Budgets>,
     /// The ledger, when the gateway writes one.
     pub ledger: Option<Arc<dyn LedgerStore>>,
     /// The ledger writer task, flushed on shutdown.
@@ -80,6 +82,10 @@ pub struct Deps {
     pub store: Option<Arc<dyn Store>>,
     /// Send usage events here instead of the ledger (tests capture them this way).
     pub sink: Option<SharedSink>,
+    /// Use this budget store instead of the configured one.
+    pub budget_store: Option<Arc<dyn crate::budget::BudgetStore>>,
+    /// Use this clock for budget windows (tests move time with a `ManualClock`).
+    pub clock: Option<Arc<dyn crate::budget::Clock>>,
 }
 
 impl AppState {
@@ -119,8 +125,49 @@ impl AppState {
             }
             None => (Arc::new(LogSink), None, None),
         };
+        // Budgets rebuild their counters from the ledger even when events go elsewhere.
+        let spend_source = match &ledger {
+            Some(l) => Some(Arc::clone(l)),
+            None if config.ledger.enabled => crate::ledger::open(&config.store.url).await.ok(),
+            None => None,
+        };
+        let budgets = Arc::new(
+            crate::budget::Budgets::new(
+                config.budgets.clone(),
+                config.upstream.total_timeout(),
+                Arc::clone(&store),
+                spend_source,
+                deps.clock
+                    .unwrap_or_else(|| Arc::new(crate::budget::SystemClock)),
+                metrics.clone(),
+                deps.budget_store,
+            )
+            .await
+            .context("starting budgets")?,
+        );
         let shutdown = CancellationToken::new();
         let every = Duration::from_millis(config.store.key_refresh_ms);
+        let b = Arc::clone(&budgets);
+        tokio::spawn(store::refresh_every(
+            "budget policies",
+            every,
+            shutdown.clone(),
+            move || {
+                let b = Arc::clone(&b);
+                async move { b.refresh().await }
+            },
+        ));
+        let b = Arc::clone(&budgets);
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(500));
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tick.tick() => b.replay_backlog().await,
+                }
+            }
+        });
         let (a, p) = (Arc::clone(&auth), Arc::clone(&prices));
         tokio::spawn(store::refresh_every(
             "keys",
@@ -148,6 +195,7 @@ impl AppState {
             metrics,
             sink,
             prices,
+            budgets,
             ledger,
             ledger_writer: std::sync::Mutex::new(ledger_writer),
             tasks: TaskTracker::new(),
@@ -215,6 +263,25 @@ pub fn build_router(state: AppState) -> Router {
             get(routes::admin::explain_report),
         )
         .route("/admin/v1/reports/loops", get(routes::admin::loops_report))
+        .route(
+            "/admin/v1/budgets",
+            post(routes::budgets::set_budget).get(routes::budgets::list_budgets),
+        )
+        .route(
+            "/admin/v1/budgets/{id}",
+            delete(routes::budgets::delete_budget),
+        )
+        .route("/admin/v1/usage", get(routes::budgets::usage))
+        .route(
+            "/admin/v1/rate-limits",
+            put(routes::budgets::set_rate_limit)
+                .get(routes::budgets::list_rate_limits)
+                .delete(routes::budgets::delete_rate_limit),
+        )
+        .route(
+            "/admin/v1/tenants/{tenant}/fail-mode",
+            put(routes::budgets::set_fail_mode),
+        )
         .route("/dashboard", get(routes::dashboard::dashboard))
         .route(
             "/admin/v1/prices",

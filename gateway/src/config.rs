@@ -66,6 +66,58 @@ pub struct Config {
     pub prices: BTreeMap<String, PriceConfig>,
     /// The cost ledger.
     pub ledger: LedgerConfig,
+    /// Budgets and rate limits (policies are managed with `gatewayctl budgets|limits`).
+    pub budgets: BudgetConfig,
+}
+
+/// Where budget counters live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BudgetStoreKind {
+    /// In this process (embedded default; rebuilt from the ledger at start).
+    Memory,
+    /// Redis, shared by every replica (`budgets.redis_urls`).
+    Redis,
+}
+
+/// Budget enforcement settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BudgetConfig {
+    /// `memory` (one gateway) or `redis` (several replicas).
+    pub store: BudgetStoreKind,
+    /// Redis URLs: one for a single node, several seed nodes for Redis Cluster.
+    pub redis_urls: Vec<String>,
+    /// Longest wait for one Redis call before the tenant's fail mode applies, ms.
+    pub store_timeout_ms: u64,
+    /// Lifetime of a reservation that is never committed (its gateway died), seconds.
+    /// Default: `upstream.total_timeout_ms` plus 30 s.
+    pub reservation_ttl_secs: Option<u64>,
+    /// `max_tokens` reserved (and forwarded) for a request that names none, when a budget or
+    /// a token rate limit applies.
+    pub default_max_tokens: u64,
+    /// The least `max_tokens` worth forwarding after clamping; below it the request is refused.
+    pub min_tokens: u64,
+    /// Default for tenants without their own setting: `closed` (503 while Redis is unreachable)
+    /// or `open` (admit against a local share of each limit).
+    pub fail_mode: crate::budget::FailMode,
+    /// Share of each limit one replica may use on its own while failing open (0 < share ≤ 1).
+    pub fail_open_share: f64,
+}
+
+impl Default for BudgetConfig {
+    fn default() -> Self {
+        Self {
+            store: BudgetStoreKind::Memory,
+            redis_urls: Vec::new(),
+            store_timeout_ms: 250,
+            reservation_ttl_secs: None,
+            default_max_tokens: 4096,
+            min_tokens: 16,
+            fail_mode: crate::budget::FailMode::Closed,
+            fail_open_share: 0.1,
+        }
+    }
 }
 
 /// One model's prices in USD per 1M tokens (e.g. `input = 0.15`).
@@ -415,6 +467,30 @@ impl Config {
             return Err(invalid(
                 "ledger.batch_rows",
                 "batch_rows and queue_capacity must be at least 1",
+            ));
+        }
+        let b = &self.budgets;
+        if b.store == BudgetStoreKind::Redis && b.redis_urls.is_empty() {
+            return Err(invalid(
+                "budgets.redis_urls",
+                "needs at least one URL when budgets.store = \"redis\"",
+            ));
+        }
+        for url in &b.redis_urls {
+            if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+                return Err(invalid(
+                    "budgets.redis_urls",
+                    format!("{url:?} must start with redis:// or rediss://"),
+                ));
+            }
+        }
+        if !(b.fail_open_share > 0.0 && b.fail_open_share <= 1.0) {
+            return Err(invalid("budgets.fail_open_share", "must be in (0, 1]"));
+        }
+        if b.store_timeout_ms == 0 || b.reservation_ttl_secs == Some(0) {
+            return Err(invalid(
+                "budgets.store_timeout_ms",
+                "store_timeout_ms and reservation_ttl_secs must be greater than 0",
             ));
         }
         for (alias, target) in &self.models {

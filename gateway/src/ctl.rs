@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand};
 use comfy_table::{presets::UTF8_BORDERS_ONLY, Table};
 use serde_json::{json, Value};
 
-/// Admin CLI for the LLM gateway: tenants and API keys.
+/// Admin CLI for the LLM gateway: tenants, API keys, prices, budgets, rate limits and reports.
 #[derive(Debug, Parser)]
 #[command(name = "gatewayctl", version, about)]
 pub struct Cli {
@@ -65,6 +65,114 @@ pub enum Command {
         /// Price command.
         #[command(subcommand)]
         command: PriceCommand,
+    },
+    /// Manage budget policies (token and USD limits per tenant, key or tag and window).
+    Budgets {
+        /// Budget command.
+        #[command(subcommand)]
+        command: BudgetCommand,
+    },
+    /// Manage rate limits (requests and tokens per minute, per tenant or key).
+    Limits {
+        /// Rate limit command.
+        #[command(subcommand)]
+        command: LimitCommand,
+    },
+    /// A tenant's budgets in their current windows: spent, reserved, remaining, reset time.
+    Usage {
+        /// Tenant id or name.
+        #[arg(long)]
+        tenant: String,
+    },
+}
+
+/// `gatewayctl budgets …`
+#[derive(Debug, Subcommand)]
+pub enum BudgetCommand {
+    /// Create a policy, or replace the one with the same tenant, scope and window (its spend
+    /// so far is kept).
+    Set {
+        /// Tenant id or name.
+        #[arg(long)]
+        tenant: String,
+        /// `tenant`, `key:<key id>` or `tag:<name>=<value>`.
+        #[arg(long, default_value = "tenant")]
+        scope: String,
+        /// minute, hour, day, week (ISO, UTC) or month.
+        #[arg(long)]
+        window: String,
+        /// Most tokens (prompt + completion) per window.
+        #[arg(long)]
+        tokens: Option<u64>,
+        /// Most USD per window.
+        #[arg(long)]
+        usd: Option<f64>,
+        /// reject (429), downgrade (serve from the small tier) or flag (count and mark only).
+        #[arg(long, default_value = "reject")]
+        action: String,
+        /// For downgrade: tokens past which even the small tier is refused.
+        #[arg(long)]
+        hard_tokens: Option<u64>,
+        /// For downgrade: USD past which even the small tier is refused.
+        #[arg(long)]
+        hard_usd: Option<f64>,
+        /// Warn (response header) at this percentage of the limit.
+        #[arg(long)]
+        warn_percent: Option<u8>,
+    },
+    /// List policies.
+    List {
+        /// Only this tenant's policies (id or name).
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// Delete a policy.
+    Delete {
+        /// Policy id (`bud_…`).
+        id: String,
+    },
+    /// What a tenant's requests do while the budget store (Redis) is unreachable.
+    FailMode {
+        /// Tenant id or name.
+        #[arg(long)]
+        tenant: String,
+        /// `closed` (503) or `open` (admit against a local share of each limit).
+        mode: String,
+    },
+}
+
+/// `gatewayctl limits …`
+#[derive(Debug, Subcommand)]
+pub enum LimitCommand {
+    /// Set requests and/or tokens per minute for a tenant (or one of its keys).
+    Set {
+        /// Tenant id or name.
+        #[arg(long)]
+        tenant: String,
+        /// Only this key (id); default: the whole tenant.
+        #[arg(long)]
+        key: Option<String>,
+        /// Requests per minute.
+        #[arg(long)]
+        rpm: Option<u64>,
+        /// Tokens per minute (prompt estimate + max_tokens).
+        #[arg(long)]
+        tpm: Option<u64>,
+    },
+    /// List rate limits.
+    List {
+        /// Only this tenant's limits.
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// Delete a rate limit.
+    Delete {
+        /// Tenant id or name.
+        #[arg(long)]
+        tenant: String,
+        /// The key's limit instead of the tenant's.
+        #[arg(long)]
+        key: Option<String>,
     },
 }
 
@@ -363,6 +471,9 @@ pub async fn run(cli: Cli, out: &mut impl Write) -> anyhow::Result<()> {
             }
         },
         Command::Prices { command } => prices(&admin, command).await?,
+        Command::Budgets { command } => budgets(&admin, command).await?,
+        Command::Limits { command } => limits(&admin, command).await?,
+        Command::Usage { tenant } => usage(&admin, &tenant).await?,
         Command::Report { command, format } => {
             let (value, tables) = report(&admin, command).await?;
             match format {
@@ -438,6 +549,212 @@ async fn prices(admin: &Admin, command: PriceCommand) -> anyhow::Result<(Value, 
             (v, h)
         }
     })
+}
+
+fn opt_usd(v: &Value) -> String {
+    if v.is_null() {
+        "-".into()
+    } else {
+        format!("{:.6}", v.as_i64().unwrap_or(0) as f64 / 1e6)
+    }
+}
+
+fn opt_num(v: &Value) -> String {
+    if v.is_null() {
+        "-".into()
+    } else {
+        v.to_string()
+    }
+}
+
+fn scope_label(v: &Value) -> String {
+    let scope = &v["scope"];
+    match scope["kind"].as_str() {
+        Some("key") => format!("key:{}", scope["value"].as_str().unwrap_or_default()),
+        Some("tag") => format!(
+            "tag:{}={}",
+            scope["value"]["name"].as_str().unwrap_or_default(),
+            scope["value"]["value"].as_str().unwrap_or_default()
+        ),
+        _ => "tenant".into(),
+    }
+}
+
+fn budget_row(p: &Value) -> Vec<String> {
+    vec![
+        s(p, "id"),
+        s(p, "tenant_id"),
+        scope_label(p),
+        s(p, "window"),
+        opt_num(&p["limit"]["tokens"]),
+        opt_usd(&p["limit"]["micros"]),
+        s(p, "action"),
+        format!(
+            "{} / {}",
+            opt_num(&p["hard_limit"]["tokens"]),
+            opt_usd(&p["hard_limit"]["micros"])
+        ),
+        opt_num(&p["warn_percent"]),
+    ]
+}
+
+const BUDGET_HEADER: &[&str] = &[
+    "ID",
+    "TENANT",
+    "SCOPE",
+    "WINDOW",
+    "TOKENS",
+    "USD",
+    "ACTION",
+    "HARD (TOK / USD)",
+    "WARN %",
+];
+
+async fn budgets(admin: &Admin, command: BudgetCommand) -> anyhow::Result<(Value, String)> {
+    use reqwest::Method;
+    Ok(match command {
+        BudgetCommand::Set {
+            tenant,
+            scope,
+            window,
+            tokens,
+            usd,
+            action,
+            hard_tokens,
+            hard_usd,
+            warn_percent,
+        } => {
+            let body = json!({"tenant": tenant, "scope": scope, "window": window,
+                "limit_tokens": tokens, "limit_usd": usd, "action": action,
+                "hard_limit_tokens": hard_tokens, "hard_limit_usd": hard_usd,
+                "warn_percent": warn_percent});
+            let v = admin.call(Method::POST, "budgets", Some(body)).await?;
+            let h = format!("budget set\n{}", table(BUDGET_HEADER, vec![budget_row(&v)]));
+            (v, h)
+        }
+        BudgetCommand::List { tenant } => {
+            let path = match &tenant {
+                Some(t) => format!("budgets?tenant={t}"),
+                None => "budgets".into(),
+            };
+            let v = admin.call(Method::GET, &path, None).await?;
+            let rows = list(&v).iter().map(budget_row).collect();
+            (v.clone(), table(BUDGET_HEADER, rows))
+        }
+        BudgetCommand::Delete { id } => {
+            let v = admin
+                .call(Method::DELETE, &format!("budgets/{id}"), None)
+                .await?;
+            (v, format!("deleted budget {id}"))
+        }
+        BudgetCommand::FailMode { tenant, mode } => {
+            let v = admin
+                .call(
+                    Method::PUT,
+                    &format!("tenants/{tenant}/fail-mode"),
+                    Some(json!({"mode": mode})),
+                )
+                .await?;
+            let h = format!("tenant {tenant} now fails {}", s(&v, "fail_mode"));
+            (v, h)
+        }
+    })
+}
+
+async fn limits(admin: &Admin, command: LimitCommand) -> anyhow::Result<(Value, String)> {
+    use reqwest::Method;
+    let row = |l: &Value| {
+        vec![
+            s(l, "tenant_id"),
+            s(l, "key_id"),
+            opt_num(&l["rpm"]),
+            opt_num(&l["tpm"]),
+        ]
+    };
+    let header = &["TENANT", "KEY", "RPM", "TPM"];
+    Ok(match command {
+        LimitCommand::Set {
+            tenant,
+            key,
+            rpm,
+            tpm,
+        } => {
+            let body = json!({"tenant": tenant, "key": key, "rpm": rpm, "tpm": tpm});
+            let v = admin.call(Method::PUT, "rate-limits", Some(body)).await?;
+            let h = format!("rate limit set\n{}", table(header, vec![row(&v)]));
+            (v, h)
+        }
+        LimitCommand::List { tenant } => {
+            let path = match &tenant {
+                Some(t) => format!("rate-limits?tenant={t}"),
+                None => "rate-limits".into(),
+            };
+            let v = admin.call(Method::GET, &path, None).await?;
+            let rows = list(&v).iter().map(row).collect();
+            (v.clone(), table(header, rows))
+        }
+        LimitCommand::Delete { tenant, key } => {
+            let mut path = format!("rate-limits?tenant={tenant}");
+            if let Some(k) = &key {
+                path.push_str(&format!("&key={k}"));
+            }
+            let v = admin.call(Method::DELETE, &path, None).await?;
+            (v, "deleted rate limit".into())
+        }
+    })
+}
+
+async fn usage(admin: &Admin, tenant: &str) -> anyhow::Result<(Value, String)> {
+    let v = admin
+        .call(
+            reqwest::Method::GET,
+            &format!("usage?tenant={tenant}"),
+            None,
+        )
+        .await?;
+    let rows = list(&v)
+        .iter()
+        .map(|r| {
+            let p = &r["policy"];
+            let st = &r["state"];
+            vec![
+                s(p, "id"),
+                scope_label(p),
+                s(p, "window"),
+                s(p, "action"),
+                format!(
+                    "{} / {}",
+                    opt_num(&st["spent_tokens"]),
+                    opt_usd(&st["spent_micros"])
+                ),
+                format!(
+                    "{} / {}",
+                    opt_num(&st["reserved_tokens"]),
+                    opt_usd(&st["reserved_micros"])
+                ),
+                format!(
+                    "{} / {}",
+                    opt_num(&r["remaining_tokens"]),
+                    opt_usd(&r["remaining_micros"])
+                ),
+                s(r, "resets_at"),
+            ]
+        })
+        .collect();
+    let h = table(
+        &[
+            "BUDGET",
+            "SCOPE",
+            "WINDOW",
+            "ACTION",
+            "SPENT (TOK / USD)",
+            "RESERVED",
+            "REMAINING",
+            "RESETS AT",
+        ],
+        rows,
+    );
+    Ok((v, h))
 }
 
 type Tables = Vec<(String, (Vec<String>, Vec<Vec<String>>))>;

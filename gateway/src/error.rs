@@ -61,6 +61,24 @@ pub enum ApiError {
         /// Seconds the client should wait before retrying.
         retry_after: u64,
     },
+    /// A budget cannot cover the request (429 `insufficient_quota`).
+    #[error("{message}")]
+    InsufficientQuota {
+        /// Which budget and window, and what is left.
+        message: String,
+        /// Seconds to the window's reset.
+        retry_after: u64,
+    },
+    /// A rate limit is exhausted for now (429 `rate_limit_exceeded`).
+    #[error("{message}")]
+    RateLimited {
+        /// Which limit.
+        message: String,
+        /// `requests` or `tokens` (OpenAI's `error.type` for rate limits).
+        kind: &'static str,
+        /// Seconds until the request would fit.
+        retry_after: u64,
+    },
     /// The upstream did not answer in time.
     #[error("upstream timed out: {0}")]
     GatewayTimeout(String),
@@ -95,6 +113,9 @@ impl ApiError {
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BadGateway { .. } => StatusCode::BAD_GATEWAY,
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::InsufficientQuota { .. } | Self::RateLimited { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             Self::GatewayTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -114,6 +135,8 @@ impl ApiError {
             Self::PayloadTooLarge { .. } => "payload_too_large",
             Self::BadGateway { .. } => "bad_gateway",
             Self::Unavailable { .. } => "unavailable",
+            Self::InsufficientQuota { .. } => "insufficient_quota",
+            Self::RateLimited { .. } => "rate_limit_exceeded",
             Self::GatewayTimeout(_) => "timeout",
             Self::Internal(_) => "internal",
         }
@@ -133,6 +156,8 @@ impl ApiError {
             Self::Forbidden(_) => "permission_error",
             Self::BadGateway { .. } | Self::GatewayTimeout(_) | Self::Internal(_) => "api_error",
             Self::Unavailable { .. } => "service_unavailable",
+            Self::InsufficientQuota { .. } => "insufficient_quota",
+            Self::RateLimited { kind, .. } => kind,
         }
     }
 
@@ -143,6 +168,8 @@ impl ApiError {
             Self::ModelNotFound(_) => Some("model_not_found"),
             Self::PayloadTooLarge { .. } => Some("request_too_large"),
             Self::InvalidJson(_) => Some("invalid_json"),
+            Self::InsufficientQuota { .. } => Some("insufficient_quota"),
+            Self::RateLimited { .. } => Some("rate_limit_exceeded"),
             _ => None,
         }
     }
@@ -172,7 +199,10 @@ impl IntoResponse for ApiError {
             tracing::error!(error = ?cause, "internal error");
         }
         let mut response = (status, axum::Json(self.body())).into_response();
-        if let Self::Unavailable { retry_after, .. } = &self {
+        if let Self::Unavailable { retry_after, .. }
+        | Self::InsufficientQuota { retry_after, .. }
+        | Self::RateLimited { retry_after, .. } = &self
+        {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after));

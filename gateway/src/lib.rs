@@ -12,6 +12,7 @@
 //! - [`simulator`], [`demo`], [`ctl`]: the backend simulator, `gateway demo`, `gatewayctl`.
 
 pub mod app;
+pub mod budget;
 pub mod config;
 pub mod ctl;
 pub mod demo;

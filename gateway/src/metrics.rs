@@ -37,6 +37,17 @@ pub mod names {
     /// Ledger batch write latency.
     pub const LEDGER_WRITE: &str = "gateway_ledger_write_seconds";
 
+    /// Budget decisions by tenant and outcome (admitted, clamped, downgraded, flagged, rejected,
+    /// rate_limited, store_unavailable).
+    pub const BUDGET_DECISIONS: &str = "gateway_budget_decisions_total";
+    /// Budget store calls that failed or were skipped (store unreachable), by the tenant's fail
+    /// mode (`closed` answered 503, `open` admitted locally).
+    pub const BUDGET_STORE_ERRORS: &str = "gateway_budget_store_errors_total";
+    /// Budget store call latency by operation (reserve, commit).
+    pub const BUDGET_STORE_SECONDS: &str = "gateway_budget_store_seconds";
+    /// Budget commits waiting for the shared store to come back.
+    pub const BUDGET_BACKLOG: &str = "gateway_budget_commit_backlog";
+
     /// Every name above.
     pub const ALL: &[&str] = &[
         REQUESTS,
@@ -51,6 +62,10 @@ pub mod names {
         LEDGER_SPOOLED,
         LEDGER_ROWS,
         LEDGER_WRITE,
+        BUDGET_DECISIONS,
+        BUDGET_STORE_ERRORS,
+        BUDGET_STORE_SECONDS,
+        BUDGET_BACKLOG,
     ];
 }
 
@@ -82,6 +97,14 @@ pub struct Metrics {
     pub ledger_rows: IntCounterVec,
     /// See [`names::LEDGER_WRITE`].
     pub ledger_write: Histogram,
+    /// See [`names::BUDGET_DECISIONS`].
+    pub budget_decisions: IntCounterVec,
+    /// See [`names::BUDGET_STORE_ERRORS`].
+    pub budget_store_errors: IntCounterVec,
+    /// See [`names::BUDGET_STORE_SECONDS`].
+    pub budget_store_seconds: HistogramVec,
+    /// See [`names::BUDGET_BACKLOG`].
+    pub budget_backlog: IntGauge,
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -153,6 +176,42 @@ impl Metrics {
         for outcome in ["written", "spooled", "replayed", "overflow_spooled", "lost"] {
             ledger_rows.with_label_values(&[outcome]);
         }
+        let budget_decisions = IntCounterVec::new(
+            Opts::new(
+                names::BUDGET_DECISIONS,
+                "Budget decisions by tenant and outcome.",
+            ),
+            &["tenant", "outcome"],
+        )?;
+        let budget_store_errors = IntCounterVec::new(
+            Opts::new(
+                names::BUDGET_STORE_ERRORS,
+                "Budget store failures by the tenant's fail mode.",
+            ),
+            &["mode"],
+        )?;
+        for mode in ["closed", "open"] {
+            budget_store_errors.with_label_values(&[mode]);
+        }
+        let budget_store_seconds = HistogramVec::new(
+            HistogramOpts::new(names::BUDGET_STORE_SECONDS, "Budget store call latency.").buckets(
+                vec![
+                    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                ],
+            ),
+            &["op"],
+        )?;
+        for op in ["reserve", "commit"] {
+            budget_store_seconds.with_label_values(&[op]);
+        }
+        let budget_backlog = IntGauge::new(
+            names::BUDGET_BACKLOG,
+            "Budget commits waiting for the shared store.",
+        )?;
+        registry.register(Box::new(budget_decisions.clone()))?;
+        registry.register(Box::new(budget_store_errors.clone()))?;
+        registry.register(Box::new(budget_store_seconds.clone()))?;
+        registry.register(Box::new(budget_backlog.clone()))?;
         registry.register(Box::new(ledger_queue.clone()))?;
         registry.register(Box::new(ledger_spooled.clone()))?;
         registry.register(Box::new(ledger_rows.clone()))?;
@@ -179,6 +238,10 @@ impl Metrics {
             ledger_spooled,
             ledger_rows,
             ledger_write,
+            budget_decisions,
+            budget_store_errors,
+            budget_store_seconds,
+            budget_backlog,
         })
     }
 

@@ -275,6 +275,34 @@ impl ParsedRequest {
         bytes
     }
 
+    /// Bound the completion length: write `max_tokens` into the field(s) the client used
+    /// (`max_completion_tokens` and/or `max_tokens`; `max_tokens` when it used neither).
+    pub fn set_max_tokens(&mut self, max_tokens: u64) {
+        let mut wrote = false;
+        for field in ["max_completion_tokens", "max_tokens"] {
+            if let Some(v) = self.body.get_mut(field) {
+                *v = Value::from(max_tokens);
+                wrote = true;
+            }
+        }
+        if !wrote {
+            self.body
+                .insert("max_tokens".into(), Value::from(max_tokens));
+        }
+        self.max_tokens = Some(u32::try_from(max_tokens).unwrap_or(u32::MAX));
+        self.encoded = None;
+    }
+
+    /// How many completions one request generates (`n`, or `best_of` for completions).
+    pub fn choices(&self) -> u64 {
+        ["n", "best_of"]
+            .iter()
+            .filter_map(|f| self.body.get(*f).and_then(Value::as_u64))
+            .max()
+            .unwrap_or(1)
+            .max(1)
+    }
+
     /// Fingerprint of the request: the body with `model` as the client named it, minus the fields
     /// that do not change the answer (`stream`, `stream_options`, `user`), keys in sorted order.
     pub fn fingerprint(&self) -> String {

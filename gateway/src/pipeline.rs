@@ -22,6 +22,8 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::app::AppState;
+use crate::budget::engine::{AdmitInput, Reservation, ReservePrice};
+use crate::budget::Admission;
 use crate::config::{DisconnectPolicy, AUTO, LARGE, SMALL};
 use crate::error::ApiError;
 use crate::openai::{completion_text, usage_in_body, Endpoint, ParsedRequest, SseRewriter, Usage};
@@ -113,12 +115,91 @@ pub async fn run(
         let e = ApiError::ModelNotFound(req.model.clone());
         return reject(&state, &ctx, event, e);
     };
-    let primary = if target == AUTO {
+    let mut primary = if target == AUTO {
         LARGE.to_owned()
     } else {
         target
     };
-    forward(state, ctx, req, event, &primary).await
+    let mut req = req;
+    let mut admission = Admission::default();
+    if let Some(plan) = state.budgets.plan(&ctx.key, &event.tags) {
+        let input = admit_input(&state, &ctx, &req, &primary);
+        match state.budgets.admit(&plan, input).await {
+            Ok(a) => admission = a,
+            Err(e) => return reject(&state, &ctx, event, e),
+        }
+        if admission.downgraded {
+            primary = SMALL.to_owned();
+        }
+        if let Some(m) = admission.max_tokens {
+            if req.endpoint != Endpoint::Embeddings {
+                req.set_max_tokens(m);
+            }
+        }
+    }
+    let headers = std::mem::take(&mut admission.headers);
+    let fallback = !admission.downgraded;
+    let mut response = forward(
+        state,
+        ctx,
+        req,
+        event,
+        &primary,
+        fallback,
+        admission.reservation.take(),
+    )
+    .await;
+    response.headers_mut().extend(headers);
+    response
+}
+
+/// What the budget step needs to know about a request: its prompt estimate (the primary tier's
+/// tokenizer), requested output, and the prices it may be served at (the dearest replica of the
+/// tiers it may reach; the small tier alone if a `downgrade` budget sends it there).
+fn admit_input(
+    state: &AppState,
+    ctx: &RequestContext,
+    req: &ParsedRequest,
+    primary: &str,
+) -> AdmitInput {
+    let prompt_tokens = state
+        .upstreams
+        .tier(primary)
+        .map_or(0, |t| req.count_prompt_tokens(&t.tokenizer));
+    let max_tokens = match (req.max_tokens, req.endpoint) {
+        (Some(m), _) => Some(u64::from(m)),
+        // OpenAI's (and vLLM's) default for the legacy completions endpoint.
+        (None, Endpoint::Completions) => Some(16),
+        (None, _) => None,
+    };
+    AdmitInput {
+        rid: ctx.request_id.clone(),
+        prompt_tokens,
+        max_tokens,
+        generates: req.endpoint != Endpoint::Embeddings,
+        choices: req.choices(),
+        price: tier_price(state, &attempt_plan(state, primary, true), ctx.started_at),
+        small_price: tier_price(state, &[SMALL.to_owned()], ctx.started_at),
+        primary_is_small: primary == SMALL,
+    }
+}
+
+/// The highest input and output prices among the replicas of `tiers` at `at`.
+fn tier_price(state: &AppState, tiers: &[String], at: DateTime<Utc>) -> ReservePrice {
+    let book = state.prices.book();
+    let mut price = ReservePrice::default();
+    for name in tiers {
+        let Some(tier) = state.upstreams.tier(name) else {
+            continue;
+        };
+        for target in &tier.targets {
+            if let Some(p) = book.price_at(&target.model, at) {
+                price.input = price.input.max(p.input);
+                price.output = price.output.max(p.output);
+            }
+        }
+    }
+    price
 }
 
 /// Answer an error found before the body was parsed (unreadable body, bad tags header).
@@ -137,13 +218,14 @@ fn reject(state: &AppState, ctx: &RequestContext, mut event: UsageEvent, e: ApiE
     event.status = e.status().as_u16();
     event.error_kind = Some(e.kind().to_owned());
     event.latency_ms = ms_since(ctx.started);
-    settle(state, event);
+    settle(state, event, None);
     e.into_response()
 }
 
 /// The tiers to try, in order: the primary tier once plus `retries_same_tier` more replicas of
-/// it, then the other tier once when fallback is allowed.
-fn attempt_plan(state: &AppState, primary: &str) -> Vec<String> {
+/// it, then the other tier once when fallback is allowed (by the config, and by the request: a
+/// request downgraded by a budget never falls back to the large tier).
+fn attempt_plan(state: &AppState, primary: &str, fallback: bool) -> Vec<String> {
     let up = state.upstreams.config();
     let mut plan = vec![primary.to_owned(); 1 + up.retries_same_tier as usize];
     let other = match primary {
@@ -151,7 +233,7 @@ fn attempt_plan(state: &AppState, primary: &str) -> Vec<String> {
         LARGE => Some(SMALL),
         _ => None,
     };
-    if let (true, Some(other)) = (up.fallback_to_other_tier, other) {
+    if let (true, Some(other)) = (up.fallback_to_other_tier && fallback, other) {
         plan.push(other.to_owned());
     }
     plan
@@ -176,12 +258,14 @@ async fn forward(
     mut req: ParsedRequest,
     mut event: UsageEvent,
     primary: &str,
+    fallback: bool,
+    reservation: Option<Reservation>,
 ) -> Response {
     let deadline = ctx.started + state.upstreams.config().total_timeout();
     let mut tried: Vec<(String, usize)> = Vec::new();
     let mut last_error: Option<ApiError> = None;
     let mut attempts = 0u32;
-    for tier_name in attempt_plan(&state, primary) {
+    for tier_name in attempt_plan(&state, primary, fallback) {
         let Some(tier) = state.upstreams.tier(&tier_name) else {
             continue;
         };
@@ -226,6 +310,7 @@ async fn forward(
                     lease,
                     resp,
                     deadline,
+                    reservation,
                 );
             }
             Ok(resp) => match read_all(resp, deadline).await {
@@ -233,7 +318,16 @@ async fn forward(
                     tier.set.record_success(&lease);
                     event.retries = attempts - 1;
                     return buffered_response(
-                        &state, &ctx, &req, event, tier, &lease, status, &headers, body,
+                        &state,
+                        &ctx,
+                        &req,
+                        event,
+                        tier,
+                        &lease,
+                        status,
+                        &headers,
+                        body,
+                        reservation,
                     );
                 }
                 Buffered::Failed(e) => Err((e.to_string(), e.kind(), attempt_error(&e))),
@@ -272,7 +366,7 @@ async fn forward(
     event.status = error.status().as_u16();
     event.error_kind = Some(error.kind().to_owned());
     event.latency_ms = ms_since(ctx.started);
-    settle(&state, event);
+    settle(&state, event, reservation);
     error.into_response()
 }
 
@@ -314,6 +408,7 @@ fn buffered_response(
     status: StatusCode,
     upstream_headers: &HeaderMap,
     body: Bytes,
+    reservation: Option<Reservation>,
 ) -> Response {
     let target = tier.target(lease);
     event.tier = Some(tier.name.clone());
@@ -341,7 +436,7 @@ fn buffered_response(
     } else {
         event.error_kind = Some(format!("upstream_{}", status.as_u16()));
     }
-    settle(state, event.clone());
+    settle(state, event.clone(), reservation);
     let mut response = Response::new(Body::from(body));
     *response.status_mut() = status;
     let content_type = upstream_headers
@@ -378,6 +473,7 @@ fn stream_response(
     lease: Lease,
     resp: UpstreamResponse,
     deadline: Instant,
+    reservation: Option<Reservation>,
 ) -> Response {
     let target = tier.target(&lease);
     event.tier = Some(tier.name.clone());
@@ -480,7 +576,7 @@ fn stream_response(
         }
         event.latency_ms = ms_since(ctx.started);
         drop(lease);
-        settle(&state, event);
+        settle(&state, event, reservation);
     });
 
     let mut response = Response::new(Body::from_stream(ReceiverStream::new(rx)));
@@ -488,8 +584,9 @@ fn stream_response(
     response
 }
 
-/// Price the event, record metrics and hand the event to the sink. Never blocks.
-pub fn settle(state: &AppState, mut event: UsageEvent) {
+/// Price the event, commit its usage to the budgets it reserved on, record metrics and hand the
+/// event to the sink. Never blocks (a commit that must wait for Redis runs on the task tracker).
+pub fn settle(state: &AppState, mut event: UsageEvent, reservation: Option<Reservation>) {
     if let Some(model) = event.served_model.as_deref() {
         let usage = Usage {
             prompt_tokens: event.prompt_tokens,
@@ -502,6 +599,18 @@ pub fn settle(state: &AppState, mut event: UsageEvent) {
             .cost_split(model, &usage, event.started_at);
         event.cost_micros = input + output;
         event.output_cost_micros = output;
+    }
+    if let Some(reservation) = reservation {
+        let tokens = match event.cache_status {
+            CacheStatus::HitExact | CacheStatus::HitSemantic => 0,
+            _ => event.prompt_tokens + event.completion_tokens,
+        };
+        let (budgets, cost) = (Arc::clone(&state.budgets), event.cost_micros);
+        let mut commit = Box::pin(async move { budgets.commit(reservation, tokens, cost).await });
+        // The in-process store commits at once; Redis finishes on the tracker.
+        if futures_util::FutureExt::now_or_never(commit.as_mut()).is_none() {
+            state.tasks.spawn(commit);
+        }
     }
     let m = &state.metrics;
     let tier = event.tier.as_deref().unwrap_or("none");

@@ -286,7 +286,19 @@ impl TestApp {
         Self::start(config, store, true, false).await
     }
 
-    async fn start(mut config: Config, store: TestStore, seed: bool, capture: bool) -> Self {
+    async fn start(config: Config, store: TestStore, seed: bool, capture: bool) -> Self {
+        Self::spawn_custom(config, store, seed, capture, Deps::default()).await
+    }
+
+    /// Start a gateway with extra dependencies (a budget store, a clock); `capture` sends
+    /// usage events to [`TestApp::events`] instead of the ledger.
+    pub async fn spawn_custom(
+        mut config: Config,
+        store: TestStore,
+        seed: bool,
+        capture: bool,
+        extra: Deps,
+    ) -> Self {
         // The ledger (when on) opens the store's database by URL.
         config.store.url = store.url.clone();
         gateway::telemetry::install_crypto_provider();
@@ -312,6 +324,7 @@ impl TestApp {
         let deps = Deps {
             store: Some(Arc::clone(&store.store)),
             sink: capture.then(|| Arc::new(ChannelSink(tx)) as gateway::usage::SharedSink),
+            ..extra
         };
         let state = AppState::build(config, deps).await.expect("gateway state");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -601,4 +614,122 @@ pub fn output_text(out: &std::process::Output) -> String {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     )
+}
+
+/// The shared Redis the tests use (`TEST_REDIS_URL`, default the local server).
+pub fn redis_url() -> String {
+    std::env::var("TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// Where budget counters live in a test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BudgetKind {
+    /// The in-process store.
+    Memory,
+    /// The shared Redis.
+    Redis,
+}
+
+/// Both budget stores, for conformance loops.
+pub const BUDGET_STORES: [BudgetKind; 2] = [BudgetKind::Memory, BudgetKind::Redis];
+
+impl BudgetKind {
+    /// A fresh store of this kind (Redis keys are namespaced by the caller's tenant ids).
+    pub fn store(self) -> Arc<dyn gateway::budget::BudgetStore> {
+        match self {
+            Self::Memory => Arc::new(gateway::budget::memory::MemoryStore::new()),
+            Self::Redis => Arc::new(
+                gateway::budget::redis::RedisStore::new(
+                    vec![redis_url()],
+                    std::time::Duration::from_secs(2),
+                )
+                .expect("redis url"),
+            ),
+        }
+    }
+
+    /// `budgets` config selecting this store (Redis: the shared one).
+    pub fn config(self) -> gateway::config::BudgetConfig {
+        let mut b = gateway::config::BudgetConfig::default();
+        if self == Self::Redis {
+            b.store = gateway::config::BudgetStoreKind::Redis;
+            b.redis_urls = vec![redis_url()];
+        }
+        b
+    }
+}
+
+/// A private `redis-server` (append-only file, fsync always) on a free port, that a test can
+/// kill and start again. Stopped when dropped.
+pub struct PrivateRedis {
+    /// `redis://127.0.0.1:PORT`
+    pub url: String,
+    port: u16,
+    dir: tempfile::TempDir,
+    child: std::sync::Mutex<Option<std::process::Child>>,
+}
+
+impl PrivateRedis {
+    /// Start a server.
+    pub fn start() -> anyhow::Result<Self> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let r = Self {
+            url: format!("redis://127.0.0.1:{port}"),
+            port,
+            dir: tempfile::tempdir()?,
+            child: std::sync::Mutex::new(None),
+        };
+        r.resume()?;
+        Ok(r)
+    }
+
+    /// Start the (stopped) server again and wait until it answers.
+    pub fn resume(&self) -> anyhow::Result<()> {
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            // Every write is on disk before it is acknowledged, so a killed server comes back
+            // with its counters (as a production Redis with AOF would).
+            .args([
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+            ])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(std::process::Stdio::null())
+            .spawn()?;
+        *self.child.lock().map_err(|_| anyhow::anyhow!("poisoned"))? = Some(child);
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return Ok(());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        anyhow::bail!("redis-server did not start on port {}", self.port)
+    }
+
+    /// Kill the server (connections are cut; acknowledged writes survive).
+    pub fn stop(&self) -> anyhow::Result<()> {
+        if let Some(mut c) = self
+            .child
+            .lock()
+            .map_err(|_| anyhow::anyhow!("poisoned"))?
+            .take()
+        {
+            c.kill()?;
+            c.wait()?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
 }

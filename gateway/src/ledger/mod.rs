@@ -39,6 +39,9 @@ pub trait LedgerStore: Send + Sync + 'static {
         tenant: Option<&str>,
         group: &[report::Dimension],
     ) -> Result<Vec<(String, report::Aggregate)>, StoreError>;
+    /// Budget spend (tokens of requests not answered from a cache, and cost) since `from`,
+    /// grouped by tenant, key and tags: what budget counters are rebuilt from at start.
+    async fn spend_since(&self, from: DateTime<Utc>) -> Result<Vec<SpendRow>, StoreError>;
     /// Rows whose (key, session, fingerprint) repeats at least `min` times in `[from, to)`.
     async fn repeats(
         &self,
@@ -67,6 +70,54 @@ macro_rules! rows_between_body {
     }};
 }
 pub(crate) use rows_between_body;
+
+/// Spend of one (tenant, key, tags) group, see [`LedgerStore::spend_since`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpendRow {
+    /// Tenant id.
+    pub tenant_id: String,
+    /// Key id.
+    pub key_id: String,
+    /// The rows' tags.
+    pub tags: std::collections::BTreeMap<String, String>,
+    /// Prompt + completion tokens.
+    pub tokens: u64,
+    /// Cost, micro-dollars.
+    pub micros: i64,
+}
+
+/// Body of [`LedgerStore::spend_since`], identical for both stores.
+macro_rules! spend_since_body {
+    ($pool:expr, $from:expr) => {{
+        use sqlx::Row;
+        let rows = sqlx::query(
+            "SELECT tenant_id, key_id, tags, \
+             CAST(SUM(CASE WHEN cache_status LIKE 'hit%' THEN 0 \
+                      ELSE prompt_tokens + completion_tokens END) AS BIGINT) AS tokens, \
+             CAST(SUM(cost_micros) AS BIGINT) AS micros \
+             FROM ledger WHERE started_at >= $1 GROUP BY tenant_id, key_id, tags",
+        )
+        .bind($from)
+        .fetch_all($pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                let tags: String = r.try_get("tags")?;
+                let tokens: i64 = r.try_get("tokens")?;
+                Ok($crate::ledger::SpendRow {
+                    tenant_id: r.try_get("tenant_id")?,
+                    key_id: r.try_get("key_id")?,
+                    tags: serde_json::from_str(&tags).map_err(|e| {
+                        $crate::store::StoreError::Corrupt(format!("ledger.tags: {e}"))
+                    })?,
+                    tokens: u64::try_from(tokens).unwrap_or(0),
+                    micros: r.try_get("micros")?,
+                })
+            })
+            .collect()
+    }};
+}
+pub(crate) use spend_since_body;
 
 /// Body of [`LedgerStore::count`], identical for both stores.
 macro_rules! count_body {

@@ -125,6 +125,10 @@ impl LedgerStore for SqliteLedger {
         super::repeats_body!(&self.pool, from, to, min)
     }
 
+    async fn spend_since(&self, from: DateTime<Utc>) -> Result<Vec<super::SpendRow>, StoreError> {
+        super::spend_since_body!(&self.pool, from)
+    }
+
     async fn count(&self) -> Result<u64, StoreError> {
         super::count_body!(&self.pool)
     }

@@ -20,7 +20,7 @@ use crate::routes::{parse_json, read_body};
 use crate::store::{NewKey, StoreError, Tenant};
 
 /// Admin request bodies are small.
-const ADMIN_BODY_LIMIT: usize = 64 * 1024;
+pub(crate) const ADMIN_BODY_LIMIT: usize = 64 * 1024;
 
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
@@ -71,7 +71,7 @@ pub async fn list_tenants(State(state): State<AppState>) -> Result<Json<Value>, 
     Ok(Json(json!({"object": "list", "data": tenants})))
 }
 
-async fn tenant(state: &AppState, id_or_name: &str) -> Result<Tenant, ApiError> {
+pub(crate) async fn tenant(state: &AppState, id_or_name: &str) -> Result<Tenant, ApiError> {
     state
         .store
         .find_tenant(id_or_name)

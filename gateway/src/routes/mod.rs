@@ -2,6 +2,7 @@
 //! respond.
 
 pub mod admin;
+pub mod budgets;
 pub mod dashboard;
 pub mod health;
 pub mod openai;

@@ -21,6 +21,11 @@ const SQLITE: Embedded = &[
         "prices and ledger",
         include_str!("../../../migrations/sqlite/0002_prices_and_ledger.sql"),
     ),
+    (
+        3,
+        "budgets",
+        include_str!("../../../migrations/sqlite/0003_budgets.sql"),
+    ),
 ];
 
 const POSTGRES: Embedded = &[
@@ -33,6 +38,11 @@ const POSTGRES: Embedded = &[
         2,
         "prices and ledger",
         include_str!("../../../migrations/postgres/0002_prices_and_ledger.sql"),
+    ),
+    (
+        3,
+        "budgets",
+        include_str!("../../../migrations/postgres/0003_budgets.sql"),
     ),
 ];
 

@@ -15,6 +15,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+use crate::budget::{Action, BudgetPolicy, FailMode, Limit, RateLimit, Scope, Window};
 use crate::pricing::Price;
 
 pub use migrations::{postgres_migrator, sqlite_migrator};
@@ -113,6 +114,49 @@ pub trait Store: Send + Sync + 'static {
     async fn insert_price(&self, price: &Price) -> Result<(), StoreError>;
     /// Every price, with history.
     async fn list_prices(&self) -> Result<Vec<Price>, StoreError>;
+    /// Create or replace the policy of a (tenant, scope, window); the id of an existing one is
+    /// kept, so its counters (spend so far) carry over.
+    async fn upsert_budget(&self, policy: &NewBudget) -> Result<BudgetPolicy, StoreError>;
+    /// Policies, optionally of one tenant.
+    async fn list_budgets(&self, tenant_id: Option<&str>) -> Result<Vec<BudgetPolicy>, StoreError>;
+    /// Delete a policy; `false` when there was none.
+    async fn delete_budget(&self, id: &str) -> Result<bool, StoreError>;
+    /// Create or replace a rate limit of a tenant (or one of its keys).
+    async fn set_rate_limit(&self, limit: &RateLimit) -> Result<(), StoreError>;
+    /// Rate limits, optionally of one tenant.
+    async fn list_rate_limits(&self, tenant_id: Option<&str>)
+        -> Result<Vec<RateLimit>, StoreError>;
+    /// Delete a rate limit; `false` when there was none.
+    async fn delete_rate_limit(
+        &self,
+        tenant_id: &str,
+        key_id: Option<&str>,
+    ) -> Result<bool, StoreError>;
+    /// Set a tenant's fail mode for when the budget store is unreachable.
+    async fn set_fail_mode(&self, tenant_id: &str, mode: FailMode) -> Result<(), StoreError>;
+    /// Every tenant's explicit fail mode.
+    async fn list_fail_modes(&self) -> Result<Vec<(String, FailMode)>, StoreError>;
+}
+
+/// What is needed to create or replace a budget policy.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NewBudget {
+    /// Owning tenant id.
+    pub tenant_id: String,
+    /// What it applies to.
+    pub scope: Scope,
+    /// The calendar window.
+    pub window: Window,
+    /// The limit.
+    pub limit: Limit,
+    /// What happens at the limit.
+    pub action: Action,
+    /// For `downgrade`: the hard cap.
+    #[serde(default)]
+    pub hard_limit: Limit,
+    /// Warning threshold, percent.
+    #[serde(default)]
+    pub warn_percent: Option<u8>,
 }
 
 /// Run `refresh` every `every` until `shutdown` (the per-replica snapshots of keys and prices).

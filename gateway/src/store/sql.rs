@@ -43,6 +43,44 @@ pub(super) const LIST_PRICES: &str = "SELECT model, effective_from, input_micros
      output_micros_per_mtok, cached_input_micros_per_mtok FROM prices \
      ORDER BY model, effective_from";
 
+pub(super) const UPSERT_BUDGET: &str = "INSERT INTO budgets \
+     (id, tenant_id, scope_kind, scope_value, window_kind, limit_tokens, limit_micros, action, \
+     hard_limit_tokens, hard_limit_micros, warn_percent, updated_at) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
+     ON CONFLICT (tenant_id, scope_kind, scope_value, window_kind) DO UPDATE SET \
+     limit_tokens = excluded.limit_tokens, limit_micros = excluded.limit_micros, \
+     action = excluded.action, hard_limit_tokens = excluded.hard_limit_tokens, \
+     hard_limit_micros = excluded.hard_limit_micros, warn_percent = excluded.warn_percent, \
+     updated_at = excluded.updated_at \
+     RETURNING id";
+macro_rules! select_budgets {
+    ($suffix:literal) => {
+        concat!(
+            "SELECT id, tenant_id, scope_kind, scope_value, window_kind, limit_tokens, ",
+            "limit_micros, action, hard_limit_tokens, hard_limit_micros, warn_percent, ",
+            "updated_at FROM budgets ",
+            $suffix
+        )
+    };
+}
+pub(super) const LIST_BUDGETS: &str = select_budgets!("ORDER BY tenant_id, id");
+pub(super) const LIST_TENANT_BUDGETS: &str =
+    select_budgets!("WHERE tenant_id = $1 ORDER BY tenant_id, id");
+pub(super) const FIND_BUDGET: &str = select_budgets!("WHERE id = $1");
+pub(super) const DELETE_BUDGET: &str = "DELETE FROM budgets WHERE id = $1";
+pub(super) const SET_RATE_LIMIT: &str = "INSERT INTO rate_limits (tenant_id, key_id, rpm, tpm) \
+     VALUES ($1, $2, $3, $4) ON CONFLICT (tenant_id, key_id) DO UPDATE SET \
+     rpm = excluded.rpm, tpm = excluded.tpm";
+pub(super) const LIST_RATE_LIMITS: &str =
+    "SELECT tenant_id, key_id, rpm, tpm FROM rate_limits ORDER BY tenant_id, key_id";
+pub(super) const LIST_TENANT_RATE_LIMITS: &str = "SELECT tenant_id, key_id, rpm, tpm \
+     FROM rate_limits WHERE tenant_id = $1 ORDER BY tenant_id, key_id";
+pub(super) const DELETE_RATE_LIMIT: &str =
+    "DELETE FROM rate_limits WHERE tenant_id = $1 AND key_id = $2";
+pub(super) const SET_FAIL_MODE: &str = "INSERT INTO tenant_budget_settings (tenant_id, fail_mode) \
+     VALUES ($1, $2) ON CONFLICT (tenant_id) DO UPDATE SET fail_mode = excluded.fail_mode";
+pub(super) const LIST_FAIL_MODES: &str = "SELECT tenant_id, fail_mode FROM tenant_budget_settings";
+
 macro_rules! sql_store {
     ($store:ident, $row:ty) => {
         mod store_impl {
@@ -52,7 +90,8 @@ macro_rules! sql_store {
             use sqlx::Row;
 
             use super::super::sql::*;
-            use super::super::{new_id, now, ApiKey, NewKey, Store, StoreError, Tenant};
+            use super::super::{new_id, now, ApiKey, NewBudget, NewKey, Store, StoreError, Tenant};
+            use crate::budget::{Action, BudgetPolicy, FailMode, Limit, RateLimit, Scope, Window};
             use crate::pricing::Price;
 
             fn tenant(row: &$row) -> Result<Tenant, StoreError> {
@@ -77,6 +116,51 @@ macro_rules! sql_store {
                     created_at: row.try_get("created_at")?,
                     revoked_at: row.try_get("revoked_at")?,
                 })
+            }
+
+            fn opt_u64(row: &$row, col: &str) -> Result<Option<u64>, StoreError> {
+                let v: Option<i64> = row.try_get(col)?;
+                Ok(v.map(|n| u64::try_from(n).unwrap_or(0)))
+            }
+
+            fn budget(row: &$row) -> Result<BudgetPolicy, StoreError> {
+                let corrupt = |c: &str| StoreError::Corrupt(format!("budgets.{c}"));
+                let kind: String = row.try_get("scope_kind")?;
+                let value: String = row.try_get("scope_value")?;
+                let window: String = row.try_get("window_kind")?;
+                let action: String = row.try_get("action")?;
+                let warn: Option<i64> = row.try_get("warn_percent")?;
+                Ok(BudgetPolicy {
+                    id: row.try_get("id")?,
+                    tenant_id: row.try_get("tenant_id")?,
+                    scope: Scope::from_columns(&kind, &value).ok_or_else(|| corrupt("scope"))?,
+                    window: Window::parse(&window).ok_or_else(|| corrupt("window_kind"))?,
+                    limit: Limit {
+                        tokens: opt_u64(row, "limit_tokens")?,
+                        micros: row.try_get("limit_micros")?,
+                    },
+                    action: Action::parse(&action).ok_or_else(|| corrupt("action"))?,
+                    hard_limit: Limit {
+                        tokens: opt_u64(row, "hard_limit_tokens")?,
+                        micros: row.try_get("hard_limit_micros")?,
+                    },
+                    warn_percent: warn.map(|w| u8::try_from(w).unwrap_or(100)),
+                    updated_at: row.try_get("updated_at")?,
+                })
+            }
+
+            fn rate_limit(row: &$row) -> Result<RateLimit, StoreError> {
+                let key: String = row.try_get("key_id")?;
+                Ok(RateLimit {
+                    tenant_id: row.try_get("tenant_id")?,
+                    key_id: (!key.is_empty()).then_some(key),
+                    rpm: opt_u64(row, "rpm")?,
+                    tpm: opt_u64(row, "tpm")?,
+                })
+            }
+
+            fn to_i64(v: Option<u64>) -> Option<i64> {
+                v.map(|n| i64::try_from(n).unwrap_or(i64::MAX))
             }
 
             fn unique_violation(e: sqlx::Error, message: String) -> StoreError {
@@ -257,6 +341,131 @@ macro_rules! sql_store {
                         .fetch_optional(&self.pool)
                         .await?;
                     row.as_ref().map(key).transpose()
+                }
+
+                async fn upsert_budget(&self, b: &NewBudget) -> Result<BudgetPolicy, StoreError> {
+                    let tenant = self
+                        .find_tenant(&b.tenant_id)
+                        .await?
+                        .filter(|t| t.id == b.tenant_id)
+                        .ok_or_else(|| {
+                            StoreError::NotFound(format!("no tenant with id {:?}", b.tenant_id))
+                        })?;
+                    let (kind, value) = b.scope.to_columns();
+                    let id: String = sqlx::query_scalar(UPSERT_BUDGET)
+                        .bind(new_id("bud"))
+                        .bind(&tenant.id)
+                        .bind(kind)
+                        .bind(value)
+                        .bind(b.window.as_str())
+                        .bind(to_i64(b.limit.tokens))
+                        .bind(b.limit.micros)
+                        .bind(b.action.as_str())
+                        .bind(to_i64(b.hard_limit.tokens))
+                        .bind(b.hard_limit.micros)
+                        .bind(b.warn_percent.map(i64::from))
+                        .bind(now())
+                        .fetch_one(&self.pool)
+                        .await?;
+                    let row = sqlx::query(FIND_BUDGET)
+                        .bind(&id)
+                        .fetch_one(&self.pool)
+                        .await?;
+                    budget(&row)
+                }
+
+                async fn list_budgets(
+                    &self,
+                    tenant_id: Option<&str>,
+                ) -> Result<Vec<BudgetPolicy>, StoreError> {
+                    let rows = match tenant_id {
+                        Some(t) => {
+                            sqlx::query(LIST_TENANT_BUDGETS)
+                                .bind(t)
+                                .fetch_all(&self.pool)
+                                .await?
+                        }
+                        None => sqlx::query(LIST_BUDGETS).fetch_all(&self.pool).await?,
+                    };
+                    rows.iter().map(budget).collect()
+                }
+
+                async fn delete_budget(&self, id: &str) -> Result<bool, StoreError> {
+                    let n = sqlx::query(DELETE_BUDGET)
+                        .bind(id)
+                        .execute(&self.pool)
+                        .await?
+                        .rows_affected();
+                    Ok(n > 0)
+                }
+
+                async fn set_rate_limit(&self, l: &RateLimit) -> Result<(), StoreError> {
+                    sqlx::query(SET_RATE_LIMIT)
+                        .bind(&l.tenant_id)
+                        .bind(l.key_id.as_deref().unwrap_or(""))
+                        .bind(to_i64(l.rpm))
+                        .bind(to_i64(l.tpm))
+                        .execute(&self.pool)
+                        .await?;
+                    Ok(())
+                }
+
+                async fn list_rate_limits(
+                    &self,
+                    tenant_id: Option<&str>,
+                ) -> Result<Vec<RateLimit>, StoreError> {
+                    let rows = match tenant_id {
+                        Some(t) => {
+                            sqlx::query(LIST_TENANT_RATE_LIMITS)
+                                .bind(t)
+                                .fetch_all(&self.pool)
+                                .await?
+                        }
+                        None => sqlx::query(LIST_RATE_LIMITS).fetch_all(&self.pool).await?,
+                    };
+                    rows.iter().map(rate_limit).collect()
+                }
+
+                async fn delete_rate_limit(
+                    &self,
+                    tenant_id: &str,
+                    key_id: Option<&str>,
+                ) -> Result<bool, StoreError> {
+                    let n = sqlx::query(DELETE_RATE_LIMIT)
+                        .bind(tenant_id)
+                        .bind(key_id.unwrap_or(""))
+                        .execute(&self.pool)
+                        .await?
+                        .rows_affected();
+                    Ok(n > 0)
+                }
+
+                async fn set_fail_mode(
+                    &self,
+                    tenant_id: &str,
+                    mode: FailMode,
+                ) -> Result<(), StoreError> {
+                    sqlx::query(SET_FAIL_MODE)
+                        .bind(tenant_id)
+                        .bind(mode.as_str())
+                        .execute(&self.pool)
+                        .await?;
+                    Ok(())
+                }
+
+                async fn list_fail_modes(&self) -> Result<Vec<(String, FailMode)>, StoreError> {
+                    let rows = sqlx::query(LIST_FAIL_MODES).fetch_all(&self.pool).await?;
+                    rows.iter()
+                        .map(|r| {
+                            let mode: String = r.try_get("fail_mode")?;
+                            Ok((
+                                r.try_get("tenant_id")?,
+                                FailMode::parse(&mode).ok_or_else(|| {
+                                    StoreError::Corrupt("tenant_budget_settings.fail_mode".into())
+                                })?,
+                            ))
+                        })
+                        .collect()
                 }
             }
         }

@@ -1,0 +1,862 @@
+//! [`Budgets`]: the budget step of the request pipeline. It keeps this replica's snapshot of
+//! policies and rate limits, turns a request into one [`ReserveRequest`], maps the outcome to an
+//! [`Admission`] or an OpenAI-shaped error, and commits actual usage after the response.
+//!
+//! While the shared store is unreachable a tenant fails closed (503) or open (a local
+//! [`MemoryStore`] enforcing `budgets.fail_open_share` of every limit on this replica). Commits
+//! that could not reach the shared store — including the spend of requests admitted locally —
+//! are queued and replayed when it is back (commits are idempotent per request id), so no
+//! reservation dangles and no spend is lost.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use axum::http::{HeaderName, HeaderValue};
+use chrono::{DateTime, SecondsFormat, Utc};
+use serde::Serialize;
+
+use super::memory::MemoryStore;
+use super::{
+    counter_key, rate_key, Action, BudgetError, BudgetPolicy, BudgetStore, Clock, CommitRequest,
+    CounterSpec, CounterState, FailMode, Limit, Mode, Outcome, RateKind, RateLimit, RateSpec,
+    ReserveRequest,
+};
+use crate::config::{BudgetConfig, BudgetStoreKind};
+use crate::error::ApiError;
+use crate::ledger::LedgerStore;
+use crate::metrics::Metrics;
+use crate::store::{ApiKey, Store, StoreError};
+
+/// How long a counter outlives its window (so `gatewayctl usage` can still read a window that
+/// just ended), ms.
+const COUNTER_GRACE_MS: i64 = 86_400_000;
+/// After a shared-store failure, skip it for this long before trying again, ms.
+const STORE_BACKOFF_MS: i64 = 1_000;
+/// Most commits held for replay while the shared store is unreachable.
+const MAX_BACKLOG: usize = 1_000_000;
+
+/// Every tenant's rules, as of the last refresh.
+#[derive(Debug, Default)]
+struct Snapshot {
+    policies: HashMap<String, Vec<BudgetPolicy>>,
+    rates: HashMap<String, Vec<RateLimit>>,
+    fail_modes: HashMap<String, FailMode>,
+}
+
+/// The rules that apply to one request, found without any I/O.
+#[derive(Debug)]
+pub struct Plan {
+    tenant_id: String,
+    policies: Vec<BudgetPolicy>,
+    rates: Vec<(RateSpec, RateLimit)>,
+    fail_mode: FailMode,
+}
+
+impl Plan {
+    /// Whether anything may lower `max_tokens` (so the forwarded request must carry one).
+    pub fn bounds_output(&self) -> bool {
+        self.policies.iter().any(|p| p.action != Action::Flag)
+            || self.rates.iter().any(|(r, _)| r.kind == RateKind::Tokens)
+    }
+}
+
+/// Prices (micro-dollars per 1M tokens) the reservation is made at.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReservePrice {
+    /// Input tokens.
+    pub input: i64,
+    /// Output tokens.
+    pub output: i64,
+}
+
+/// What the pipeline knows about a request when it asks for admission.
+#[derive(Debug, Clone)]
+pub struct AdmitInput {
+    /// Request id (the reservation id).
+    pub rid: String,
+    /// Estimated prompt tokens.
+    pub prompt_tokens: u64,
+    /// The client's `max_tokens`, if any.
+    pub max_tokens: Option<u64>,
+    /// Whether the endpoint generates tokens (not embeddings).
+    pub generates: bool,
+    /// Completions generated per request (`n`, `best_of`): each may use `max_tokens`.
+    pub choices: u64,
+    /// Price at the primary tier.
+    pub price: ReservePrice,
+    /// Price at the small tier (for a `downgrade`).
+    pub small_price: ReservePrice,
+    /// The primary tier is already the small tier.
+    pub primary_is_small: bool,
+}
+
+/// A live reservation, to be committed after the response.
+#[derive(Debug, Clone)]
+pub struct Reservation {
+    tenant_id: String,
+    rid: String,
+    counters: Vec<(String, i64)>,
+    token_rates: Vec<(String, u64)>,
+    reserved_tokens: u64,
+    /// Made in the local fail-open store (the shared one was unreachable).
+    local: bool,
+}
+
+/// The budget step's answer for an admitted request.
+#[derive(Debug, Default)]
+pub struct Admission {
+    /// `max_tokens` to forward (set when a budget or token limit bounds the output).
+    pub max_tokens: Option<u64>,
+    /// `max_tokens` was lowered below what the client asked for.
+    pub clamped: bool,
+    /// A `downgrade` budget sent the request to the small tier.
+    pub downgraded: bool,
+    /// Response headers describing the tightest budget.
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    /// What to commit after the response.
+    pub reservation: Option<Reservation>,
+}
+
+/// One row of `gatewayctl usage`.
+#[derive(Debug, Clone, Serialize)]
+pub struct UsageRow {
+    /// The policy.
+    pub policy: BudgetPolicy,
+    /// Start of the current window.
+    pub window_start: DateTime<Utc>,
+    /// When it resets.
+    pub resets_at: DateTime<Utc>,
+    /// Committed and reserved totals.
+    pub state: CounterState,
+    /// Tokens left (when limited).
+    pub remaining_tokens: Option<u64>,
+    /// Micro-dollars left (when limited).
+    pub remaining_micros: Option<i64>,
+}
+
+/// The budget engine of one replica.
+pub struct Budgets {
+    config: BudgetConfig,
+    store: Arc<dyn BudgetStore>,
+    /// The shared store is Redis (so a local fallback and a replay backlog exist).
+    shared: bool,
+    local: MemoryStore,
+    rules: Arc<dyn Store>,
+    ledger: Option<Arc<dyn LedgerStore>>,
+    clock: Arc<dyn Clock>,
+    metrics: Metrics,
+    snapshot: ArcSwap<Snapshot>,
+    seeded: Mutex<HashSet<(String, i64)>>,
+    down_until_ms: AtomicI64,
+    backlog: Mutex<VecDeque<CommitRequest>>,
+    ttl_ms: i64,
+}
+
+impl std::fmt::Debug for Budgets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Budgets")
+            .field("store", &self.config.store)
+            .finish_non_exhaustive()
+    }
+}
+
+fn ms(t: DateTime<Utc>) -> i64 {
+    t.timestamp_millis()
+}
+
+fn header(name: &'static str, value: String) -> Option<(HeaderName, HeaderValue)> {
+    Some((
+        HeaderName::from_static(name),
+        HeaderValue::from_str(&value).ok()?,
+    ))
+}
+
+/// Micro-dollars as a USD string with six decimals.
+pub fn usd(micros: i64) -> String {
+    let sign = if micros < 0 { "-" } else { "" };
+    let m = micros.unsigned_abs();
+    format!("{sign}{}.{:06}", m / 1_000_000, m % 1_000_000)
+}
+
+impl Budgets {
+    /// Build the engine: open the configured store, load the rules and (for policies whose
+    /// current window has no counter yet) seed spend from the ledger, so a restart of the
+    /// embedded default does not reset a budget.
+    pub async fn new(
+        config: BudgetConfig,
+        total_timeout: Duration,
+        rules: Arc<dyn Store>,
+        ledger: Option<Arc<dyn LedgerStore>>,
+        clock: Arc<dyn Clock>,
+        metrics: Metrics,
+        store: Option<Arc<dyn BudgetStore>>,
+    ) -> anyhow::Result<Self> {
+        let (store, shared): (Arc<dyn BudgetStore>, bool) = match (store, config.store) {
+            (Some(s), kind) => (s, kind == BudgetStoreKind::Redis),
+            (None, BudgetStoreKind::Memory) => (Arc::new(MemoryStore::new()), false),
+            (None, BudgetStoreKind::Redis) => (
+                Arc::new(super::redis::RedisStore::new(
+                    config.redis_urls.clone(),
+                    Duration::from_millis(config.store_timeout_ms),
+                )?),
+                true,
+            ),
+        };
+        let ttl_ms = config.reservation_ttl_secs.map_or_else(
+            || i64::try_from(total_timeout.as_millis()).unwrap_or(i64::MAX / 2) + 30_000,
+            |s| i64::try_from(s).unwrap_or(i64::MAX / 2_000) * 1000,
+        );
+        let budgets = Self {
+            config,
+            store,
+            shared,
+            local: MemoryStore::new(),
+            rules,
+            ledger,
+            clock,
+            metrics,
+            snapshot: ArcSwap::from_pointee(Snapshot::default()),
+            seeded: Mutex::new(HashSet::new()),
+            down_until_ms: AtomicI64::new(0),
+            backlog: Mutex::new(VecDeque::new()),
+            ttl_ms,
+        };
+        budgets.refresh().await?;
+        Ok(budgets)
+    }
+
+    /// Reload policies, rate limits and fail modes; seed counters of policies seen for the
+    /// first time. A policy change reaches this replica within one refresh.
+    pub async fn refresh(&self) -> Result<(), StoreError> {
+        let policies = self.rules.list_budgets(None).await?;
+        let rates = self.rules.list_rate_limits(None).await?;
+        let modes = self.rules.list_fail_modes().await?;
+        let mut snap = Snapshot::default();
+        for p in policies {
+            snap.policies
+                .entry(p.tenant_id.clone())
+                .or_default()
+                .push(p);
+        }
+        for r in rates {
+            snap.rates.entry(r.tenant_id.clone()).or_default().push(r);
+        }
+        snap.fail_modes = modes.into_iter().collect();
+        let fresh: Vec<BudgetPolicy> = {
+            let now = self.clock.now();
+            let seeded = self.seeded.lock().unwrap_or_else(|e| e.into_inner());
+            snap.policies
+                .values()
+                .flatten()
+                .filter(|p| !seeded.contains(&(p.id.clone(), ms(p.window.start(now)))))
+                .cloned()
+                .collect()
+        };
+        self.snapshot.store(Arc::new(snap));
+        if !fresh.is_empty() {
+            if let Err(e) = self.seed(&fresh).await {
+                tracing::warn!(error = %e, "could not seed budget counters from the ledger; retrying at the next refresh");
+            }
+        }
+        Ok(())
+    }
+
+    /// Seed the current window of each policy from the ledger (a no-op where a counter exists).
+    async fn seed(&self, policies: &[BudgetPolicy]) -> anyhow::Result<()> {
+        let now = self.clock.now();
+        let mut by_start: BTreeMap<DateTime<Utc>, Vec<&BudgetPolicy>> = BTreeMap::new();
+        for p in policies {
+            by_start.entry(p.window.start(now)).or_default().push(p);
+        }
+        for (start, group) in by_start {
+            let spend = match &self.ledger {
+                Some(l) => l.spend_since(start).await?,
+                None => Vec::new(),
+            };
+            for p in group {
+                let (mut tokens, mut micros) = (0u64, 0i64);
+                for row in spend.iter().filter(|r| r.tenant_id == p.tenant_id) {
+                    if p.scope.matches(&row.key_id, &row.tags) {
+                        tokens += row.tokens;
+                        micros += row.micros;
+                    }
+                }
+                let key = counter_key(&p.tenant_id, &p.id, start);
+                let expire = ms(p.window.end(start)) + COUNTER_GRACE_MS;
+                self.store
+                    .seed(&p.tenant_id, &key, tokens, micros, expire)
+                    .await?;
+                self.seeded
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert((p.id.clone(), ms(start)));
+            }
+        }
+        Ok(())
+    }
+
+    /// The rules that apply to a request by `key` carrying `tags`; `None` when none do (the
+    /// request then costs no budget work at all).
+    pub fn plan(&self, key: &ApiKey, tags: &BTreeMap<String, String>) -> Option<Plan> {
+        let snap = self.snapshot.load();
+        let policies: Vec<BudgetPolicy> = snap
+            .policies
+            .get(&key.tenant_id)
+            .map(|ps| {
+                ps.iter()
+                    .filter(|p| p.scope.matches(&key.id, tags))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut rates = Vec::new();
+        for r in snap.rates.get(&key.tenant_id).into_iter().flatten() {
+            let scope = match &r.key_id {
+                None => "tenant",
+                Some(id) if *id == key.id => id.as_str(),
+                Some(_) => continue,
+            };
+            for (kind, per_minute) in [(RateKind::Requests, r.rpm), (RateKind::Tokens, r.tpm)] {
+                if let Some(per_minute) = per_minute {
+                    let spec = RateSpec {
+                        key: rate_key(&key.tenant_id, scope, kind),
+                        per_minute,
+                        kind,
+                    };
+                    rates.push((spec, r.clone()));
+                }
+            }
+        }
+        if policies.is_empty() && rates.is_empty() {
+            return None;
+        }
+        Some(Plan {
+            tenant_id: key.tenant_id.clone(),
+            policies,
+            rates,
+            fail_mode: snap
+                .fail_modes
+                .get(&key.tenant_id)
+                .copied()
+                .unwrap_or(self.config.fail_mode),
+        })
+    }
+
+    fn request(
+        &self,
+        plan: &Plan,
+        input: &AdmitInput,
+        now: DateTime<Utc>,
+        downgraded: bool,
+        share: f64,
+    ) -> ReserveRequest {
+        let price = if downgraded && !input.primary_is_small {
+            input.small_price
+        } else {
+            input.price
+        };
+        let choices = input.choices.max(1);
+        let max_tokens = if input.generates {
+            input.max_tokens.unwrap_or(self.config.default_max_tokens) * choices
+        } else {
+            0
+        };
+        let counters = plan
+            .policies
+            .iter()
+            .map(|p| {
+                let start = p.window.start(now);
+                CounterSpec {
+                    key: counter_key(&p.tenant_id, &p.id, start),
+                    mode: match p.action {
+                        Action::Reject => Mode::Enforce,
+                        Action::Downgrade => Mode::Downgrade,
+                        Action::Flag => Mode::Count,
+                    },
+                    limit: p.limit.scaled(share),
+                    hard: p.hard_limit.scaled(share),
+                    expire_at_ms: ms(p.window.end(start)) + COUNTER_GRACE_MS,
+                }
+            })
+            .collect();
+        let rates = plan
+            .rates
+            .iter()
+            .map(|(r, _)| RateSpec {
+                per_minute: ((r.per_minute as f64 * share) as u64).max(1),
+                ..r.clone()
+            })
+            .collect();
+        let prompt_micros = i64::try_from(
+            (u128::from(input.prompt_tokens) * u128::try_from(price.input.max(0)).unwrap_or(0))
+                .div_ceil(1_000_000),
+        )
+        .unwrap_or(i64::MAX / 4);
+        ReserveRequest {
+            tenant_id: plan.tenant_id.clone(),
+            rid: input.rid.clone(),
+            now_ms: ms(now),
+            ttl_ms: self.ttl_ms,
+            prompt_tokens: input.prompt_tokens,
+            prompt_micros,
+            output_micros_per_token: price.output.max(0) as f64 / 1e6,
+            max_tokens,
+            min_tokens: self.config.min_tokens * choices,
+            downgraded: downgraded || input.primary_is_small,
+            counters,
+            rates,
+        }
+    }
+
+    async fn reserve_in(
+        &self,
+        store: &dyn BudgetStore,
+        req: &ReserveRequest,
+    ) -> Result<Outcome, BudgetError> {
+        let started = Instant::now();
+        let out = store.reserve(req).await;
+        self.metrics
+            .budget_store_seconds
+            .with_label_values(&["reserve"])
+            .observe(started.elapsed().as_secs_f64());
+        out
+    }
+
+    /// Check and reserve; on `downgrade`, once more at the small tier.
+    async fn reserve_with(
+        &self,
+        store: &dyn BudgetStore,
+        plan: &Plan,
+        input: &AdmitInput,
+        now: DateTime<Utc>,
+        share: f64,
+    ) -> Result<(ReserveRequest, Outcome, bool), BudgetError> {
+        let req = self.request(plan, input, now, false, share);
+        let outcome = self.reserve_in(store, &req).await?;
+        if let Outcome::Downgrade { .. } = outcome {
+            let req = self.request(plan, input, now, true, share);
+            let outcome = self.reserve_in(store, &req).await?;
+            return Ok((req, outcome, true));
+        }
+        Ok((req, outcome, false))
+    }
+
+    fn store_available(&self, now_ms: i64) -> bool {
+        self.down_until_ms.load(Ordering::Relaxed) <= now_ms
+    }
+
+    fn store_failed(&self, plan: &Plan, e: &BudgetError, now_ms: i64) {
+        self.down_until_ms
+            .store(now_ms + STORE_BACKOFF_MS, Ordering::Relaxed);
+        self.metrics
+            .budget_store_errors
+            .with_label_values(&[plan.fail_mode.as_str()])
+            .inc();
+        tracing::warn!(error = %e, tenant = %plan.tenant_id, fail_mode = plan.fail_mode.as_str(),
+            "budget store unreachable");
+    }
+
+    /// Admit a request under `plan`, or say why not.
+    pub async fn admit(&self, plan: &Plan, input: AdmitInput) -> Result<Admission, ApiError> {
+        let now = self.clock.now();
+        let now_ms = ms(now);
+        let shared = if !self.shared || self.store_available(now_ms) {
+            match self
+                .reserve_with(&*self.store, plan, &input, now, 1.0)
+                .await
+            {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    self.store_failed(plan, &e, now_ms);
+                    None
+                }
+            }
+        } else {
+            self.metrics
+                .budget_store_errors
+                .with_label_values(&[plan.fail_mode.as_str()])
+                .inc();
+            None
+        };
+        let (req, outcome, downgraded, local) = match shared {
+            Some((req, outcome, downgraded)) => (req, outcome, downgraded, false),
+            None if plan.fail_mode == FailMode::Closed => {
+                self.decision(plan, "store_unavailable");
+                return Err(ApiError::Unavailable {
+                    message: "the budget store is unreachable and this tenant's budgets fail \
+                              closed; retry shortly"
+                        .into(),
+                    retry_after: 1,
+                });
+            }
+            None => {
+                let share = self.config.fail_open_share;
+                // The local store never fails.
+                let (req, outcome, downgraded) = self
+                    .reserve_with(&self.local, plan, &input, now, share)
+                    .await
+                    .map_err(ApiError::internal)?;
+                (req, outcome, downgraded, true)
+            }
+        };
+        match outcome {
+            Outcome::Admitted {
+                max_tokens,
+                counters,
+            } => Ok(self.admitted(
+                plan, &input, &req, max_tokens, &counters, downgraded, local, now,
+            )),
+            Outcome::Rejected { index, counters } => {
+                self.decision(plan, "rejected");
+                Err(self.exhausted(plan, &req, index, &counters, now))
+            }
+            Outcome::Downgrade { index } => {
+                // Only possible if the policy changed between the two calls; treat as exhausted.
+                self.decision(plan, "rejected");
+                Err(self.exhausted(plan, &req, index, &[], now))
+            }
+            Outcome::RateLimited {
+                index,
+                retry_after_ms,
+            } => {
+                self.decision(plan, "rate_limited");
+                let (spec, rule) = &plan.rates[index];
+                let (what, kind) = match spec.kind {
+                    RateKind::Requests => ("requests", "requests"),
+                    RateKind::Tokens => ("tokens", "tokens"),
+                };
+                let scope = rule
+                    .key_id
+                    .as_deref()
+                    .map_or_else(|| "tenant".to_owned(), |k| format!("key {k}"));
+                Err(ApiError::RateLimited {
+                    message: format!(
+                        "rate limit reached: {} {what} per minute for the {scope}; retry in {:.1}s",
+                        spec.per_minute,
+                        retry_after_ms as f64 / 1000.0
+                    ),
+                    kind,
+                    retry_after: u64::try_from(retry_after_ms.max(0))
+                        .unwrap_or(0)
+                        .div_ceil(1000)
+                        .max(1),
+                })
+            }
+        }
+    }
+
+    fn decision(&self, plan: &Plan, outcome: &str) {
+        self.metrics
+            .budget_decisions
+            .with_label_values(&[plan.tenant_id.as_str(), outcome])
+            .inc();
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn admitted(
+        &self,
+        plan: &Plan,
+        input: &AdmitInput,
+        req: &ReserveRequest,
+        granted: u64,
+        counters: &[CounterState],
+        downgraded: bool,
+        local: bool,
+        now: DateTime<Utc>,
+    ) -> Admission {
+        let requested = input.max_tokens.unwrap_or(self.config.default_max_tokens);
+        let reserved_output = granted;
+        // The store grants output tokens for all choices together.
+        let granted = granted / input.choices.max(1);
+        let clamped = input.generates && granted < requested;
+        let mut headers = Vec::new();
+        let mut outcome = if clamped { "clamped" } else { "admitted" };
+        if downgraded {
+            outcome = "downgraded";
+            headers.extend(header("x-gateway-budget-action", "downgraded".into()));
+        }
+        if clamped {
+            headers.extend(header("x-gateway-budget-clamped", granted.to_string()));
+        }
+        // The tightest budget: the least fraction left after this reservation.
+        let mut tightest: Option<(f64, usize, Option<u64>, Option<i64>)> = None;
+        let mut flagged = Vec::new();
+        for (i, (p, state)) in plan.policies.iter().zip(counters).enumerate() {
+            let limit = if downgraded && p.action == Action::Downgrade {
+                if p.hard_limit.is_unlimited() {
+                    continue;
+                }
+                p.hard_limit
+            } else {
+                p.limit
+            };
+            let used_tokens = state.spent_tokens + state.reserved_tokens;
+            let used_micros = state.spent_micros + state.reserved_micros;
+            let rem_t = limit.tokens.map(|l| l.saturating_sub(used_tokens));
+            let rem_m = limit.micros.map(|l| (l - used_micros).max(0));
+            let frac_t = limit
+                .tokens
+                .map(|l| rem_t.unwrap_or(0) as f64 / l.max(1) as f64);
+            let frac_m = limit
+                .micros
+                .map(|l| rem_m.unwrap_or(0) as f64 / l.max(1) as f64);
+            let frac = frac_t.unwrap_or(1.0).min(frac_m.unwrap_or(1.0));
+            if p.action == Action::Flag && frac <= 0.0 {
+                flagged.push(p.id.clone());
+            }
+            if let Some(w) = p.warn_percent {
+                if (1.0 - frac) * 100.0 >= f64::from(w) {
+                    headers.extend(header(
+                        "x-gateway-budget-warning",
+                        format!("{} {:.0}% used", p.id, (1.0 - frac) * 100.0),
+                    ));
+                }
+            }
+            if tightest.is_none_or(|(f, ..)| frac < f) {
+                tightest = Some((frac, i, rem_t, rem_m));
+            }
+        }
+        if !flagged.is_empty() {
+            outcome = "flagged";
+            tracing::warn!(tenant = %plan.tenant_id, policies = ?flagged, "budget exceeded (flag only)");
+            headers.extend(header("x-gateway-budget-exceeded", flagged.join(",")));
+        }
+        if let Some((_, i, rem_t, rem_m)) = tightest {
+            let p = &plan.policies[i];
+            let reset = p.window.end(p.window.start(now));
+            headers.extend(header(
+                "x-gateway-budget-policy",
+                format!("{} {} {}", p.id, p.scope.label(), p.window.as_str()),
+            ));
+            if let Some(t) = rem_t {
+                headers.extend(header("x-gateway-budget-remaining-tokens", t.to_string()));
+            }
+            if let Some(m) = rem_m {
+                headers.extend(header("x-gateway-budget-remaining-usd", usd(m)));
+            }
+            headers.extend(header(
+                "x-gateway-budget-reset",
+                reset.to_rfc3339_opts(SecondsFormat::Secs, true),
+            ));
+        }
+        if local {
+            headers.extend(header("x-gateway-budget-mode", "fail-open".into()));
+        }
+        self.decision(plan, outcome);
+        let token_rates = plan
+            .rates
+            .iter()
+            .filter(|(r, _)| r.kind == RateKind::Tokens)
+            .map(|(r, _)| {
+                let pm = if local {
+                    ((r.per_minute as f64 * self.config.fail_open_share) as u64).max(1)
+                } else {
+                    r.per_minute
+                };
+                (r.key.clone(), pm)
+            })
+            .collect();
+        Admission {
+            max_tokens: (input.generates && plan.bounds_output()).then_some(granted),
+            clamped,
+            downgraded,
+            headers,
+            reservation: Some(Reservation {
+                tenant_id: plan.tenant_id.clone(),
+                rid: req.rid.clone(),
+                counters: req
+                    .counters
+                    .iter()
+                    .map(|c| (c.key.clone(), c.expire_at_ms))
+                    .collect(),
+                token_rates,
+                reserved_tokens: req.prompt_tokens + reserved_output,
+                local,
+            }),
+        }
+    }
+
+    fn exhausted(
+        &self,
+        plan: &Plan,
+        req: &ReserveRequest,
+        index: usize,
+        counters: &[CounterState],
+        now: DateTime<Utc>,
+    ) -> ApiError {
+        let p = &plan.policies[index];
+        let start = p.window.start(now);
+        let reset = p.window.end(start);
+        let state = counters.get(index).copied().unwrap_or_default();
+        let limit = if req.downgraded && p.action == Action::Downgrade {
+            p.hard_limit
+        } else {
+            p.limit
+        };
+        let mut used = Vec::new();
+        if let Some(l) = limit.tokens {
+            used.push(format!(
+                "{} of {l} tokens spent or reserved",
+                state.spent_tokens + state.reserved_tokens
+            ));
+        }
+        if let Some(l) = limit.micros {
+            used.push(format!(
+                "${} of ${} spent or reserved",
+                usd(state.spent_micros + state.reserved_micros),
+                usd(l)
+            ));
+        }
+        ApiError::InsufficientQuota {
+            message: format!(
+                "budget {} ({} scope, {} window) cannot cover this request: {}; this request \
+                 needs {} prompt tokens plus at least {} completion tokens; the window resets \
+                 at {}",
+                p.id,
+                p.scope.label(),
+                p.window.as_str(),
+                used.join(", "),
+                req.prompt_tokens,
+                req.min_tokens.min(req.max_tokens),
+                reset.to_rfc3339_opts(SecondsFormat::Secs, true)
+            ),
+            retry_after: u64::try_from((reset - now).num_seconds().max(1)).unwrap_or(1),
+        }
+    }
+
+    /// Commit actual usage and release the rest of the reservation. Never fails: a commit the
+    /// shared store cannot take now is queued for replay.
+    pub async fn commit(&self, reservation: Reservation, tokens: u64, micros: i64) {
+        let now_ms = ms(self.clock.now());
+        let refund = reservation.reserved_tokens.saturating_sub(tokens);
+        let req = CommitRequest {
+            tenant_id: reservation.tenant_id,
+            rid: reservation.rid,
+            now_ms,
+            dedupe_ms: self.ttl_ms * 2,
+            tokens,
+            micros,
+            counters: reservation.counters,
+            refunds: reservation
+                .token_rates
+                .into_iter()
+                .map(|(k, pm)| (k, pm, refund))
+                .collect(),
+        };
+        if reservation.local {
+            let _ = self.local.commit(&req).await;
+            // The spend happened: add it to the shared counters once they are reachable.
+            let mut replay = req;
+            replay.refunds.clear();
+            self.enqueue(replay);
+            return;
+        }
+        if !self.shared {
+            let _ = self.store.commit(&req).await;
+            return;
+        }
+        if !self.store_available(now_ms) {
+            self.enqueue(req);
+            return;
+        }
+        let started = Instant::now();
+        let result = self.store.commit(&req).await;
+        self.metrics
+            .budget_store_seconds
+            .with_label_values(&["commit"])
+            .observe(started.elapsed().as_secs_f64());
+        if let Err(e) = result {
+            self.down_until_ms
+                .store(now_ms + STORE_BACKOFF_MS, Ordering::Relaxed);
+            tracing::warn!(error = %e, rid = %req.rid, "budget commit failed; queued for replay");
+            self.enqueue(req);
+        }
+    }
+
+    fn enqueue(&self, req: CommitRequest) {
+        let mut q = self.backlog.lock().unwrap_or_else(|e| e.into_inner());
+        if q.len() >= MAX_BACKLOG {
+            if let Some(dropped) = q.pop_front() {
+                tracing::error!(rid = %dropped.rid, "budget commit backlog full; dropping the oldest commit");
+            }
+        }
+        q.push_back(req);
+        self.metrics.budget_backlog.set(q.len() as i64);
+    }
+
+    /// Replay queued commits into the shared store, oldest first, until it fails again.
+    pub async fn replay_backlog(&self) {
+        loop {
+            let next = {
+                let q = self.backlog.lock().unwrap_or_else(|e| e.into_inner());
+                q.front().cloned()
+            };
+            let Some(req) = next else {
+                return;
+            };
+            match self.store.commit(&req).await {
+                Ok(_) => {
+                    let mut q = self.backlog.lock().unwrap_or_else(|e| e.into_inner());
+                    q.pop_front();
+                    self.metrics.budget_backlog.set(q.len() as i64);
+                    self.down_until_ms.store(0, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "budget store still unreachable");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Commits waiting for the shared store.
+    pub fn backlog_len(&self) -> usize {
+        self.backlog.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Spent, reserved and remaining per policy of a tenant, in the current windows.
+    pub async fn usage(&self, tenant_id: &str) -> Result<Vec<UsageRow>, BudgetError> {
+        let now = self.clock.now();
+        let policies = self
+            .rules
+            .list_budgets(Some(tenant_id))
+            .await
+            .map_err(|e| BudgetError::Protocol(format!("reading policies: {e}")))?;
+        let keys: Vec<String> = policies
+            .iter()
+            .map(|p| counter_key(&p.tenant_id, &p.id, p.window.start(now)))
+            .collect();
+        let states = self.store.peek(tenant_id, &keys, ms(now)).await?;
+        Ok(policies
+            .into_iter()
+            .zip(states)
+            .map(|(policy, state)| {
+                let window_start = policy.window.start(now);
+                let used_t = state.spent_tokens + state.reserved_tokens;
+                let used_m = state.spent_micros + state.reserved_micros;
+                UsageRow {
+                    window_start,
+                    resets_at: policy.window.end(window_start),
+                    remaining_tokens: policy.limit.tokens.map(|l| l.saturating_sub(used_t)),
+                    remaining_micros: policy.limit.micros.map(|l| (l - used_m).max(0)),
+                    state,
+                    policy,
+                }
+            })
+            .collect())
+    }
+}
+
+/// Check `limit` values typed by an operator.
+pub fn limit_from(tokens: Option<u64>, usd: Option<f64>) -> Result<Limit, String> {
+    let micros = match usd {
+        Some(u) => Some(
+            crate::pricing::usd_to_micros(u).ok_or_else(|| format!("invalid USD amount {u}"))?,
+        ),
+        None => None,
+    };
+    Ok(Limit { tokens, micros })
+}

@@ -1,0 +1,34 @@
+-- Shared helpers, prepended to every budget script (see redis.rs). Counters are hashes with
+-- fields st/sm (spent tokens/micro-dollars), rt/rm (reserved) and r:<rid> = "<tokens>:<micros>"
+-- per live reservation; a sorted set next to each counter holds reservation ids by expiry.
+-- Numbers go to Redis as integer strings (Lua would print 1000 as 1e+03, and -0 as "-0").
+local function fmt(x)
+  if x == 0 then return '0' end
+  return string.format('%.0f', x)
+end
+
+-- Give back what reservation `rid` holds on counter `h` (if it is still live).
+local function release(h, rid)
+  local v = redis.call('HGET', h, 'r:' .. rid)
+  if v then
+    local sep = string.find(v, ':', 1, true)
+    redis.call('HINCRBY', h, 'rt', fmt(-tonumber(string.sub(v, 1, sep - 1))))
+    redis.call('HINCRBY', h, 'rm', fmt(-tonumber(string.sub(v, sep + 1))))
+    redis.call('HDEL', h, 'r:' .. rid)
+  end
+end
+
+local function purge(h, z, now)
+  local expired = redis.call('ZRANGEBYSCORE', z, '-inf', now)
+  for _, rid in ipairs(expired) do
+    release(h, rid)
+  end
+  if #expired > 0 then
+    redis.call('ZREMRANGEBYSCORE', z, '-inf', now)
+  end
+end
+
+local function state(h)
+  local v = redis.call('HMGET', h, 'st', 'sm', 'rt', 'rm')
+  return tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0, tonumber(v[4]) or 0
+end

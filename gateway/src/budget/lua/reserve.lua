@@ -1,0 +1,124 @@
+-- Check-and-reserve, atomically. KEYS: (counter hash, reservation zset) per counter, then one key
+-- per rate limiter. ARGV: now_ms, ttl_ms, rid, prompt_tokens, prompt_micros,
+-- output_micros_per_token, max_tokens, min_tokens, downgraded, n_counters, then per counter
+-- mode (0 enforce, 1 downgrade, 2 count), limit_tokens, limit_micros, hard_tokens, hard_micros,
+-- expire_at_ms (-1 = no limit), then n_rates, then per limiter per_minute, kind (0 requests,
+-- 1 tokens). Reply: {0, granted, 0, states...} admitted; {1, index, 0, states...} rejected;
+-- {2, index, 0} downgrade; {3, index, retry_after_ms} rate limited (indexes 0-based).
+local now = tonumber(ARGV[1])
+local ttl = tonumber(ARGV[2])
+local rid = ARGV[3]
+local P = tonumber(ARGV[4])
+local pm = tonumber(ARGV[5])
+local opt = tonumber(ARGV[6])
+local M = tonumber(ARGV[7])
+local min = math.min(tonumber(ARGV[8]), M)
+local downgraded = ARGV[9] == '1'
+local nc = tonumber(ARGV[10])
+local base = 10
+
+local function fits(st, sm, rt, rm, ltok, lmic)
+  local m = M
+  if ltok >= 0 then
+    local left = ltok - st - rt - P
+    if left < 0 then return nil end
+    if left < m then m = left end
+  end
+  if lmic >= 0 then
+    local left = lmic - sm - rm - pm
+    if left < 0 then return nil end
+    if opt > 0 then
+      local by_cost = math.floor(left / opt)
+      while by_cost > 0 and math.ceil(by_cost * opt) > left do by_cost = by_cost - 1 end
+      if by_cost < m then m = by_cost end
+    end
+  end
+  return m
+end
+
+local states = {}
+local granted = M
+for i = 1, nc do
+  local h, z = KEYS[2 * i - 1], KEYS[2 * i]
+  purge(h, z, now)
+  local st, sm, rt, rm = state(h)
+  states[i] = {st, sm, rt, rm}
+end
+local function flat(head)
+  for i = 1, nc do
+    for j = 1, 4 do head[#head + 1] = states[i][j] end
+  end
+  return head
+end
+for i = 1, nc do
+  local a = base + 6 * (i - 1)
+  local mode = tonumber(ARGV[a + 1])
+  local s = states[i]
+  local allowed = 'skip'
+  if mode == 0 then
+    allowed = fits(s[1], s[2], s[3], s[4], tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]))
+  elseif mode == 1 and not downgraded then
+    if fits(s[1], s[2], s[3], s[4], tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])) ~= M then
+      return {2, i - 1, 0}
+    end
+  elseif mode == 1 then
+    allowed = fits(s[1], s[2], s[3], s[4], tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]))
+  end
+  if allowed ~= 'skip' then
+    if allowed == nil or allowed < min then
+      return flat({1, i - 1, 0})
+    end
+    if allowed < granted then granted = allowed end
+  end
+end
+
+local rbase = base + 6 * nc
+local nr = tonumber(ARGV[rbase + 1])
+local burst = 60000000
+for j = 1, nr do
+  local per_minute = tonumber(ARGV[rbase + 2 * j])
+  local kind = ARGV[rbase + 2 * j + 1]
+  if kind == '1' then
+    local room = per_minute - P
+    if room < 0 then room = 0 end
+    if room < min then return {3, j - 1, 60000} end
+    if room < granted then granted = room end
+  end
+end
+local now_us = now * 1000
+local tats = {}
+for j = 1, nr do
+  local per_minute = tonumber(ARGV[rbase + 2 * j])
+  local kind = ARGV[rbase + 2 * j + 1]
+  local cost = 1
+  if kind == '1' then cost = P + granted end
+  local tat = tonumber(redis.call('GET', KEYS[2 * nc + j])) or now_us
+  if tat < now_us then tat = now_us end
+  local new_tat = tat + cost * (60000000 / math.max(per_minute, 1))
+  if new_tat - now_us > burst then
+    return {3, j - 1, math.ceil((new_tat - now_us - burst) / 1000)}
+  end
+  tats[j] = new_tat
+end
+for j = 1, nr do
+  local expire = math.ceil(tats[j] / 1000) + 1000
+  redis.call('SET', KEYS[2 * nc + j], fmt(tats[j]), 'PXAT', fmt(expire))
+end
+
+local tokens = P + granted
+local micros = pm + math.ceil(granted * opt)
+for i = 1, nc do
+  local a = base + 6 * (i - 1)
+  local h, z = KEYS[2 * i - 1], KEYS[2 * i]
+  redis.call('HINCRBY', h, 'rt', fmt(tokens))
+  redis.call('HINCRBY', h, 'rm', fmt(micros))
+  redis.call('HSET', h, 'r:' .. rid, fmt(tokens) .. ':' .. fmt(micros))
+  redis.call('ZADD', z, fmt(now + ttl), rid)
+  local expire = ARGV[a + 6]
+  redis.call('PEXPIREAT', h, expire)
+  redis.call('PEXPIREAT', z, expire)
+  local s = states[i]
+  s[3] = s[3] + tokens
+  s[4] = s[4] + micros
+end
+return flat({0, granted, 0})

@@ -1,0 +1,254 @@
+//! The in-process [`BudgetStore`]: the embedded default, and the local fallback of a fail-open
+//! tenant while Redis is unreachable. One mutex makes each reserve and commit atomic; the
+//! arithmetic is the same as `reserve.lua` / `commit.lua` (one conformance suite checks both).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use async_trait::async_trait;
+
+use super::{
+    emission_us, fits, BudgetError, BudgetStore, CommitRequest, CounterState, Mode, Outcome,
+    RateKind, ReserveRequest,
+};
+
+/// Burst of a GCRA limiter: one minute's worth of units, µs.
+const BURST_US: f64 = 60_000_000.0;
+/// How often expired counters, limiters and commit markers are swept, ms.
+const SWEEP_EVERY_MS: i64 = 60_000;
+
+#[derive(Debug, Default)]
+struct Counter {
+    state: CounterState,
+    /// Live reservations: rid → (tokens, micros, expires at ms).
+    reservations: HashMap<String, (u64, i64, i64)>,
+    expire_at_ms: i64,
+}
+
+impl Counter {
+    fn purge(&mut self, now_ms: i64) {
+        let state = &mut self.state;
+        self.reservations.retain(|_, (tokens, micros, expires)| {
+            if *expires > now_ms {
+                return true;
+            }
+            state.reserved_tokens = state.reserved_tokens.saturating_sub(*tokens);
+            state.reserved_micros -= *micros;
+            false
+        });
+    }
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    counters: HashMap<String, Counter>,
+    /// GCRA theoretical arrival time (µs since the epoch) and expiry (ms) per limiter.
+    rates: HashMap<String, (f64, i64)>,
+    /// Committed reservation ids → forget at (ms).
+    done: HashMap<String, i64>,
+    last_sweep_ms: i64,
+}
+
+impl Inner {
+    fn sweep(&mut self, now_ms: i64) {
+        if now_ms - self.last_sweep_ms < SWEEP_EVERY_MS {
+            return;
+        }
+        self.last_sweep_ms = now_ms;
+        self.counters.retain(|_, c| c.expire_at_ms > now_ms);
+        self.rates.retain(|_, (_, expire)| *expire > now_ms);
+        self.done.retain(|_, expire| *expire > now_ms);
+    }
+
+    fn state(&mut self, key: &str, now_ms: i64) -> CounterState {
+        match self.counters.get_mut(key) {
+            Some(c) => {
+                c.purge(now_ms);
+                c.state
+            }
+            None => CounterState::default(),
+        }
+    }
+}
+
+/// Counters in this process's memory.
+#[derive(Debug, Default)]
+pub struct MemoryStore {
+    inner: Mutex<Inner>,
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave the maps half-updated in a way that matters
+        // more than refusing all budget checks would, so keep going with the data.
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn reserve_now(&self, req: &ReserveRequest) -> Outcome {
+        let mut inner = self.lock();
+        inner.sweep(req.now_ms);
+        let states: Vec<CounterState> = req
+            .counters
+            .iter()
+            .map(|c| inner.state(&c.key, req.now_ms))
+            .collect();
+        let min = req.min_tokens.min(req.max_tokens);
+        let mut granted = req.max_tokens;
+        for (index, (spec, state)) in req.counters.iter().zip(&states).enumerate() {
+            let allowed = match spec.mode {
+                Mode::Count => continue,
+                Mode::Enforce => fits(req, state, &spec.limit),
+                Mode::Downgrade if !req.downgraded => {
+                    if fits(req, state, &spec.limit) != Some(req.max_tokens) {
+                        return Outcome::Downgrade { index };
+                    }
+                    continue;
+                }
+                Mode::Downgrade => fits(req, state, &spec.hard),
+            };
+            match allowed {
+                Some(m) if m >= min => granted = granted.min(m),
+                _ => {
+                    return Outcome::Rejected {
+                        index,
+                        counters: states,
+                    }
+                }
+            }
+        }
+        // A request can never take more than one minute's worth of a token limiter.
+        for (index, rate) in req.rates.iter().enumerate() {
+            if rate.kind == RateKind::Tokens {
+                let room = rate.per_minute.saturating_sub(req.prompt_tokens);
+                if room < min {
+                    return Outcome::RateLimited {
+                        index,
+                        retry_after_ms: 60_000,
+                    };
+                }
+                granted = granted.min(room);
+            }
+        }
+        let now_us = req.now_ms as f64 * 1000.0;
+        let mut new_tats = Vec::with_capacity(req.rates.len());
+        for (index, rate) in req.rates.iter().enumerate() {
+            let cost = match rate.kind {
+                RateKind::Requests => 1,
+                RateKind::Tokens => req.prompt_tokens + granted,
+            };
+            let tat = inner
+                .rates
+                .get(&rate.key)
+                .map_or(now_us, |(t, _)| t.max(now_us));
+            let new_tat = tat + cost as f64 * emission_us(rate.per_minute);
+            if new_tat - now_us > BURST_US {
+                return Outcome::RateLimited {
+                    index,
+                    retry_after_ms: ((new_tat - now_us - BURST_US) / 1000.0).ceil() as i64,
+                };
+            }
+            new_tats.push(new_tat);
+        }
+        for (rate, tat) in req.rates.iter().zip(new_tats) {
+            let expire = (tat / 1000.0).ceil() as i64 + 1000;
+            inner.rates.insert(rate.key.clone(), (tat, expire));
+        }
+        let tokens = req.prompt_tokens + granted;
+        let micros = req.micros_for(granted);
+        let mut after = Vec::with_capacity(states.len());
+        for spec in &req.counters {
+            let c = inner.counters.entry(spec.key.clone()).or_default();
+            c.expire_at_ms = c.expire_at_ms.max(spec.expire_at_ms);
+            c.state.reserved_tokens += tokens;
+            c.state.reserved_micros += micros;
+            c.reservations
+                .insert(req.rid.clone(), (tokens, micros, req.now_ms + req.ttl_ms));
+            after.push(c.state);
+        }
+        Outcome::Admitted {
+            max_tokens: granted,
+            counters: after,
+        }
+    }
+
+    fn commit_now(&self, req: &CommitRequest) -> bool {
+        let mut inner = self.lock();
+        if inner.done.get(&req.rid).is_some_and(|&t| t > req.now_ms) {
+            return false;
+        }
+        inner
+            .done
+            .insert(req.rid.clone(), req.now_ms + req.dedupe_ms);
+        for (key, expire_at_ms) in &req.counters {
+            let c = inner.counters.entry(key.clone()).or_default();
+            c.expire_at_ms = c.expire_at_ms.max(*expire_at_ms);
+            if let Some((tokens, micros, _)) = c.reservations.remove(&req.rid) {
+                c.state.reserved_tokens = c.state.reserved_tokens.saturating_sub(tokens);
+                c.state.reserved_micros -= micros;
+            }
+            c.state.spent_tokens += req.tokens;
+            c.state.spent_micros += req.micros;
+        }
+        for (key, per_minute, refund) in &req.refunds {
+            if let Some((tat, _)) = inner.rates.get_mut(key) {
+                *tat = (*tat - *refund as f64 * emission_us(*per_minute)).max(0.0);
+            }
+        }
+        true
+    }
+}
+
+#[async_trait]
+impl BudgetStore for MemoryStore {
+    async fn reserve(&self, req: &ReserveRequest) -> Result<Outcome, BudgetError> {
+        Ok(self.reserve_now(req))
+    }
+
+    async fn commit(&self, req: &CommitRequest) -> Result<bool, BudgetError> {
+        Ok(self.commit_now(req))
+    }
+
+    async fn peek(
+        &self,
+        _tenant_id: &str,
+        keys: &[String],
+        now_ms: i64,
+    ) -> Result<Vec<CounterState>, BudgetError> {
+        let mut inner = self.lock();
+        Ok(keys.iter().map(|k| inner.state(k, now_ms)).collect())
+    }
+
+    async fn seed(
+        &self,
+        _tenant_id: &str,
+        key: &str,
+        tokens: u64,
+        micros: i64,
+        expire_at_ms: i64,
+    ) -> Result<bool, BudgetError> {
+        let mut inner = self.lock();
+        if inner.counters.contains_key(key) {
+            return Ok(false);
+        }
+        inner.counters.insert(
+            key.to_owned(),
+            Counter {
+                state: CounterState {
+                    spent_tokens: tokens,
+                    spent_micros: micros,
+                    ..Default::default()
+                },
+                reservations: HashMap::new(),
+                expire_at_ms,
+            },
+        );
+        Ok(true)
+    }
+}

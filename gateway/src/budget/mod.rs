@@ -1,0 +1,678 @@
+//! Per-tenant budgets and rate limits that hold under concurrency and across replicas.
+//!
+//! Policies (scope × calendar window × limit × action) and rate limits are stored with tenants
+//! (SQL, [`crate::store::Store`]) and snapshotted on every replica. Counters live in a
+//! [`BudgetStore`]: [`redis::RedisStore`] (shared by replicas; every check-and-reserve is one Lua
+//! script, every key carries the tenant's `{hash tag}`) or [`memory::MemoryStore`] (embedded
+//! default; rebuilt from the ledger at start). Both implement one contract and pass one
+//! conformance suite (`tests/tests/budget_conformance.rs`).
+//!
+//! Enforcement is by reservation ([`engine::Budgets`]): before forwarding, reserve
+//! `prompt estimate + max_tokens` (and its price) in every applicable budget in one atomic step,
+//! clamping `max_tokens` to what is left; after the response, commit the actual tokens and cost
+//! and release the rest. Reservations carry a TTL, so those of a gateway that died expire. The
+//! overspend bound is the prompt-token estimation error of the requests in flight when a budget
+//! runs out.
+
+pub mod engine;
+pub mod memory;
+pub mod redis;
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Datelike, Duration, TimeZone, Timelike, Utc};
+use serde::{Deserialize, Serialize};
+
+pub use engine::{Admission, Budgets};
+
+/// A budget's calendar window, in UTC (weeks are ISO weeks, starting Monday).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Window {
+    /// A calendar minute.
+    Minute,
+    /// A calendar hour.
+    Hour,
+    /// A UTC day.
+    Day,
+    /// An ISO week (Monday 00:00 UTC).
+    Week,
+    /// A calendar month.
+    Month,
+}
+
+impl Window {
+    /// Every window, shortest first.
+    pub const ALL: [Window; 5] = [
+        Window::Minute,
+        Window::Hour,
+        Window::Day,
+        Window::Week,
+        Window::Month,
+    ];
+
+    /// Lowercase name, as stored and typed.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Minute => "minute",
+            Self::Hour => "hour",
+            Self::Day => "day",
+            Self::Week => "week",
+            Self::Month => "month",
+        }
+    }
+
+    /// Parse a stored or typed name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|w| w.as_str() == s)
+    }
+
+    /// Start of the window containing `t`.
+    pub fn start(self, t: DateTime<Utc>) -> DateTime<Utc> {
+        let day = Utc
+            .with_ymd_and_hms(t.year(), t.month(), t.day(), 0, 0, 0)
+            .single()
+            .unwrap_or(t);
+        match self {
+            Self::Minute => day + Duration::minutes(i64::from(t.hour() * 60 + t.minute())),
+            Self::Hour => day + Duration::hours(i64::from(t.hour())),
+            Self::Day => day,
+            Self::Week => day - Duration::days(i64::from(t.weekday().num_days_from_monday())),
+            Self::Month => Utc
+                .with_ymd_and_hms(t.year(), t.month(), 1, 0, 0, 0)
+                .single()
+                .unwrap_or(day),
+        }
+    }
+
+    /// End (exclusive) of the window that starts at `start`.
+    pub fn end(self, start: DateTime<Utc>) -> DateTime<Utc> {
+        match self {
+            Self::Minute => start + Duration::minutes(1),
+            Self::Hour => start + Duration::hours(1),
+            Self::Day => start + Duration::days(1),
+            Self::Week => start + Duration::days(7),
+            Self::Month => {
+                let (y, m) = if start.month() == 12 {
+                    (start.year() + 1, 1)
+                } else {
+                    (start.year(), start.month() + 1)
+                };
+                Utc.with_ymd_and_hms(y, m, 1, 0, 0, 0)
+                    .single()
+                    .unwrap_or(start + Duration::days(31))
+            }
+        }
+    }
+}
+
+/// What a budget applies to, within its tenant.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "value", rename_all = "lowercase")]
+pub enum Scope {
+    /// Every request of the tenant.
+    Tenant,
+    /// Requests made with one key (its id).
+    Key(String),
+    /// Requests carrying a tag, e.g. `feature=search`.
+    Tag {
+        /// Tag name.
+        name: String,
+        /// Tag value.
+        value: String,
+    },
+}
+
+impl Scope {
+    /// `(kind, value)` as stored.
+    pub fn to_columns(&self) -> (&'static str, String) {
+        match self {
+            Self::Tenant => ("tenant", String::new()),
+            Self::Key(id) => ("key", id.clone()),
+            Self::Tag { name, value } => ("tag", format!("{name}={value}")),
+        }
+    }
+
+    /// Decode the stored columns.
+    pub fn from_columns(kind: &str, value: &str) -> Option<Self> {
+        match kind {
+            "tenant" => Some(Self::Tenant),
+            "key" => Some(Self::Key(value.to_owned())),
+            "tag" => {
+                let (name, value) = value.split_once('=')?;
+                Some(Self::Tag {
+                    name: name.to_owned(),
+                    value: value.to_owned(),
+                })
+            }
+            _ => None,
+        }
+    }
+
+    /// Parse the CLI/API form: `tenant`, `key:<key id>`, `tag:<name>=<value>`.
+    pub fn parse(s: &str) -> Option<Self> {
+        if s == "tenant" {
+            return Some(Self::Tenant);
+        }
+        if let Some(id) = s.strip_prefix("key:") {
+            return (!id.is_empty()).then(|| Self::Key(id.to_owned()));
+        }
+        let tag = s.strip_prefix("tag:")?;
+        let (name, value) = tag.split_once('=')?;
+        (!name.is_empty() && !value.is_empty()).then(|| Self::Tag {
+            name: name.to_owned(),
+            value: value.to_owned(),
+        })
+    }
+
+    /// The CLI/API form (inverse of [`Scope::parse`]).
+    pub fn label(&self) -> String {
+        match self {
+            Self::Tenant => "tenant".into(),
+            Self::Key(id) => format!("key:{id}"),
+            Self::Tag { name, value } => format!("tag:{name}={value}"),
+        }
+    }
+
+    /// Whether a request by `key_id` carrying `tags` falls in this scope.
+    pub fn matches(&self, key_id: &str, tags: &std::collections::BTreeMap<String, String>) -> bool {
+        match self {
+            Self::Tenant => true,
+            Self::Key(id) => id == key_id,
+            Self::Tag { name, value } => tags.get(name) == Some(value),
+        }
+    }
+}
+
+/// What happens when a budget cannot admit a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Action {
+    /// Answer 429 `insufficient_quota`.
+    Reject,
+    /// Serve from the small tier instead, until the hard cap (if any), then reject.
+    Downgrade,
+    /// Admit, count, and flag (metric, log, response header).
+    Flag,
+}
+
+impl Action {
+    /// Lowercase name, as stored.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Reject => "reject",
+            Self::Downgrade => "downgrade",
+            Self::Flag => "flag",
+        }
+    }
+
+    /// Parse a stored or typed name.
+    pub fn parse(s: &str) -> Option<Self> {
+        [Self::Reject, Self::Downgrade, Self::Flag]
+            .into_iter()
+            .find(|a| a.as_str() == s)
+    }
+}
+
+/// What a tenant's requests do while the shared budget store (Redis) is unreachable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FailMode {
+    /// Answer 503 until the store is back.
+    Closed,
+    /// Admit against a local, conservative share of each limit on this replica.
+    Open,
+}
+
+impl FailMode {
+    /// Lowercase name, as stored.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Closed => "closed",
+            Self::Open => "open",
+        }
+    }
+
+    /// Parse a stored or typed name.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "closed" => Some(Self::Closed),
+            "open" => Some(Self::Open),
+            _ => None,
+        }
+    }
+}
+
+/// A pair of optional limits: tokens and micro-dollars.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Limit {
+    /// Most tokens (prompt + completion).
+    pub tokens: Option<u64>,
+    /// Most micro-dollars.
+    pub micros: Option<i64>,
+}
+
+impl Limit {
+    /// Neither limit set.
+    pub fn is_unlimited(&self) -> bool {
+        self.tokens.is_none() && self.micros.is_none()
+    }
+
+    /// This limit scaled by `share` (rounded down), for the local fail-open fallback.
+    pub fn scaled(&self, share: f64) -> Self {
+        Self {
+            tokens: self.tokens.map(|t| (t as f64 * share) as u64),
+            micros: self.micros.map(|m| (m as f64 * share) as i64),
+        }
+    }
+}
+
+/// A budget policy, as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BudgetPolicy {
+    /// Stable id (`bud_…`); counters are keyed by it, so editing a policy keeps its spend.
+    pub id: String,
+    /// Owning tenant id.
+    pub tenant_id: String,
+    /// What it applies to.
+    pub scope: Scope,
+    /// The calendar window.
+    pub window: Window,
+    /// The limit.
+    pub limit: Limit,
+    /// What happens at the limit.
+    pub action: Action,
+    /// For `downgrade`: the cap past which even small-tier requests are rejected.
+    pub hard_limit: Limit,
+    /// Warn (header, metric) once this percentage of a limit is spent or reserved.
+    pub warn_percent: Option<u8>,
+    /// Last change.
+    pub updated_at: DateTime<Utc>,
+}
+
+/// Requests and tokens per minute, for a tenant (`key_id` empty) or one of its keys.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RateLimit {
+    /// Owning tenant id.
+    pub tenant_id: String,
+    /// The key it applies to; `None` for the whole tenant.
+    pub key_id: Option<String>,
+    /// Requests per minute.
+    pub rpm: Option<u64>,
+    /// Tokens (prompt estimate + max_tokens) per minute.
+    pub tpm: Option<u64>,
+}
+
+/// How one counter enforces its limit during a reservation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Mode {
+    /// Admit only what fits under `limit`.
+    Enforce,
+    /// `downgrade`: if it does not fit under `limit`, answer [`Outcome::Downgrade`] (unless the
+    /// request is already downgraded, in which case only `hard` applies).
+    Downgrade,
+    /// Count only; report when over `limit`.
+    Count,
+}
+
+/// One budget counter touched by a reservation: a (policy, window) pair.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CounterSpec {
+    /// Store key, with the tenant's hash tag (see [`counter_key`]).
+    pub key: String,
+    /// Enforcement mode.
+    pub mode: Mode,
+    /// The limit.
+    pub limit: Limit,
+    /// For [`Mode::Downgrade`]: the hard cap.
+    pub hard: Limit,
+    /// When the counter may be forgotten (window end plus a day), ms since the epoch.
+    pub expire_at_ms: i64,
+}
+
+/// Kind of a rate limiter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RateKind {
+    /// Requests per minute: each request costs 1.
+    Requests,
+    /// Tokens per minute: each request costs its reserved tokens.
+    Tokens,
+}
+
+/// One GCRA rate limiter touched by a reservation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RateSpec {
+    /// Store key, with the tenant's hash tag (see [`rate_key`]).
+    pub key: String,
+    /// Units per minute (also the burst: one minute's worth).
+    pub per_minute: u64,
+    /// What a request costs.
+    pub kind: RateKind,
+}
+
+/// A check-and-reserve request.
+#[derive(Debug, Clone)]
+pub struct ReserveRequest {
+    /// Tenant id (every key carries its hash tag).
+    pub tenant_id: String,
+    /// Reservation id (the request id).
+    pub rid: String,
+    /// Now, ms since the epoch (from the engine's clock, so tests can move time).
+    pub now_ms: i64,
+    /// How long the reservation lives if never committed, ms.
+    pub ttl_ms: i64,
+    /// Estimated prompt tokens.
+    pub prompt_tokens: u64,
+    /// Price of the estimated prompt, micro-dollars.
+    pub prompt_micros: i64,
+    /// Price of one output token, micro-dollars (fractional).
+    pub output_micros_per_token: f64,
+    /// The `max_tokens` the client asked for (or the default).
+    pub max_tokens: u64,
+    /// The least `max_tokens` worth forwarding; below it the request is refused.
+    pub min_tokens: u64,
+    /// The request was already sent to the small tier by a `downgrade` budget.
+    pub downgraded: bool,
+    /// Budget counters, all of which must admit.
+    pub counters: Vec<CounterSpec>,
+    /// Rate limiters, all of which must admit.
+    pub rates: Vec<RateSpec>,
+}
+
+impl ReserveRequest {
+    /// Micro-dollars reserved for a request granted `max_tokens` output tokens.
+    pub fn micros_for(&self, max_tokens: u64) -> i64 {
+        self.prompt_micros + (max_tokens as f64 * self.output_micros_per_token).ceil() as i64
+    }
+}
+
+/// A counter's totals, micro-dollars and tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CounterState {
+    /// Committed tokens.
+    pub spent_tokens: u64,
+    /// Committed micro-dollars.
+    pub spent_micros: i64,
+    /// Tokens held by live reservations.
+    pub reserved_tokens: u64,
+    /// Micro-dollars held by live reservations.
+    pub reserved_micros: i64,
+}
+
+/// The result of a check-and-reserve.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// Reserved; `max_tokens` is what was granted (≤ requested).
+    Admitted {
+        /// Granted `max_tokens`.
+        max_tokens: u64,
+        /// Each counter's state after the reservation, in request order.
+        counters: Vec<CounterState>,
+    },
+    /// Counter `index` (an enforce counter, or a downgrade counter past its hard cap) cannot
+    /// cover even `min_tokens`. Nothing was reserved.
+    Rejected {
+        /// Which counter.
+        index: usize,
+        /// Each counter's state (unchanged).
+        counters: Vec<CounterState>,
+    },
+    /// Downgrade counter `index` is at its limit: retry on the small tier with `downgraded`.
+    /// Nothing was reserved.
+    Downgrade {
+        /// Which counter.
+        index: usize,
+    },
+    /// Rate limiter `index` is exhausted for now. Nothing was reserved.
+    RateLimited {
+        /// Which limiter.
+        index: usize,
+        /// When the request would fit, ms from now.
+        retry_after_ms: i64,
+    },
+}
+
+/// A commit of actual usage against an earlier reservation.
+#[derive(Debug, Clone)]
+pub struct CommitRequest {
+    /// Tenant id.
+    pub tenant_id: String,
+    /// The reservation id.
+    pub rid: String,
+    /// Now, ms since the epoch.
+    pub now_ms: i64,
+    /// How long the commit is remembered (so a retried commit is applied once), ms.
+    pub dedupe_ms: i64,
+    /// Actual tokens (prompt + completion).
+    pub tokens: u64,
+    /// Actual cost, micro-dollars.
+    pub micros: i64,
+    /// The counters reserved on (key, expire_at_ms).
+    pub counters: Vec<(String, i64)>,
+    /// The token rate limiters charged (key, per_minute, tokens to give back).
+    pub refunds: Vec<(String, u64, u64)>,
+}
+
+/// Budget store failures (the store is unreachable, slow, or answered nonsense).
+#[derive(Debug, thiserror::Error)]
+pub enum BudgetError {
+    /// Redis failed or is unreachable.
+    #[error("budget store error: {0}")]
+    Redis(#[from] ::redis::RedisError),
+    /// The store did not answer within `budgets.store_timeout_ms`.
+    #[error("budget store timed out")]
+    Timeout,
+    /// A reply could not be decoded.
+    #[error("budget store protocol error: {0}")]
+    Protocol(String),
+}
+
+/// Where counters and reservations live. Implementations must make `reserve` one atomic step
+/// (no two concurrent reservations can both take the last of a budget) and `commit` idempotent
+/// per reservation id.
+#[async_trait]
+pub trait BudgetStore: Send + Sync + 'static {
+    /// Purge expired reservations of the counters involved, then check every counter and rate
+    /// limiter and, only if all admit, reserve in all of them.
+    async fn reserve(&self, req: &ReserveRequest) -> Result<Outcome, BudgetError>;
+    /// Release the reservation `rid` (if still live) and add the actual usage, once per `rid`.
+    /// Returns `false` when this `rid` was already committed.
+    async fn commit(&self, req: &CommitRequest) -> Result<bool, BudgetError>;
+    /// Current state of counters (expired reservations purged), for `gatewayctl usage`.
+    async fn peek(
+        &self,
+        tenant_id: &str,
+        keys: &[String],
+        now_ms: i64,
+    ) -> Result<Vec<CounterState>, BudgetError>;
+    /// Set a counter's spent totals if the counter does not exist yet (rebuild from the ledger).
+    /// Returns whether it was set.
+    async fn seed(
+        &self,
+        tenant_id: &str,
+        key: &str,
+        tokens: u64,
+        micros: i64,
+        expire_at_ms: i64,
+    ) -> Result<bool, BudgetError>;
+}
+
+/// The key of a policy's counter for the window starting at `window_start`.
+pub fn counter_key(tenant_id: &str, policy_id: &str, window_start: DateTime<Utc>) -> String {
+    format!(
+        "gw:{{{tenant_id}}}:bud:{policy_id}:{}",
+        window_start.timestamp()
+    )
+}
+
+/// The key of a rate limiter (`scope` is `tenant` or a key id).
+pub fn rate_key(tenant_id: &str, scope: &str, kind: RateKind) -> String {
+    let kind = match kind {
+        RateKind::Requests => "rpm",
+        RateKind::Tokens => "tpm",
+    };
+    format!("gw:{{{tenant_id}}}:rl:{scope}:{kind}")
+}
+
+/// The largest `max_tokens` (≤ `req.max_tokens`) that `limit` allows on top of `state`, or
+/// `None` when not even the prompt fits. Shared by the in-process store; the Lua script
+/// implements the same arithmetic.
+pub fn fits(req: &ReserveRequest, state: &CounterState, limit: &Limit) -> Option<u64> {
+    let mut m = req.max_tokens;
+    if let Some(cap) = limit.tokens {
+        let left = cap
+            .checked_sub(state.spent_tokens + state.reserved_tokens)?
+            .checked_sub(req.prompt_tokens)?;
+        m = m.min(left);
+    }
+    if let Some(cap) = limit.micros {
+        let left = cap - state.spent_micros - state.reserved_micros - req.prompt_micros;
+        if left < 0 {
+            return None;
+        }
+        if req.output_micros_per_token > 0.0 {
+            let mut by_cost = (left as f64 / req.output_micros_per_token).floor() as u64;
+            // Float rounding must never let the reservation exceed the cap.
+            while by_cost > 0 && req.micros_for(by_cost) - req.prompt_micros > left {
+                by_cost -= 1;
+            }
+            m = m.min(by_cost);
+        }
+    }
+    Some(m)
+}
+
+/// Microseconds a GCRA limiter of `per_minute` units adds per unit.
+pub fn emission_us(per_minute: u64) -> f64 {
+    60_000_000.0 / per_minute.max(1) as f64
+}
+
+/// A source of wall-clock time; tests substitute a [`ManualClock`] to cross windows.
+pub trait Clock: Send + Sync + std::fmt::Debug + 'static {
+    /// Now.
+    fn now(&self) -> DateTime<Utc>;
+}
+
+/// The system clock.
+#[derive(Debug, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> DateTime<Utc> {
+        Utc::now()
+    }
+}
+
+/// A clock that moves only when told to.
+#[derive(Debug)]
+pub struct ManualClock(AtomicI64);
+
+impl ManualClock {
+    /// A clock stopped at `t`.
+    pub fn at(t: DateTime<Utc>) -> Arc<Self> {
+        Arc::new(Self(AtomicI64::new(t.timestamp_millis())))
+    }
+
+    /// Move forward by `d`.
+    pub fn advance(&self, d: std::time::Duration) {
+        self.0.fetch_add(
+            i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
+            Ordering::SeqCst,
+        );
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> DateTime<Utc> {
+        DateTime::from_timestamp_millis(self.0.load(Ordering::SeqCst)).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(s: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(s)
+            .map(|d| d.with_timezone(&Utc))
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn windows_are_calendar_windows_in_utc() {
+        let now = t("2026-11-29T23:59:30.5Z"); // a Sunday
+        assert_eq!(Window::Minute.start(now), t("2026-11-29T23:59:00Z"));
+        assert_eq!(Window::Hour.start(now), t("2026-11-29T23:00:00Z"));
+        assert_eq!(Window::Day.start(now), t("2026-11-29T00:00:00Z"));
+        assert_eq!(Window::Week.start(now), t("2026-11-23T00:00:00Z"));
+        assert_eq!(Window::Month.start(now), t("2026-11-01T00:00:00Z"));
+        assert_eq!(
+            Window::Month.end(t("2026-12-01T00:00:00Z")),
+            t("2027-01-01T00:00:00Z")
+        );
+        assert_eq!(
+            Window::Week.end(t("2026-11-23T00:00:00Z")),
+            t("2026-11-30T00:00:00Z")
+        );
+        for w in Window::ALL {
+            assert_eq!(Window::parse(w.as_str()), Some(w));
+            let s = w.start(now);
+            assert!(s <= now && now < w.end(s), "{w:?}");
+        }
+    }
+
+    #[test]
+    fn scopes_round_trip_and_match() {
+        for s in ["tenant", "key:key_1", "tag:feature=search"] {
+            let scope = Scope::parse(s).unwrap_or(Scope::Tenant);
+            assert_eq!(scope.label(), s);
+            let (k, v) = scope.to_columns();
+            assert_eq!(Scope::from_columns(k, &v), Some(scope));
+        }
+        assert_eq!(Scope::parse("tag:feature"), None);
+        let tags = [("feature".to_owned(), "search".to_owned())].into();
+        assert!(Scope::parse("tag:feature=search").is_some_and(|s| s.matches("key_9", &tags)));
+        assert!(!Scope::Key("key_1".into()).matches("key_9", &tags));
+    }
+
+    #[test]
+    fn fits_clamps_to_the_tighter_of_tokens_and_dollars() {
+        let req = ReserveRequest {
+            tenant_id: "t".into(),
+            rid: "r".into(),
+            now_ms: 0,
+            ttl_ms: 1,
+            prompt_tokens: 100,
+            prompt_micros: 100,
+            output_micros_per_token: 2.5,
+            max_tokens: 1000,
+            min_tokens: 1,
+            downgraded: false,
+            counters: vec![],
+            rates: vec![],
+        };
+        let state = CounterState {
+            spent_tokens: 600,
+            ..Default::default()
+        };
+        let tokens = Limit {
+            tokens: Some(1000),
+            micros: None,
+        };
+        assert_eq!(fits(&req, &state, &tokens), Some(300));
+        let dollars = Limit {
+            tokens: None,
+            micros: Some(1100),
+        };
+        // (1100 - 100) / 2.5 = 400 output tokens.
+        assert_eq!(fits(&req, &CounterState::default(), &dollars), Some(400));
+        assert_eq!(req.micros_for(400), 1100);
+        let full = CounterState {
+            spent_tokens: 950,
+            ..Default::default()
+        };
+        assert_eq!(fits(&req, &full, &tokens), None);
+    }
+}

@@ -1,0 +1,281 @@
+//! The Redis [`BudgetStore`], shared by every gateway replica. Each operation is one Lua script
+//! (one round trip, atomic); every key it touches carries the tenant's `{hash tag}` and is passed
+//! in `KEYS`, so the scripts run unchanged on Redis Cluster.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{Script, ScriptInvocation, Value};
+use tokio::sync::Mutex;
+
+use super::{
+    BudgetError, BudgetStore, CommitRequest, CounterState, Mode, Outcome, RateKind, ReserveRequest,
+};
+
+const COMMON: &str = include_str!("lua/common.lua");
+
+fn script(body: &str) -> Script {
+    Script::new(&format!("{COMMON}\n{body}"))
+}
+
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+/// Counters in Redis (a single node, or a cluster when several URLs are given).
+pub struct RedisStore {
+    urls: Vec<String>,
+    timeout: Duration,
+    conn: Mutex<Option<Conn>>,
+    reserve: Script,
+    commit: Script,
+    peek: Script,
+    seed: Script,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("nodes", &self.urls.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    /// A store for `urls` (one URL: a single node; several: cluster seed nodes). Connects
+    /// lazily, so a gateway starts while Redis is down; every call is bounded by `timeout`.
+    pub fn new(urls: Vec<String>, timeout: Duration) -> Result<Self, BudgetError> {
+        for url in &urls {
+            redis::Client::open(url.as_str())?;
+        }
+        Ok(Self {
+            urls,
+            timeout,
+            conn: Mutex::new(None),
+            reserve: script(include_str!("lua/reserve.lua")),
+            commit: script(include_str!("lua/commit.lua")),
+            peek: script(include_str!("lua/peek.lua")),
+            seed: script(include_str!("lua/seed.lua")),
+        })
+    }
+
+    async fn connect(&self) -> Result<Conn, BudgetError> {
+        let mut slot = self.conn.lock().await;
+        if let Some(c) = slot.as_ref() {
+            return Ok(c.clone());
+        }
+        let conn = if self.urls.len() == 1 {
+            let client = redis::Client::open(self.urls[0].as_str())?;
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(self.timeout))
+                .set_response_timeout(Some(self.timeout))
+                .set_number_of_retries(1)
+                .set_max_delay(Duration::from_millis(500));
+            Conn::Single(ConnectionManager::new_with_config(client, config).await?)
+        } else {
+            let client = redis::cluster::ClusterClient::builder(self.urls.clone())
+                .connection_timeout(self.timeout)
+                .response_timeout(self.timeout)
+                .build()?;
+            Conn::Cluster(client.get_async_connection().await?)
+        };
+        *slot = Some(conn.clone());
+        Ok(conn)
+    }
+
+    async fn invoke(&self, inv: ScriptInvocation<'_>) -> Result<Value, BudgetError> {
+        let call = async {
+            let conn = self.connect().await?;
+            let v: Value = match conn {
+                Conn::Single(mut c) => run(&inv, &mut c).await?,
+                Conn::Cluster(mut c) => run(&inv, &mut c).await?,
+            };
+            Ok::<_, BudgetError>(v)
+        };
+        tokio::time::timeout(self.timeout, call)
+            .await
+            .map_err(|_| BudgetError::Timeout)?
+    }
+}
+
+async fn run(inv: &ScriptInvocation<'_>, c: &mut impl ConnectionLike) -> redis::RedisResult<Value> {
+    inv.invoke_async(c).await
+}
+
+fn ints(v: Value) -> Result<Vec<i64>, BudgetError> {
+    let items = match v {
+        Value::Array(items) => items,
+        other => {
+            return Err(BudgetError::Protocol(format!(
+                "expected an array, got {other:?}"
+            )))
+        }
+    };
+    items
+        .into_iter()
+        .map(|i| match i {
+            Value::Int(n) => Ok(n),
+            other => Err(BudgetError::Protocol(format!(
+                "expected an integer, got {other:?}"
+            ))),
+        })
+        .collect()
+}
+
+fn states(flat: &[i64]) -> Vec<CounterState> {
+    flat.chunks_exact(4)
+        .map(|c| CounterState {
+            spent_tokens: u64::try_from(c[0]).unwrap_or(0),
+            spent_micros: c[1],
+            reserved_tokens: u64::try_from(c[2]).unwrap_or(0),
+            reserved_micros: c[3],
+        })
+        .collect()
+}
+
+fn opt_i64(v: Option<i64>) -> i64 {
+    v.unwrap_or(-1)
+}
+
+fn opt_u64(v: Option<u64>) -> i64 {
+    v.map_or(-1, |t| i64::try_from(t).unwrap_or(i64::MAX))
+}
+
+fn zset(key: &str) -> String {
+    format!("{key}:z")
+}
+
+fn index(n: i64) -> usize {
+    usize::try_from(n).unwrap_or(0)
+}
+
+#[async_trait]
+impl BudgetStore for RedisStore {
+    async fn reserve(&self, req: &ReserveRequest) -> Result<Outcome, BudgetError> {
+        let mut inv = self.reserve.prepare_invoke();
+        for c in &req.counters {
+            inv.key(&c.key).key(zset(&c.key));
+        }
+        for r in &req.rates {
+            inv.key(&r.key);
+        }
+        inv.arg(req.now_ms)
+            .arg(req.ttl_ms)
+            .arg(&req.rid)
+            .arg(req.prompt_tokens)
+            .arg(req.prompt_micros)
+            .arg(req.output_micros_per_token.to_string())
+            .arg(req.max_tokens)
+            .arg(req.min_tokens)
+            .arg(u8::from(req.downgraded))
+            .arg(req.counters.len());
+        for c in &req.counters {
+            let mode = match c.mode {
+                Mode::Enforce => 0,
+                Mode::Downgrade => 1,
+                Mode::Count => 2,
+            };
+            inv.arg(mode)
+                .arg(opt_u64(c.limit.tokens))
+                .arg(opt_i64(c.limit.micros))
+                .arg(opt_u64(c.hard.tokens))
+                .arg(opt_i64(c.hard.micros))
+                .arg(c.expire_at_ms);
+        }
+        inv.arg(req.rates.len());
+        for r in &req.rates {
+            let kind = match r.kind {
+                RateKind::Requests => 0,
+                RateKind::Tokens => 1,
+            };
+            inv.arg(r.per_minute).arg(kind);
+        }
+        let reply = ints(self.invoke(inv).await?)?;
+        let [status, a, b, rest @ ..] = reply.as_slice() else {
+            return Err(BudgetError::Protocol(format!(
+                "short reserve reply {reply:?}"
+            )));
+        };
+        Ok(match status {
+            0 => Outcome::Admitted {
+                max_tokens: u64::try_from(*a).unwrap_or(0),
+                counters: states(rest),
+            },
+            1 => Outcome::Rejected {
+                index: index(*a),
+                counters: states(rest),
+            },
+            2 => Outcome::Downgrade { index: index(*a) },
+            3 => Outcome::RateLimited {
+                index: index(*a),
+                retry_after_ms: *b,
+            },
+            other => return Err(BudgetError::Protocol(format!("reserve status {other}"))),
+        })
+    }
+
+    async fn commit(&self, req: &CommitRequest) -> Result<bool, BudgetError> {
+        let mut inv = self.commit.prepare_invoke();
+        inv.key(format!("gw:{{{}}}:done:{}", req.tenant_id, req.rid));
+        for (key, _) in &req.counters {
+            inv.key(key).key(zset(key));
+        }
+        for (key, _, _) in &req.refunds {
+            inv.key(key);
+        }
+        inv.arg(&req.rid)
+            .arg(req.now_ms)
+            .arg(req.dedupe_ms.max(1))
+            .arg(req.tokens)
+            .arg(req.micros)
+            .arg(req.counters.len());
+        for (_, expire) in &req.counters {
+            inv.arg(*expire);
+        }
+        inv.arg(req.refunds.len());
+        for (_, per_minute, refund) in &req.refunds {
+            inv.arg(*per_minute).arg(*refund);
+        }
+        match self.invoke(inv).await? {
+            Value::Int(n) => Ok(n == 1),
+            other => Err(BudgetError::Protocol(format!("commit reply {other:?}"))),
+        }
+    }
+
+    async fn peek(
+        &self,
+        _tenant_id: &str,
+        keys: &[String],
+        now_ms: i64,
+    ) -> Result<Vec<CounterState>, BudgetError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut inv = self.peek.prepare_invoke();
+        for k in keys {
+            inv.key(k).key(zset(k));
+        }
+        inv.arg(now_ms);
+        Ok(states(&ints(self.invoke(inv).await?)?))
+    }
+
+    async fn seed(
+        &self,
+        _tenant_id: &str,
+        key: &str,
+        tokens: u64,
+        micros: i64,
+        expire_at_ms: i64,
+    ) -> Result<bool, BudgetError> {
+        let mut inv = self.seed.prepare_invoke();
+        inv.key(key).arg(tokens).arg(micros).arg(expire_at_ms);
+        match self.invoke(inv).await? {
+            Value::Int(n) => Ok(n == 1),
+            other => Err(BudgetError::Protocol(format!("seed reply {other:?}"))),
+        }
+    }
+}

@@ -1,0 +1,288 @@
+//! `/admin/v1/budgets`, `/admin/v1/rate-limits`, `/admin/v1/usage` and a tenant's fail mode:
+//! what `gatewayctl budgets|limits|usage` talks to. Every change is applied to this replica's
+//! snapshot at once; the others pick it up at their next refresh (`store.key_refresh_ms`).
+
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::app::AppState;
+use crate::budget::engine::limit_from;
+use crate::budget::{Action, FailMode, Limit, RateLimit, Scope, Window};
+use crate::error::ApiError;
+use crate::routes::admin::{tenant, ADMIN_BODY_LIMIT};
+use crate::routes::{parse_json, read_body};
+use crate::store::NewBudget;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SetBudget {
+    tenant: String,
+    #[serde(default)]
+    scope: Option<String>,
+    window: String,
+    #[serde(default)]
+    limit_tokens: Option<u64>,
+    #[serde(default)]
+    limit_usd: Option<f64>,
+    #[serde(default)]
+    action: Option<String>,
+    #[serde(default)]
+    hard_limit_tokens: Option<u64>,
+    #[serde(default)]
+    hard_limit_usd: Option<f64>,
+    #[serde(default)]
+    warn_percent: Option<u8>,
+}
+
+async fn refresh(state: &AppState) -> Result<(), ApiError> {
+    state.budgets.refresh().await.map_err(ApiError::from)
+}
+
+/// `POST /admin/v1/budgets` → 201 with the policy (created, or replaced for the same tenant,
+/// scope and window, keeping its spend).
+pub async fn set_budget(State(state): State<AppState>, body: Body) -> Result<Response, ApiError> {
+    let req: SetBudget = parse_json(&read_body(body, ADMIN_BODY_LIMIT).await?)?;
+    let t = tenant(&state, &req.tenant).await?;
+    let scope_text = req.scope.as_deref().unwrap_or("tenant");
+    let scope = Scope::parse(scope_text).ok_or_else(|| {
+        ApiError::invalid(
+            "scope",
+            format!("invalid scope {scope_text:?}: use `tenant`, `key:<key id>` or `tag:<name>=<value>`"),
+        )
+    })?;
+    if let Scope::Key(id) = &scope {
+        let keys = state.store.list_keys(Some(&t.id)).await?;
+        if !keys.iter().any(|k| &k.id == id && k.revoked_at.is_none()) {
+            return Err(ApiError::invalid(
+                "scope",
+                format!("tenant {} has no live key {id:?}", t.name),
+            ));
+        }
+    }
+    let window = Window::parse(&req.window).ok_or_else(|| {
+        ApiError::invalid(
+            "window",
+            format!(
+                "invalid window {:?}: use minute, hour, day, week or month",
+                req.window
+            ),
+        )
+    })?;
+    let action_text = req.action.as_deref().unwrap_or("reject");
+    let action = Action::parse(action_text).ok_or_else(|| {
+        ApiError::invalid(
+            "action",
+            format!("invalid action {action_text:?}: use reject, downgrade or flag"),
+        )
+    })?;
+    let limit = limit_from(req.limit_tokens, req.limit_usd)
+        .map_err(|m| ApiError::invalid("limit_usd", m))?;
+    if limit.is_unlimited() {
+        return Err(ApiError::invalid(
+            "limit_tokens",
+            "a budget needs `limit_tokens` and/or `limit_usd`",
+        ));
+    }
+    let hard_limit = limit_from(req.hard_limit_tokens, req.hard_limit_usd)
+        .map_err(|m| ApiError::invalid("hard_limit_usd", m))?;
+    if action != Action::Downgrade && !hard_limit.is_unlimited() {
+        return Err(ApiError::invalid(
+            "hard_limit_tokens",
+            "a hard limit only applies to the `downgrade` action",
+        ));
+    }
+    if below(&hard_limit, &limit) {
+        return Err(ApiError::invalid(
+            "hard_limit_tokens",
+            "the hard limit must not be below the limit",
+        ));
+    }
+    if req.warn_percent.is_some_and(|w| w == 0 || w > 100) {
+        return Err(ApiError::invalid("warn_percent", "must be 1-100"));
+    }
+    let policy = state
+        .store
+        .upsert_budget(&NewBudget {
+            tenant_id: t.id,
+            scope,
+            window,
+            limit,
+            action,
+            hard_limit,
+            warn_percent: req.warn_percent,
+        })
+        .await?;
+    refresh(&state).await?;
+    Ok((StatusCode::CREATED, Json(policy)).into_response())
+}
+
+fn below(hard: &Limit, limit: &Limit) -> bool {
+    matches!((hard.tokens, limit.tokens), (Some(h), Some(l)) if h < l)
+        || matches!((hard.micros, limit.micros), (Some(h), Some(l)) if h < l)
+}
+
+/// Query naming an optional tenant (id or name).
+#[derive(Deserialize)]
+pub struct TenantFilter {
+    tenant: Option<String>,
+}
+
+async fn tenant_filter(state: &AppState, f: &TenantFilter) -> Result<Option<String>, ApiError> {
+    Ok(match &f.tenant {
+        Some(t) => Some(tenant(state, t).await?.id),
+        None => None,
+    })
+}
+
+/// `GET /admin/v1/budgets[?tenant=…]`
+pub async fn list_budgets(
+    State(state): State<AppState>,
+    Query(f): Query<TenantFilter>,
+) -> Result<Json<Value>, ApiError> {
+    let tenant_id = tenant_filter(&state, &f).await?;
+    let data = state.store.list_budgets(tenant_id.as_deref()).await?;
+    Ok(Json(json!({"object": "list", "data": data})))
+}
+
+/// `DELETE /admin/v1/budgets/{id}`
+pub async fn delete_budget(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    if !state.store.delete_budget(&id).await? {
+        return Err(ApiError::NotFound(format!("no budget {id:?}")));
+    }
+    refresh(&state).await?;
+    Ok(Json(json!({"id": id, "deleted": true})))
+}
+
+/// Query of `GET /admin/v1/usage`.
+#[derive(Deserialize)]
+pub struct UsageQuery {
+    tenant: String,
+}
+
+/// `GET /admin/v1/usage?tenant=…`: spent, reserved and remaining per policy and window.
+pub async fn usage(
+    State(state): State<AppState>,
+    Query(q): Query<UsageQuery>,
+) -> Result<Json<Value>, ApiError> {
+    let t = tenant(&state, &q.tenant).await?;
+    let rows = state
+        .budgets
+        .usage(&t.id)
+        .await
+        .map_err(|e| ApiError::Unavailable {
+            message: format!("cannot read budget counters: {e}"),
+            retry_after: 1,
+        })?;
+    Ok(Json(json!({"object": "list", "tenant": t, "data": rows})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SetRateLimit {
+    tenant: String,
+    #[serde(default)]
+    key: Option<String>,
+    #[serde(default)]
+    rpm: Option<u64>,
+    #[serde(default)]
+    tpm: Option<u64>,
+}
+
+/// `PUT /admin/v1/rate-limits {"tenant", "key"?, "rpm"?, "tpm"?}`
+pub async fn set_rate_limit(
+    State(state): State<AppState>,
+    body: Body,
+) -> Result<Json<Value>, ApiError> {
+    let req: SetRateLimit = parse_json(&read_body(body, ADMIN_BODY_LIMIT).await?)?;
+    let t = tenant(&state, &req.tenant).await?;
+    if req.rpm.is_none() && req.tpm.is_none() {
+        return Err(ApiError::invalid("rpm", "give `rpm` and/or `tpm`"));
+    }
+    if req.rpm == Some(0) || req.tpm == Some(0) {
+        return Err(ApiError::invalid(
+            "rpm",
+            "limits must be at least 1 per minute",
+        ));
+    }
+    if let Some(id) = &req.key {
+        let keys = state.store.list_keys(Some(&t.id)).await?;
+        if !keys.iter().any(|k| &k.id == id) {
+            return Err(ApiError::invalid(
+                "key",
+                format!("tenant {} has no key {id:?}", t.name),
+            ));
+        }
+    }
+    let limit = RateLimit {
+        tenant_id: t.id,
+        key_id: req.key,
+        rpm: req.rpm,
+        tpm: req.tpm,
+    };
+    state.store.set_rate_limit(&limit).await?;
+    refresh(&state).await?;
+    Ok(Json(json!(limit)))
+}
+
+/// `GET /admin/v1/rate-limits[?tenant=…]`
+pub async fn list_rate_limits(
+    State(state): State<AppState>,
+    Query(f): Query<TenantFilter>,
+) -> Result<Json<Value>, ApiError> {
+    let tenant_id = tenant_filter(&state, &f).await?;
+    let data = state.store.list_rate_limits(tenant_id.as_deref()).await?;
+    Ok(Json(json!({"object": "list", "data": data})))
+}
+
+/// Query of `DELETE /admin/v1/rate-limits`.
+#[derive(Deserialize)]
+pub struct RateLimitTarget {
+    tenant: String,
+    key: Option<String>,
+}
+
+/// `DELETE /admin/v1/rate-limits?tenant=…[&key=…]`
+pub async fn delete_rate_limit(
+    State(state): State<AppState>,
+    Query(q): Query<RateLimitTarget>,
+) -> Result<Json<Value>, ApiError> {
+    let t = tenant(&state, &q.tenant).await?;
+    if !state
+        .store
+        .delete_rate_limit(&t.id, q.key.as_deref())
+        .await?
+    {
+        return Err(ApiError::NotFound("no such rate limit".into()));
+    }
+    refresh(&state).await?;
+    Ok(Json(json!({"tenant": t.id, "key": q.key, "deleted": true})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SetFailMode {
+    mode: String,
+}
+
+/// `PUT /admin/v1/tenants/{tenant}/fail-mode {"mode": "open"|"closed"}`
+pub async fn set_fail_mode(
+    State(state): State<AppState>,
+    Path(id_or_name): Path<String>,
+    body: Body,
+) -> Result<Json<Value>, ApiError> {
+    let req: SetFailMode = parse_json(&read_body(body, ADMIN_BODY_LIMIT).await?)?;
+    let mode = FailMode::parse(&req.mode)
+        .ok_or_else(|| ApiError::invalid("mode", "use `open` or `closed`"))?;
+    let t = tenant(&state, &id_or_name).await?;
+    state.store.set_fail_mode(&t.id, mode).await?;
+    refresh(&state).await?;
+    Ok(Json(json!({"tenant": t.id, "fail_mode": mode})))
+}

@@ -1,0 +1,395 @@
+//! One conformance suite for the budget stores, run against the in-process store and a real
+//! Redis: reservation, clamping, rejection, expiry, idempotent commits, downgrade and flag
+//! modes, dollar limits, GCRA rate limits and seeding. Time is passed in (`now_ms`), so every
+//! case is deterministic.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::sync::Arc;
+
+use e2e::{BudgetKind, BUDGET_STORES};
+use gateway::budget::{
+    BudgetStore, CommitRequest, CounterSpec, CounterState, Limit, Mode, Outcome, RateKind,
+    RateSpec, ReserveRequest,
+};
+
+const DAY: i64 = 86_400_000;
+
+/// "Now" for every case: real time, because Redis expires keys by its own clock.
+static NOW_MS: std::sync::LazyLock<i64> =
+    std::sync::LazyLock::new(|| chrono::Utc::now().timestamp_millis());
+
+struct Case {
+    store: Arc<dyn BudgetStore>,
+    tenant: String,
+}
+
+impl Case {
+    fn new(kind: BudgetKind) -> Self {
+        Self {
+            store: kind.store(),
+            tenant: format!("ten_{}", uuid::Uuid::new_v4().simple()),
+        }
+    }
+
+    fn counter(
+        &self,
+        name: &str,
+        mode: Mode,
+        tokens: Option<u64>,
+        micros: Option<i64>,
+    ) -> CounterSpec {
+        CounterSpec {
+            key: format!("gw:{{{}}}:bud:{name}:0", self.tenant),
+            mode,
+            limit: Limit { tokens, micros },
+            hard: Limit::default(),
+            expire_at_ms: *NOW_MS + DAY,
+        }
+    }
+
+    fn request(
+        &self,
+        rid: &str,
+        prompt: u64,
+        max_tokens: u64,
+        counters: Vec<CounterSpec>,
+    ) -> ReserveRequest {
+        ReserveRequest {
+            tenant_id: self.tenant.clone(),
+            rid: rid.into(),
+            now_ms: *NOW_MS,
+            ttl_ms: 10_000,
+            prompt_tokens: prompt,
+            prompt_micros: 0,
+            output_micros_per_token: 0.0,
+            max_tokens,
+            min_tokens: 16,
+            downgraded: false,
+            counters,
+            rates: vec![],
+        }
+    }
+
+    fn commit(&self, rid: &str, req: &ReserveRequest, tokens: u64, micros: i64) -> CommitRequest {
+        CommitRequest {
+            tenant_id: self.tenant.clone(),
+            rid: rid.into(),
+            now_ms: req.now_ms,
+            dedupe_ms: 60_000,
+            tokens,
+            micros,
+            counters: req
+                .counters
+                .iter()
+                .map(|c| (c.key.clone(), c.expire_at_ms))
+                .collect(),
+            refunds: vec![],
+        }
+    }
+
+    async fn peek(&self, c: &CounterSpec, now: i64) -> CounterState {
+        self.store
+            .peek(&self.tenant, std::slice::from_ref(&c.key), now)
+            .await
+            .unwrap()[0]
+    }
+}
+
+fn granted(o: &Outcome) -> u64 {
+    match o {
+        Outcome::Admitted { max_tokens, .. } => *max_tokens,
+        other => panic!("expected admission, got {other:?}"),
+    }
+}
+
+async fn reserve_clamp_commit_release(kind: BudgetKind) {
+    let c = Case::new(kind);
+    let budget = c.counter("b", Mode::Enforce, Some(1000), None);
+    let r1 = c.request("r1", 100, 500, vec![budget.clone()]);
+    assert_eq!(
+        granted(&c.store.reserve(&r1).await.unwrap()),
+        500,
+        "{kind:?}"
+    );
+    let s = c.peek(&budget, *NOW_MS).await;
+    assert_eq!((s.reserved_tokens, s.spent_tokens), (600, 0), "{kind:?}");
+    // 400 left: a request for 100 + 1000 is clamped to 300 completion tokens.
+    let r2 = c.request("r2", 100, 1000, vec![budget.clone()]);
+    assert_eq!(
+        granted(&c.store.reserve(&r2).await.unwrap()),
+        300,
+        "{kind:?}"
+    );
+    // Nothing left: refused, and nothing is reserved for it.
+    let r3 = c.request("r3", 10, 100, vec![budget.clone()]);
+    assert!(
+        matches!(
+            c.store.reserve(&r3).await.unwrap(),
+            Outcome::Rejected { index: 0, .. }
+        ),
+        "{kind:?}"
+    );
+    // Commit r1's actual use (100 prompt + 50 completion): its other 450 tokens come back.
+    assert!(c.store.commit(&c.commit("r1", &r1, 150, 0)).await.unwrap());
+    let s = c.peek(&budget, *NOW_MS).await;
+    assert_eq!((s.spent_tokens, s.reserved_tokens), (150, 400), "{kind:?}");
+    // A repeated commit is a no-op.
+    assert!(
+        !c.store.commit(&c.commit("r1", &r1, 150, 0)).await.unwrap(),
+        "{kind:?}"
+    );
+    assert_eq!(c.peek(&budget, *NOW_MS).await.spent_tokens, 150, "{kind:?}");
+    assert_eq!(
+        granted(&c.store.reserve(&r3).await.unwrap()),
+        100,
+        "{kind:?}"
+    );
+}
+
+async fn concurrent_reservations_never_exceed_the_limit(kind: BudgetKind) {
+    let c = Arc::new(Case::new(kind));
+    // 50 requests' worth: each needs 10 prompt + 90 completion tokens.
+    let budget = c.counter("b", Mode::Enforce, Some(5000), None);
+    let tasks: Vec<_> = (0..500)
+        .map(|i| {
+            let c = Arc::clone(&c);
+            let budget = budget.clone();
+            tokio::spawn(async move {
+                let mut req = c.request(&format!("r{i}"), 10, 90, vec![budget]);
+                req.min_tokens = 90; // no clamping: all or nothing
+                c.store.reserve(&req).await.unwrap()
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for t in tasks {
+        if let Outcome::Admitted { max_tokens, .. } = t.await.unwrap() {
+            assert_eq!(max_tokens, 90);
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 50, "{kind:?}");
+    assert_eq!(
+        c.peek(&budget, *NOW_MS).await.reserved_tokens,
+        5000,
+        "{kind:?}"
+    );
+}
+
+async fn reservations_expire(kind: BudgetKind) {
+    let c = Case::new(kind);
+    let budget = c.counter("b", Mode::Enforce, Some(1000), None);
+    let r = c.request("dead", 100, 900, vec![budget.clone()]);
+    granted(&c.store.reserve(&r).await.unwrap());
+    assert_eq!(
+        c.peek(&budget, *NOW_MS + 9_999).await.reserved_tokens,
+        1000,
+        "{kind:?}"
+    );
+    assert_eq!(
+        c.peek(&budget, *NOW_MS + 10_000).await.reserved_tokens,
+        0,
+        "{kind:?}"
+    );
+    // The budget is whole again for a new request at that time.
+    let mut again = c.request("next", 100, 900, vec![budget.clone()]);
+    again.now_ms = *NOW_MS + 10_001;
+    assert_eq!(
+        granted(&c.store.reserve(&again).await.unwrap()),
+        900,
+        "{kind:?}"
+    );
+    // A late commit of the expired reservation still counts what was spent, once.
+    assert!(c.store.commit(&c.commit("dead", &r, 120, 0)).await.unwrap());
+    let s = c.peek(&budget, *NOW_MS + 10_001).await;
+    assert_eq!((s.spent_tokens, s.reserved_tokens), (120, 1000), "{kind:?}");
+}
+
+async fn dollar_limits_clamp_by_price(kind: BudgetKind) {
+    let c = Case::new(kind);
+    // $0.01 = 10_000 micros; prompt costs 1_000, output 30 micros/token → 300 tokens fit.
+    let budget = c.counter("usd", Mode::Enforce, None, Some(10_000));
+    let mut r = c.request("r", 100, 1000, vec![budget.clone()]);
+    r.prompt_micros = 1_000;
+    r.output_micros_per_token = 30.0;
+    assert_eq!(
+        granted(&c.store.reserve(&r).await.unwrap()),
+        300,
+        "{kind:?}"
+    );
+    assert_eq!(
+        c.peek(&budget, *NOW_MS).await.reserved_micros,
+        10_000,
+        "{kind:?}"
+    );
+    let mut r2 = c.request("r2", 1, 100, vec![budget.clone()]);
+    r2.prompt_micros = 1;
+    r2.output_micros_per_token = 30.0;
+    assert!(
+        matches!(
+            c.store.reserve(&r2).await.unwrap(),
+            Outcome::Rejected { .. }
+        ),
+        "{kind:?}"
+    );
+}
+
+async fn downgrade_and_flag_modes(kind: BudgetKind) {
+    let c = Case::new(kind);
+    let mut soft = c.counter("soft", Mode::Downgrade, Some(1000), None);
+    soft.hard = Limit {
+        tokens: Some(1500),
+        micros: None,
+    };
+    let flag = c.counter("flag", Mode::Count, Some(10), None);
+    let r = c.request("a", 100, 800, vec![soft.clone(), flag.clone()]);
+    // Fits under the soft limit; the flag counter never refuses (it is already over 10).
+    assert_eq!(
+        granted(&c.store.reserve(&r).await.unwrap()),
+        800,
+        "{kind:?}"
+    );
+    let r2 = c.request("b", 100, 800, vec![soft.clone(), flag.clone()]);
+    assert_eq!(
+        c.store.reserve(&r2).await.unwrap(),
+        Outcome::Downgrade { index: 0 },
+        "{kind:?}"
+    );
+    let mut r2d = r2.clone();
+    r2d.downgraded = true;
+    // Downgraded: only the hard cap (1500) applies; 900 reserved, so 1500 - 900 - 100 = 500 fit.
+    assert_eq!(
+        granted(&c.store.reserve(&r2d).await.unwrap()),
+        500,
+        "{kind:?}"
+    );
+    let mut r3 = c.request("c", 100, 800, vec![soft.clone(), flag.clone()]);
+    r3.downgraded = true;
+    assert!(
+        matches!(
+            c.store.reserve(&r3).await.unwrap(),
+            Outcome::Rejected { index: 0, .. }
+        ),
+        "{kind:?}"
+    );
+    assert_eq!(
+        c.peek(&flag, *NOW_MS).await.reserved_tokens,
+        1500,
+        "{kind:?}"
+    );
+}
+
+async fn rate_limits_are_smooth(kind: BudgetKind) {
+    let c = Case::new(kind);
+    let rpm = RateSpec {
+        key: format!("gw:{{{}}}:rl:tenant:rpm", c.tenant),
+        per_minute: 3,
+        kind: RateKind::Requests,
+    };
+    let mut req = c.request("x", 10, 20, vec![]);
+    req.rates = vec![rpm.clone()];
+    for i in 0..3 {
+        req.rid = format!("x{i}");
+        granted(&c.store.reserve(&req).await.unwrap());
+    }
+    req.rid = "x3".into();
+    match c.store.reserve(&req).await.unwrap() {
+        // One request every 20 s; the burst (3) is used up.
+        Outcome::RateLimited {
+            index: 0,
+            retry_after_ms,
+        } => {
+            assert!(
+                (19_000..=20_000).contains(&retry_after_ms),
+                "{kind:?} {retry_after_ms}"
+            )
+        }
+        other => panic!("{kind:?}: {other:?}"),
+    }
+    req.now_ms = *NOW_MS + 20_000;
+    granted(&c.store.reserve(&req).await.unwrap());
+
+    // Tokens per minute: a request is charged prompt + max_tokens and clamped to one minute's
+    // worth; the unused part is given back at commit.
+    let tpm = RateSpec {
+        key: format!("gw:{{{}}}:rl:tenant:tpm", c.tenant),
+        per_minute: 1000,
+        kind: RateKind::Tokens,
+    };
+    let mut t = c.request("t1", 100, 5000, vec![]);
+    t.rates = vec![tpm.clone()];
+    assert_eq!(
+        granted(&c.store.reserve(&t).await.unwrap()),
+        900,
+        "{kind:?}"
+    );
+    t.rid = "t2".into();
+    t.max_tokens = 100;
+    assert!(
+        matches!(
+            c.store.reserve(&t).await.unwrap(),
+            Outcome::RateLimited { .. }
+        ),
+        "{kind:?}"
+    );
+    let mut commit = c.commit("t1", &t, 150, 0);
+    commit.refunds = vec![(tpm.key.clone(), 1000, 850)];
+    assert!(c.store.commit(&commit).await.unwrap());
+    assert_eq!(
+        granted(&c.store.reserve(&t).await.unwrap()),
+        100,
+        "{kind:?}"
+    );
+}
+
+async fn seeding_only_fills_missing_counters(kind: BudgetKind) {
+    let c = Case::new(kind);
+    let budget = c.counter("b", Mode::Enforce, Some(1000), None);
+    assert!(c
+        .store
+        .seed(&c.tenant, &budget.key, 700, 5, *NOW_MS + DAY)
+        .await
+        .unwrap());
+    assert!(
+        !c.store
+            .seed(&c.tenant, &budget.key, 1, 1, *NOW_MS + DAY)
+            .await
+            .unwrap(),
+        "{kind:?}"
+    );
+    let s = c.peek(&budget, *NOW_MS).await;
+    assert_eq!((s.spent_tokens, s.spent_micros), (700, 5), "{kind:?}");
+    let r = c.request("r", 100, 500, vec![budget]);
+    assert_eq!(
+        granted(&c.store.reserve(&r).await.unwrap()),
+        200,
+        "{kind:?}"
+    );
+}
+
+macro_rules! both {
+    ($($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                for kind in BUDGET_STORES {
+                    super::$name(kind).await;
+                }
+            }
+        )*
+    };
+}
+
+mod conformance {
+    use super::BUDGET_STORES;
+    both!(
+        reserve_clamp_commit_release,
+        concurrent_reservations_never_exceed_the_limit,
+        reservations_expire,
+        dollar_limits_clamp_by_price,
+        downgrade_and_flag_modes,
+        rate_limits_are_smooth,
+        seeding_only_fills_missing_counters,
+    );
+}

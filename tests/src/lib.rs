@@ -100,7 +100,7 @@ pub struct TestStore {
     pub store: Arc<dyn Store>,
     /// The URL the store was opened with.
     pub url: String,
-    _dir: Option<tempfile::TempDir>,
+    _dir: Option<Arc<tempfile::TempDir>>,
     _pg: Option<Arc<PgDatabase>>,
 }
 
@@ -114,7 +114,7 @@ impl TestStore {
                 Ok(Self {
                     store: store::open(&url).await?,
                     url,
-                    _dir: Some(dir),
+                    _dir: Some(Arc::new(dir)),
                     _pg: None,
                 })
             }
@@ -146,7 +146,7 @@ impl TestStore {
         Ok(Self {
             store: store::open(&self.url).await?,
             url: self.url.clone(),
-            _dir: None,
+            _dir: self._dir.clone(),
             _pg: self._pg.clone(),
         })
     }

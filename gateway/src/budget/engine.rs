@@ -50,6 +50,7 @@ struct Snapshot {
 #[derive(Debug)]
 pub struct Plan {
     tenant_id: String,
+    tenant_name: String,
     policies: Vec<BudgetPolicy>,
     rates: Vec<(RateSpec, RateLimit)>,
     fail_mode: FailMode,
@@ -335,6 +336,7 @@ impl Budgets {
         }
         Some(Plan {
             tenant_id: key.tenant_id.clone(),
+            tenant_name: key.tenant_name.clone(),
             policies,
             rates,
             fail_mode: snap
@@ -551,7 +553,7 @@ impl Budgets {
     fn decision(&self, plan: &Plan, outcome: &str) {
         self.metrics
             .budget_decisions
-            .with_label_values(&[plan.tenant_id.as_str(), outcome])
+            .with_label_values(&[plan.tenant_name.as_str(), outcome])
             .inc();
     }
 

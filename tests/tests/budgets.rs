@@ -1,0 +1,705 @@
+//! Budgets and rate limits end to end: real HTTP clients against gateways (in-process and real
+//! `gateway serve` processes) with the in-process store and a real Redis.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use e2e::{
+    chat_body, config, replica, BudgetKind, PrivateRedis, Sim, StoreKind, TestApp, TestStore,
+    BUDGET_STORES,
+};
+use gateway::budget::ManualClock;
+use gateway::config::PriceConfig;
+use gateway::simulator::{SimOptions, SimProfile};
+use gateway::Deps;
+use reqwest::Method;
+use serde_json::{json, Value};
+
+struct Setup {
+    app: TestApp,
+    small: Sim,
+    large: Sim,
+}
+
+fn priced(c: &mut gateway::Config) {
+    for model in ["sim-small", "sim-large"] {
+        c.prices.insert(
+            model.into(),
+            PriceConfig {
+                input: 1.0,
+                output: 2.0,
+                cached_input: None,
+            },
+        );
+    }
+}
+
+async fn setup(kind: BudgetKind, extra: Deps, tweak: impl FnOnce(&mut gateway::Config)) -> Setup {
+    let small = Sim::zero("sim-small").await;
+    let large = Sim::zero("sim-large").await;
+    let mut c = config(
+        vec![replica("s1", &small.url, "sim-small")],
+        vec![replica("l1", &large.url, "sim-large")],
+    );
+    c.budgets = kind.config();
+    priced(&mut c);
+    tweak(&mut c);
+    let store = TestStore::new(StoreKind::Sqlite).await.unwrap();
+    let app = TestApp::spawn_custom(c, store, true, true, extra).await;
+    Setup { app, small, large }
+}
+
+async fn set_budget(app: &TestApp, body: Value) -> Value {
+    let r = app.admin(Method::POST, "budgets", Some(body)).await;
+    assert_eq!(r.status(), 201, "budget set");
+    r.json().await.unwrap()
+}
+
+async fn usage(app: &TestApp) -> Vec<Value> {
+    let v: Value = app
+        .admin(Method::GET, "usage?tenant=acme", None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    v["data"].as_array().cloned().unwrap_or_default()
+}
+
+fn body_with_max(model: &str, text: &str, max_tokens: u64) -> Value {
+    let mut b = chat_body(model, text);
+    b["max_tokens"] = json!(max_tokens);
+    b
+}
+
+/// Prompt tokens of `chat_body(model, text)` as the simulator (and the gateway) count them.
+async fn prompt_tokens(app: &TestApp, model: &str, text: &str) -> u64 {
+    let v: Value = app
+        .chat(body_with_max(model, text, 1))
+        .await
+        .json()
+        .await
+        .unwrap();
+    v["usage"]["prompt_tokens"].as_u64().unwrap()
+}
+
+/// Drain settlement events until `n` arrived; returns them.
+async fn events(app: &mut TestApp, n: usize) -> Vec<gateway::usage::UsageEvent> {
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        out.push(app.next_event().await);
+    }
+    out
+}
+
+async fn wait_reserved_zero(app: &TestApp) -> Vec<Value> {
+    for _ in 0..100 {
+        let u = usage(app).await;
+        if u.iter().all(|r| r["state"]["reserved_tokens"] == 0) {
+            return u;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("reservations never released: {:?}", usage(app).await);
+}
+
+async fn five_hundred_concurrent_requests_hold_the_budget(kind: BudgetKind) {
+    let mut s = setup(kind, Deps::default(), |_| {}).await;
+    let p = prompt_tokens(&s.app, "fast", "hello there").await;
+    events(&mut s.app, 1).await;
+    let per_request = p + 50;
+    let limit = 50 * per_request;
+    set_budget(
+        &s.app,
+        json!({"tenant": "acme", "window": "day", "limit_tokens": limit}),
+    )
+    .await;
+    let app = Arc::new(s.app);
+    let tasks: Vec<_> = (0..500)
+        .map(|_| {
+            let app = Arc::clone(&app);
+            tokio::spawn(async move {
+                let r = app.chat(body_with_max("fast", "hello there", 50)).await;
+                let status = r.status().as_u16();
+                let v: Value = r.json().await.unwrap_or(Value::Null);
+                (status, v)
+            })
+        })
+        .collect();
+    let (mut ok, mut refused) = (0u64, 0u64);
+    for t in tasks {
+        let (status, v) = t.await.unwrap();
+        match status {
+            200 => ok += 1,
+            429 => {
+                assert_eq!(v["error"]["type"], "insufficient_quota", "{v}");
+                refused += 1;
+            }
+            other => panic!("{kind:?}: unexpected status {other}: {v}"),
+        }
+    }
+    let mut app = Arc::try_unwrap(app).ok().unwrap();
+    let settled = events(&mut app, 500).await;
+    let spent: u64 = settled
+        .iter()
+        .map(|e| e.prompt_tokens + e.completion_tokens)
+        .sum();
+    // The overspend bound is the prompt-estimate error of admitted requests; here the estimate
+    // uses the simulator's own counting, so the bound is 0.
+    let bound: u64 = settled
+        .iter()
+        .filter(|e| e.status == 200)
+        .map(|e| e.prompt_tokens.saturating_sub(p))
+        .sum();
+    assert!(
+        spent <= limit + bound,
+        "{kind:?}: spent {spent} > limit {limit} + bound {bound}"
+    );
+    assert!(ok >= 50, "{kind:?}: only {ok} admitted");
+    assert_eq!(ok + refused, 500);
+    let u = wait_reserved_zero(&app).await;
+    assert_eq!(u[0]["state"]["spent_tokens"], spent, "{kind:?}");
+    eprintln!("{kind:?}: {ok} admitted, {refused} refused, spent {spent} of {limit}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn five_hundred_concurrent_requests_hold_the_budget_in_both_stores() {
+    for kind in BUDGET_STORES {
+        five_hundred_concurrent_requests_hold_the_budget(kind).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clamping_forwards_a_max_tokens_that_fits_then_refuses_with_429() {
+    let s = setup(BudgetKind::Memory, Deps::default(), |_| {}).await;
+    let p = prompt_tokens(&s.app, "fast", "hi").await;
+    set_budget(
+        &s.app,
+        json!({"tenant": "acme", "window": "day", "limit_tokens": p + 100, "warn_percent": 50}),
+    )
+    .await;
+    let r = s.app.chat(body_with_max("fast", "hi", 1000)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-gateway-budget-clamped"], "100");
+    assert_eq!(r.headers()["x-gateway-budget-remaining-tokens"], "0");
+    assert!(r.headers().contains_key("x-gateway-budget-reset"));
+    assert!(r.headers().contains_key("x-gateway-budget-warning"));
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(s.small.last_request().await["max_tokens"], 100);
+    let total = v["usage"]["total_tokens"].as_u64().unwrap();
+    assert!(total <= p + 100, "spent {total} > budget {}", p + 100);
+    // The window is spent: an OpenAI-shaped 429 naming the budget and window, with Retry-After.
+    let r = s.app.chat(body_with_max("fast", "hi", 1000)).await;
+    assert_eq!(r.status(), 429);
+    let retry: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=86_400).contains(&retry));
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "insufficient_quota");
+    assert_eq!(v["error"]["code"], "insufficient_quota");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("day window") && msg.contains("bud_"), "{msg}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn windows_roll_over_on_the_clock_in_both_stores() {
+    for kind in BUDGET_STORES {
+        let start = chrono::Utc::now();
+        let clock = ManualClock::at(gateway::budget::Window::Minute.start(start));
+        let deps = Deps {
+            clock: Some(clock.clone()),
+            ..Deps::default()
+        };
+        let s = setup(kind, deps, |_| {}).await;
+        set_budget(
+            &s.app,
+            json!({"tenant": "acme", "window": "minute", "limit_tokens": 80}),
+        )
+        .await;
+        let r = s.app.chat(body_with_max("fast", "hi", 60)).await;
+        assert_eq!(r.status(), 200, "{kind:?}");
+        let r = s.app.chat(body_with_max("fast", "hi", 60)).await;
+        assert_eq!(r.status(), 429, "{kind:?}");
+        clock.advance(Duration::from_secs(59));
+        let r = s.app.chat(body_with_max("fast", "hi", 60)).await;
+        assert_eq!(r.status(), 429, "{kind:?}: same minute");
+        clock.advance(Duration::from_secs(1));
+        let r = s.app.chat(body_with_max("fast", "hi", 60)).await;
+        assert_eq!(
+            r.status(),
+            200,
+            "{kind:?}: the next minute has a fresh budget"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn downgrade_serves_from_the_small_tier_until_the_hard_cap() {
+    let s = setup(BudgetKind::Redis, Deps::default(), |_| {}).await;
+    set_budget(
+        &s.app,
+        json!({"tenant": "acme", "window": "day", "limit_tokens": 100,
+               "action": "downgrade", "hard_limit_tokens": 150}),
+    )
+    .await;
+    let r = s.app.chat(body_with_max("smart", "hi", 60)).await;
+    assert_eq!(r.headers()["x-gateway-tier"], "large");
+    let r = s.app.chat(body_with_max("smart", "hi", 60)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-gateway-tier"], "small");
+    assert_eq!(r.headers()["x-gateway-budget-action"], "downgraded");
+    assert_eq!(s.small.last_request().await["model"], "sim-small");
+    let r = s.app.chat(body_with_max("smart", "hi", 60)).await;
+    assert_eq!(r.status(), 429, "past the hard cap");
+    let _ = &s.large;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flag_budgets_admit_and_mark() {
+    let s = setup(BudgetKind::Memory, Deps::default(), |_| {}).await;
+    let b = set_budget(
+        &s.app,
+        json!({"tenant": "acme", "window": "day", "limit_tokens": 10, "action": "flag"}),
+    )
+    .await;
+    let r = s.app.chat(body_with_max("fast", "hi", 60)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()["x-gateway-budget-exceeded"],
+        b["id"].as_str().unwrap()
+    );
+    let metrics = s.app.metrics().await;
+    assert!(
+        metrics.contains("gateway_budget_decisions_total{outcome=\"flagged\""),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usd_budgets_and_tag_scopes_apply() {
+    let s = setup(BudgetKind::Memory, Deps::default(), |_| {}).await;
+    // Prices: $1/1M input, $2/1M output. $0.0002 covers ~100 output tokens.
+    set_budget(
+        &s.app,
+        json!({"tenant": "acme", "scope": "tag:feature=tests", "window": "week",
+               "limit_usd": 0.0002}),
+    )
+    .await;
+    let r = s.app.chat(body_with_max("fast", "hi", 1000)).await;
+    assert_eq!(r.status(), 200);
+    let clamped: u64 = r.headers()["x-gateway-budget-clamped"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((80..100).contains(&clamped), "clamped to {clamped}");
+    assert!(r.headers().contains_key("x-gateway-budget-remaining-usd"));
+    let u = wait_reserved_zero(&s.app).await;
+    assert!(u[0]["state"]["spent_micros"].as_i64().unwrap() <= 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limits_answer_429_with_retry_after() {
+    let s = setup(BudgetKind::Redis, Deps::default(), |_| {}).await;
+    let r = s
+        .app
+        .admin(
+            Method::PUT,
+            "rate-limits",
+            Some(json!({"tenant": "acme", "rpm": 2})),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    for _ in 0..2 {
+        assert_eq!(s.app.chat(chat_body("fast", "hi")).await.status(), 200);
+    }
+    let r = s.app.chat(chat_body("fast", "hi")).await;
+    assert_eq!(r.status(), 429);
+    let retry: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=30).contains(&retry), "retry after {retry}");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded");
+    assert_eq!(v["error"]["type"], "requests");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_rebuilds_spend_from_the_ledger() {
+    let small = Sim::zero("sim-small").await;
+    let large = Sim::zero("sim-large").await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(
+        vec![replica("s1", &small.url, "sim-small")],
+        vec![replica("l1", &large.url, "sim-large")],
+    );
+    priced(&mut c);
+    c.ledger.spool_dir = dir.path().join("spool");
+    let store = TestStore::new(StoreKind::Sqlite).await.unwrap();
+    let app = TestApp::spawn_with_ledger(c.clone(), store).await;
+    set_budget(
+        &app,
+        json!({"tenant": "acme", "window": "month", "limit_tokens": 100000}),
+    )
+    .await;
+    let v: Value = app
+        .chat(body_with_max("fast", "hi", 40))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let used = v["usage"]["total_tokens"].as_u64().unwrap();
+    let before = wait_reserved_zero(&app).await;
+    assert_eq!(before[0]["state"]["spent_tokens"], used);
+    let store = app.store.reopen().await.unwrap();
+    app.stop().await;
+    let again = TestApp::spawn_custom(c, store, false, false, Deps::default()).await;
+    let after = usage(&again).await;
+    assert_eq!(
+        after[0]["state"]["spent_tokens"], used,
+        "the in-process store was rebuilt from the ledger"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policy_changes_reach_another_replica_within_two_seconds() {
+    let small = Sim::zero("sim-small").await;
+    let large = Sim::zero("sim-large").await;
+    let mut c = config(
+        vec![replica("s1", &small.url, "sim-small")],
+        vec![replica("l1", &large.url, "sim-large")],
+    );
+    c.budgets = BudgetKind::Redis.config();
+    let store = TestStore::new(StoreKind::Postgres).await.unwrap();
+    let a = TestApp::spawn_on(c.clone(), store, true).await;
+    let mut b = TestApp::spawn_on(c, a.store.reopen().await.unwrap(), false).await;
+    b.api_key = a.api_key.clone();
+    assert_eq!(b.chat(chat_body("fast", "hi")).await.status(), 200);
+    set_budget(
+        &a,
+        json!({"tenant": "acme", "window": "hour", "limit_tokens": 1}),
+    )
+    .await;
+    let t = Instant::now();
+    loop {
+        if b.chat(chat_body("fast", "hi")).await.status() == 429 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "replica b never saw the policy"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!("policy reached the other replica in {:?}", t.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_outage_follows_the_fail_mode_and_loses_nothing() {
+    let redis = PrivateRedis::start().unwrap();
+    let s = setup(BudgetKind::Redis, Deps::default(), |c| {
+        c.budgets.redis_urls = vec![redis.url.clone()];
+        c.budgets.store_timeout_ms = 200;
+    })
+    .await;
+    set_budget(
+        &s.app,
+        json!({"tenant": "acme", "window": "day", "limit_tokens": 100000}),
+    )
+    .await;
+    let v: Value = s
+        .app
+        .chat(body_with_max("fast", "hi", 20))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let first = v["usage"]["total_tokens"].as_u64().unwrap();
+    wait_reserved_zero(&s.app).await;
+
+    redis.stop().unwrap();
+    // Fail closed (the default): a clear 503.
+    let r = s.app.chat(body_with_max("fast", "hi", 20)).await;
+    assert_eq!(r.status(), 503);
+    let v: Value = r.json().await.unwrap();
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("budget store is unreachable"),
+        "{v}"
+    );
+    // Fail open: admitted against a local share, marked, and its spend queued for Redis.
+    let r = s
+        .app
+        .admin(
+            Method::PUT,
+            "tenants/acme/fail-mode",
+            Some(json!({"mode": "open"})),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let r = s.app.chat(body_with_max("fast", "hi", 20)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-gateway-budget-mode"], "fail-open");
+    let v: Value = r.json().await.unwrap();
+    let second = v["usage"]["total_tokens"].as_u64().unwrap();
+    let metrics = s.app.metrics().await;
+    assert!(
+        metrics.contains("gateway_budget_store_errors_total{mode=\"open\"}"),
+        "{metrics}"
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(s.app.state.budgets.backlog_len() >= 1);
+
+    redis.resume().unwrap();
+    let t = Instant::now();
+    while s.app.state.budgets.backlog_len() > 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "backlog never replayed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let u = wait_reserved_zero(&s.app).await;
+    assert_eq!(
+        u[0]["state"]["spent_tokens"],
+        first + second,
+        "the fail-open spend reached Redis"
+    );
+}
+
+/// A `gateway serve` process on its own port with a TOML config.
+struct Proc {
+    base: String,
+    child: tokio::process::Child,
+    _dir: tempfile::TempDir,
+}
+
+async fn gateway_process(store_url: &str, redis: &str, small: &str, large: &str, ttl: u64) -> Proc {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let toml = format!(
+        r#"
+[server]
+listen = "127.0.0.1:{port}"
+[store]
+url = "{store_url}"
+key_refresh_ms = 200
+[admin]
+token = "{token}"
+[ledger]
+spool_dir = "{spool}"
+[budgets]
+store = "redis"
+redis_urls = ["{redis}"]
+reservation_ttl_secs = {ttl}
+[models]
+fast = "small"
+smart = "large"
+[[tiers.small.replicas]]
+name = "s1"
+url = "{small}"
+model = "sim-small"
+[[tiers.large.replicas]]
+name = "l1"
+url = "{large}"
+model = "sim-large"
+"#,
+        token = e2e::ADMIN_TOKEN,
+        spool = dir.path().join("spool").display(),
+    );
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(&path, toml).unwrap();
+    let child = tokio::process::Command::new(e2e::binary("gateway"))
+        .args(["serve", "--config"])
+        .arg(&path)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let t = Instant::now();
+    while reqwest::get(format!("{base}/healthz")).await.is_err() {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "gateway did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Proc {
+        base,
+        child,
+        _dir: dir,
+    }
+}
+
+async fn post_chat(http: &reqwest::Client, base: &str, key: &str, body: &Value) -> u16 {
+    http.post(format!("{base}/v1/chat/completions"))
+        .bearer_auth(key)
+        .json(body)
+        .send()
+        .await
+        .map(|r| r.status().as_u16())
+        .unwrap_or(0)
+}
+
+async fn admin_usage(http: &reqwest::Client, base: &str, tenant: &str) -> Value {
+    http.get(format!("{base}/admin/v1/usage?tenant={tenant}"))
+        .bearer_auth(e2e::ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json::<Value>()
+        .await
+        .unwrap()["data"][0]["state"]
+        .clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_gateway_processes_share_one_budget_and_dead_reservations_expire() {
+    gateway::telemetry::install_crypto_provider();
+    let small = Sim::zero("sim-small").await;
+    let mut slow = SimProfile::large();
+    slow.base_ms = 30_000.0;
+    let large = Sim::start(SimOptions::new(slow)).await;
+    let store = TestStore::new(StoreKind::Postgres).await.unwrap();
+    let tenant = store.store.create_tenant("acme").await.unwrap();
+    let g = gateway::keys::generate();
+    store
+        .store
+        .create_key(gateway::store::NewKey {
+            tenant_id: tenant.id.clone(),
+            name: None,
+            hash: g.hash,
+            prefix: g.prefix,
+            tags: Default::default(),
+        })
+        .await
+        .unwrap();
+    let key = g.secret;
+    let redis = e2e::redis_url();
+    let mut procs = Vec::new();
+    for _ in 0..3 {
+        procs.push(gateway_process(&store.url, &redis, &small.url, &large.url, 2).await);
+    }
+    let http = reqwest::Client::new();
+    let probe: Value = http
+        .post(format!("{}/v1/chat/completions", procs[0].base))
+        .bearer_auth(&key)
+        .json(&body_with_max("fast", "hello there", 1))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let p = probe["usage"]["prompt_tokens"].as_u64().unwrap();
+    let limit = 50 * (p + 50);
+    let r = http
+        .post(format!("{}/admin/v1/budgets", procs[0].base))
+        .bearer_auth(e2e::ADMIN_TOKEN)
+        .json(&json!({"tenant": "acme", "window": "day", "limit_tokens": limit}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    // Every replica has the policy after one refresh.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let bases: Vec<String> = procs.iter().map(|p| p.base.clone()).collect();
+    let tasks: Vec<_> = (0..500)
+        .map(|i| {
+            let (http, key, base) = (http.clone(), key.clone(), bases[i % 3].clone());
+            tokio::spawn(async move {
+                post_chat(
+                    &http,
+                    &base,
+                    &key,
+                    &body_with_max("fast", "hello there", 50),
+                )
+                .await
+            })
+        })
+        .collect();
+    let mut ok = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            200 => ok += 1,
+            429 => {}
+            other => panic!("unexpected status {other}"),
+        }
+    }
+    let mut state = Value::Null;
+    for _ in 0..100 {
+        state = admin_usage(&http, &bases[1], "acme").await;
+        if state["reserved_tokens"] == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let spent = state["spent_tokens"].as_u64().unwrap();
+    assert!(spent <= limit, "three replicas spent {spent} of {limit}");
+    assert!(ok >= 50, "only {ok} admitted");
+    eprintln!("3 processes: {ok} admitted, spent {spent} of {limit}");
+
+    // Raise the budget, park requests on the slow large tier, and kill their gateway.
+    let r = http
+        .post(format!("{}/admin/v1/budgets", procs[0].base))
+        .bearer_auth(e2e::ADMIN_TOKEN)
+        .json(&json!({"tenant": "acme", "window": "day", "limit_tokens": spent + 10_000}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let doomed = procs[2].base.clone();
+    for _ in 0..5 {
+        let (http, key, base) = (http.clone(), key.clone(), doomed.clone());
+        tokio::spawn(async move {
+            post_chat(&http, &base, &key, &body_with_max("smart", "wait", 1000)).await
+        });
+    }
+    let t = Instant::now();
+    loop {
+        let st = admin_usage(&http, &bases[0], "acme").await;
+        if st["reserved_tokens"].as_u64().unwrap() > 0 {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "nothing reserved");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    procs[2].child.start_kill().unwrap();
+    procs[2].child.wait().await.unwrap();
+    let killed = Instant::now();
+    let st = admin_usage(&http, &bases[0], "acme").await;
+    assert!(st["reserved_tokens"].as_u64().unwrap() >= 5 * 1000);
+    loop {
+        let st = admin_usage(&http, &bases[0], "acme").await;
+        if st["reserved_tokens"] == 0 {
+            break;
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(5),
+            "the dead gateway's reservations never expired: {st}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "dead reservations expired {:?} after the kill",
+        killed.elapsed()
+    );
+    // The budget recovered: a request needing most of it is admitted in full.
+    let status = post_chat(&http, &bases[0], &key, &body_with_max("fast", "hi", 5000)).await;
+    assert_eq!(status, 200);
+}

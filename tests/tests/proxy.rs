@@ -644,6 +644,16 @@ async fn streaming_does_not_wait_for_the_whole_response() {
 #[tokio::test]
 async fn metrics_expose_every_defined_name_after_traffic() {
     let s = setup().await;
+    // A budget, so budget decisions are counted too.
+    let r = s
+        .app
+        .admin(
+            reqwest::Method::POST,
+            "budgets",
+            Some(json!({"tenant": "acme", "window": "day", "limit_tokens": 1000000})),
+        )
+        .await;
+    assert_eq!(r.status(), 201);
     let mut body = chat_body("fast", "hi");
     body["stream"] = json!(true);
     let _ = s.app.chat(body).await.text().await;

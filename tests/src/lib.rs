@@ -403,6 +403,19 @@ impl TestApp {
         req.send().await.expect("admin request sent")
     }
 
+    /// Run the real `gatewayctl` against this gateway: (success, stdout + stderr).
+    pub async fn ctl(&self, args: &[&str]) -> (bool, String) {
+        // Async process I/O: the gateway under test runs on this same runtime.
+        let out = tokio::process::Command::new(binary("gatewayctl"))
+            .args(args)
+            .env("GATEWAY_URL", &self.base)
+            .env("GATEWAY_ADMIN_TOKEN", ADMIN_TOKEN)
+            .output()
+            .await
+            .expect("gatewayctl runs");
+        (out.status.success(), output_text(&out))
+    }
+
     /// The next settlement event (fails the test after 10 s).
     pub async fn next_event(&mut self) -> UsageEvent {
         tokio::time::timeout(Duration::from_secs(10), self.events.recv())

@@ -97,16 +97,7 @@ async fn admin_api_validates_input_and_reports_conflicts() {
 }
 
 async fn ctl(app: &TestApp, args: &[&str]) -> (bool, String) {
-    // Async process I/O: the gateway under test runs on this same runtime.
-    let out = tokio::process::Command::new(e2e::binary("gatewayctl"))
-        .args(args)
-        .env("GATEWAY_URL", &app.base)
-        .env("GATEWAY_ADMIN_TOKEN", ADMIN_TOKEN)
-        .output()
-        .await
-        .unwrap();
-    let text = e2e::output_text(&out);
-    (out.status.success(), text)
+    app.ctl(args).await
 }
 
 #[tokio::test]

@@ -703,3 +703,114 @@ async fn three_gateway_processes_share_one_budget_and_dead_reservations_expire()
     let status = post_chat(&http, &bases[0], &key, &body_with_max("fast", "hi", 5000)).await;
     assert_eq!(status, 200);
 }
+
+/// `gatewayctl` with a whitespace-separated command line.
+async fn ctl(app: &TestApp, line: &str) -> (bool, String) {
+    app.ctl(&line.split_whitespace().collect::<Vec<_>>()).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gatewayctl_manages_budgets_limits_and_shows_usage() {
+    let s = setup(BudgetKind::Memory, Deps::default(), |_| {}).await;
+    let app = &s.app;
+    let (ok, out) = ctl(
+        app,
+        "budgets set --tenant acme --window day --tokens 100000 --usd 0.5 --warn-percent 80",
+    )
+    .await;
+    assert!(
+        ok && out.contains("budget set") && out.contains("day"),
+        "{out}"
+    );
+    let (ok, out) = ctl(app, "--json budgets list --tenant acme").await;
+    assert!(ok, "{out}");
+    let listed: Value = serde_json::from_str(&out).unwrap();
+    let id = listed["data"][0]["id"].as_str().unwrap().to_owned();
+    assert_eq!(listed["data"][0]["limit"]["micros"], 500_000);
+    let (ok, out) = ctl(app, "budgets list").await;
+    assert!(ok && out.contains(&id) && out.contains("WINDOW"), "{out}");
+
+    let (ok, out) = ctl(
+        app,
+        "budgets set --tenant acme --window fortnight --tokens 1",
+    )
+    .await;
+    assert!(!ok && out.contains("invalid window \"fortnight\""), "{out}");
+    let (ok, out) = ctl(app, "budgets set --tenant acme --window day").await;
+    assert!(!ok && out.contains("limit_tokens"), "{out}");
+
+    let (ok, out) = ctl(app, "limits set --tenant acme --rpm 100").await;
+    assert!(ok && out.contains("100"), "{out}");
+    let (ok, out) = ctl(app, "limits list --tenant acme").await;
+    assert!(ok && out.contains("RPM") && out.contains("100"), "{out}");
+
+    let v: Value = app
+        .chat(body_with_max("fast", "hi", 20))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let used = v["usage"]["total_tokens"].as_u64().unwrap();
+    wait_reserved_zero(app).await;
+    let (ok, out) = ctl(app, "usage --tenant acme").await;
+    assert!(ok && out.contains(&id), "{out}");
+    assert!(
+        out.contains(&format!("{used} / ")),
+        "spent tokens shown: {out}"
+    );
+    assert!(
+        out.contains(&format!("{} / ", 100_000 - used)),
+        "remaining shown: {out}"
+    );
+
+    let (ok, out) = ctl(app, "budgets fail-mode --tenant acme open").await;
+    assert!(ok && out.contains("fails open"), "{out}");
+    let (ok, out) = ctl(app, "limits delete --tenant acme").await;
+    assert!(ok, "{out}");
+    let (ok, out) = ctl(app, &format!("budgets delete {id}")).await;
+    assert!(ok && out.contains("deleted budget"), "{out}");
+    let (ok, out) = ctl(app, &format!("budgets delete {id}")).await;
+    assert!(!ok && out.contains("404"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_and_abandoned_requests_commit_what_they_used() {
+    let small = Sim::start(SimOptions::new({
+        let mut p = SimProfile::small();
+        p.decode_ms_per_token = 5.0;
+        p
+    }))
+    .await;
+    let large = Sim::zero("sim-large").await;
+    let mut c = config(
+        vec![replica("s1", &small.url, "sim-small")],
+        vec![replica("l1", &large.url, "sim-large")],
+    );
+    c.budgets = BudgetKind::Redis.config();
+    let store = TestStore::new(StoreKind::Sqlite).await.unwrap();
+    let mut app = TestApp::spawn_custom(c, store, true, true, Deps::default()).await;
+    set_budget(
+        &app,
+        json!({"tenant": "acme", "window": "day", "limit_tokens": 100000}),
+    )
+    .await;
+    // A complete stream.
+    let mut body = body_with_max("fast", "hi", 40);
+    body["stream"] = json!(true);
+    let r = app.chat(body.clone()).await;
+    assert!(r
+        .headers()
+        .contains_key("x-gateway-budget-remaining-tokens"));
+    let _ = r.text().await.unwrap();
+    let full = app.next_event().await;
+    // An abandoned stream: read the first chunk and hang up.
+    let mut r = app.chat(body).await;
+    let _ = r.chunk().await.unwrap();
+    drop(r);
+    let cut = app.next_event().await;
+    assert_eq!(cut.status, 499);
+    let u = wait_reserved_zero(&app).await;
+    let expected =
+        full.prompt_tokens + full.completion_tokens + cut.prompt_tokens + cut.completion_tokens;
+    assert_eq!(u[0]["state"]["spent_tokens"], expected);
+}

@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# What budget enforcement costs per request: the same gateway with no budget applying, with a
+# budget and a rate limit in the in-process store, and with the same in Redis, all measured in the
+# same run against the zero-latency simulator (so only the gateway's own work is measured).
+#
+#   bench/budget-overhead.sh                 # 15 s per measurement
+#   DURATION=30s bench/budget-overhead.sh
+#
+# Latency: wrk, closed loop at LAT_CONNS connections (low load, so queueing does not dominate).
+# Throughput: wrk at SAT_CONNS connections (saturation). Redis round trips per request are read
+# from Redis' own command counters (EVALSHA/EVAL calls) before and after the Redis runs.
+# Needs: wrk (apt-get install wrk), redis-server and redis-cli, python3.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DURATION=${DURATION:-15s}
+LAT_CONNS=${LAT_CONNS:-4}
+SAT_CONNS=${SAT_CONNS:-32}
+P_UP=${P_UP:-19201}
+P_OFF=${P_OFF:-19202}
+P_MEM=${P_MEM:-19203}
+P_REDIS=${P_REDIS:-19204}
+P_RDB=${P_RDB:-19205}
+
+command -v wrk >/dev/null || { echo "needs wrk: apt-get install wrk" >&2; exit 1; }
+command -v redis-server >/dev/null || { echo "needs redis-server" >&2; exit 1; }
+
+cargo build --release -q -p gateway --bins
+BIN=${CARGO_TARGET_DIR:-target}/release
+WORK=$(mktemp -d)
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+wait_port() { for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 never opened" >&2; exit 1; }
+
+# A private Redis, so its command counters are ours alone.
+redis-server --port "$P_RDB" --bind 127.0.0.1 --save '' --appendonly no --dir "$WORK" >"$WORK/redis.log" 2>&1 &
+PIDS+=($!)
+wait_port "$P_RDB"
+
+"$BIN/gateway" simulate --profile zero --model sim-small --port "$P_UP" >"$WORK/sim.log" 2>&1 &
+PIDS+=($!)
+wait_port "$P_UP"
+
+ADMIN=bench-admin-token
+gateway() { # NAME PORT BUDGET_STORE_TOML
+  cat >"$WORK/$1.toml" <<EOF
+[server]
+listen = "127.0.0.1:$2"
+[store]
+url = "sqlite://$WORK/$1.db"
+[admin]
+token = "$ADMIN"
+[tiers.small]
+replicas = [{ name = "sim", url = "http://127.0.0.1:$P_UP/v1", model = "sim-small", max_concurrency = 4096 }]
+[tiers.large]
+replicas = [{ name = "sim-l", url = "http://127.0.0.1:$P_UP/v1", model = "sim-small", max_concurrency = 4096 }]
+[models]
+fast = "small"
+[prices.sim-small]
+input = 0.15
+output = 0.60
+[ledger]
+spool_dir = "$WORK/spool-$1"
+[budgets]
+$3
+EOF
+  RUST_LOG=warn "$BIN/gateway" serve --config "$WORK/$1.toml" >"$WORK/$1.log" 2>&1 &
+  PIDS+=($!)
+  wait_port "$2"
+  export GATEWAY_URL="http://127.0.0.1:$2" GATEWAY_ADMIN_TOKEN=$ADMIN
+  "$BIN/gatewayctl" tenants create bench >/dev/null
+  "$BIN/gatewayctl" --json keys create --tenant bench |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["key"])' >"$WORK/$1.key"
+}
+gateway off "$P_OFF" 'store = "memory"'
+gateway memory "$P_MEM" 'store = "memory"'
+gateway redis "$P_REDIS" "store = \"redis\"
+redis_urls = [\"redis://127.0.0.1:$P_RDB\"]"
+# A day budget (tokens and USD) and a per-minute rate limit, far above what the run uses, so
+# every request does the full reserve + commit and none is refused.
+for g in memory:$P_MEM redis:$P_REDIS; do
+  export GATEWAY_URL="http://127.0.0.1:${g#*:}"
+  "$BIN/gatewayctl" budgets set --tenant bench --window day --tokens 1000000000000 --usd 1000000 >/dev/null
+  "$BIN/gatewayctl" limits set --tenant bench --rpm 1000000000 --tpm 1000000000000 >/dev/null
+done
+
+cat >"$WORK/post.lua" <<'EOF'
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer " .. os.getenv("KEY")
+wrk.body = '{"model":"fast","messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":16}'
+done = function(summary, latency, requests)
+  io.write(string.format("RESULT %d %.3f %.3f %.3f %d\n", summary.requests,
+    latency:percentile(50) / 1000, latency:percentile(99) / 1000,
+    summary.duration / 1e6, summary.errors.status + summary.errors.connect + summary.errors.timeout))
+end
+EOF
+
+evals() { redis-cli -p "$P_RDB" info commandstats | python3 -c '
+import sys
+n = 0
+for line in sys.stdin:
+    if line.startswith(("cmdstat_evalsha:", "cmdstat_eval:")):
+        n += int(line.split("calls=")[1].split(",")[0])
+print(n)'; }
+
+: >"$WORK/results"
+for name in off memory redis; do
+  port=$(awk -F'"' '/^listen/ {split($2, a, ":"); print a[2]}' "$WORK/$name.toml")
+  url="http://127.0.0.1:$port/v1/chat/completions"
+  export KEY=$(cat "$WORK/$name.key")
+  wrk -t1 -c8 -d3s -s "$WORK/post.lua" "$url" >/dev/null # warm up
+  before=$(evals)
+  lat=$(wrk -t1 -c"$LAT_CONNS" -d"$DURATION" -s "$WORK/post.lua" "$url" | grep '^RESULT')
+  sat=$(wrk -t2 -c"$SAT_CONNS" -d"$DURATION" -s "$WORK/post.lua" "$url" | grep '^RESULT')
+  after=$(evals)
+  echo "$name $lat $sat $before $after" >>"$WORK/results"
+done
+
+python3 - "$WORK/results" "$LAT_CONNS" "$SAT_CONNS" <<'PY'
+import sys
+rows = {}
+for line in open(sys.argv[1]):
+    f = line.split()
+    name = f[0]
+    # RESULT requests p50 p99 seconds errors (latency run), then the saturation run
+    lat = dict(n=int(f[2]), p50=float(f[3]), p99=float(f[4]), secs=float(f[5]), err=int(f[6]))
+    sat = dict(n=int(f[8]), p50=float(f[9]), p99=float(f[10]), secs=float(f[11]), err=int(f[12]))
+    evals = int(f[14]) - int(f[13])
+    rows[name] = (lat, sat, evals)
+off_lat, off_sat, _ = rows["off"]
+off_rps = off_sat["n"] / off_sat["secs"]
+print(f"latency at {sys.argv[2]} connections, throughput at {sys.argv[3]} connections")
+print(f"{'budgets':<10}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}{'req/s':>10}{'vs off':>8}{'errors':>8}{'redis calls/req':>17}")
+for name in ["off", "memory", "redis"]:
+    lat, sat, evals = rows[name]
+    rps = sat["n"] / sat["secs"]
+    calls = evals / (lat["n"] + sat["n"]) if name == "redis" else 0.0
+    print(f"{name:<10}{lat['p50']:>9.3f}{lat['p99']:>9.3f}{lat['p50'] - off_lat['p50']:>9.3f}"
+          f"{lat['p99'] - off_lat['p99']:>9.3f}{rps:>10.0f}{rps / off_rps:>8.1%}{lat['err'] + sat['err']:>8}{calls:>17.2f}")
+PY

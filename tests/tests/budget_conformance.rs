@@ -77,6 +77,7 @@ impl Case {
             rid: rid.into(),
             now_ms: req.now_ms,
             dedupe_ms: 60_000,
+            unreserved: false,
             tokens,
             micros,
             counters: req
@@ -204,6 +205,38 @@ async fn reservations_expire(kind: BudgetKind) {
     assert!(c.store.commit(&c.commit("dead", &r, 120, 0)).await.unwrap());
     let s = c.peek(&budget, *NOW_MS + 10_001).await;
     assert_eq!((s.spent_tokens, s.reserved_tokens), (120, 1000), "{kind:?}");
+    assert!(
+        !c.store.commit(&c.commit("dead", &r, 120, 0)).await.unwrap(),
+        "{kind:?}"
+    );
+    assert_eq!(
+        c.peek(&budget, *NOW_MS + 10_001).await.spent_tokens,
+        120,
+        "{kind:?}"
+    );
+}
+
+async fn unreserved_commits_apply_once(kind: BudgetKind) {
+    let c = Case::new(kind);
+    let budget = c.counter("b", Mode::Enforce, Some(1000), None);
+    let r = c.request("local", 0, 0, vec![budget.clone()]);
+    let mut commit = c.commit("local", &r, 300, 7);
+    commit.unreserved = true;
+    assert!(c.store.commit(&commit).await.unwrap(), "{kind:?}");
+    assert!(
+        !c.store.commit(&commit).await.unwrap(),
+        "{kind:?}: a replay is a no-op"
+    );
+    let s = c.peek(&budget, *NOW_MS).await;
+    assert_eq!(
+        (s.spent_tokens, s.spent_micros, s.reserved_tokens),
+        (300, 7, 0),
+        "{kind:?}"
+    );
+    // A reserved commit for a request that never reserved here changes nothing.
+    let ghost = c.commit("ghost", &r, 50, 0);
+    assert!(!c.store.commit(&ghost).await.unwrap(), "{kind:?}");
+    assert_eq!(c.peek(&budget, *NOW_MS).await.spent_tokens, 300, "{kind:?}");
 }
 
 async fn dollar_limits_clamp_by_price(kind: BudgetKind) {
@@ -391,5 +424,6 @@ mod conformance {
         downgrade_and_flag_modes,
         rate_limits_are_smooth,
         seeding_only_fills_missing_counters,
+        unreserved_commits_apply_once,
     );
 }

@@ -739,6 +739,7 @@ impl Budgets {
             rid: reservation.rid,
             now_ms,
             dedupe_ms: self.ttl_ms * 2,
+            unreserved: false,
             tokens,
             micros,
             counters: reservation.counters,
@@ -753,6 +754,7 @@ impl Budgets {
             // The spend happened: add it to the shared counters once they are reachable.
             let mut replay = req;
             replay.refunds.clear();
+            replay.unreserved = true;
             self.enqueue(replay);
             return;
         }

@@ -2,7 +2,7 @@
 //! tenant while Redis is unreachable. One mutex makes each reserve and commit atomic; the
 //! arithmetic is the same as `reserve.lua` / `commit.lua` (one conformance suite checks both).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
 use async_trait::async_trait;
@@ -22,20 +22,30 @@ struct Counter {
     state: CounterState,
     /// Live reservations: rid → (tokens, micros, expires at ms).
     reservations: HashMap<String, (u64, i64, i64)>,
+    /// Expired reservations not yet committed (a late commit still counts, once).
+    expired: HashSet<String>,
     expire_at_ms: i64,
 }
 
 impl Counter {
     fn purge(&mut self, now_ms: i64) {
         let state = &mut self.state;
-        self.reservations.retain(|_, (tokens, micros, expires)| {
+        let expired = &mut self.expired;
+        self.reservations.retain(|rid, (tokens, micros, expires)| {
             if *expires > now_ms {
                 return true;
             }
             state.reserved_tokens = state.reserved_tokens.saturating_sub(*tokens);
             state.reserved_micros -= *micros;
+            expired.insert(rid.clone());
             false
         });
+    }
+
+    fn spend(&mut self, req: &CommitRequest, expire_at_ms: i64) {
+        self.expire_at_ms = self.expire_at_ms.max(expire_at_ms);
+        self.state.spent_tokens += req.tokens;
+        self.state.spent_micros += req.micros;
     }
 }
 
@@ -44,7 +54,7 @@ struct Inner {
     counters: HashMap<String, Counter>,
     /// GCRA theoretical arrival time (µs since the epoch) and expiry (ms) per limiter.
     rates: HashMap<String, (f64, i64)>,
-    /// Committed reservation ids → forget at (ms).
+    /// Unreserved commits applied → forget at (ms).
     done: HashMap<String, i64>,
     last_sweep_ms: i64,
 }
@@ -180,21 +190,42 @@ impl MemoryStore {
 
     fn commit_now(&self, req: &CommitRequest) -> bool {
         let mut inner = self.lock();
-        if inner.done.get(&req.rid).is_some_and(|&t| t > req.now_ms) {
-            return false;
-        }
-        inner
-            .done
-            .insert(req.rid.clone(), req.now_ms + req.dedupe_ms);
-        for (key, expire_at_ms) in &req.counters {
-            let c = inner.counters.entry(key.clone()).or_default();
-            c.expire_at_ms = c.expire_at_ms.max(*expire_at_ms);
-            if let Some((tokens, micros, _)) = c.reservations.remove(&req.rid) {
-                c.state.reserved_tokens = c.state.reserved_tokens.saturating_sub(tokens);
-                c.state.reserved_micros -= micros;
+        if req.unreserved {
+            if inner.done.get(&req.rid).is_some_and(|&t| t > req.now_ms) {
+                return false;
             }
-            c.state.spent_tokens += req.tokens;
-            c.state.spent_micros += req.micros;
+            inner
+                .done
+                .insert(req.rid.clone(), req.now_ms + req.dedupe_ms);
+            for (key, expire_at_ms) in &req.counters {
+                inner
+                    .counters
+                    .entry(key.clone())
+                    .or_default()
+                    .spend(req, *expire_at_ms);
+            }
+            return true;
+        }
+        let mut applied = req.counters.is_empty();
+        for (key, expire_at_ms) in &req.counters {
+            let Some(c) = inner.counters.get_mut(key) else {
+                continue;
+            };
+            let live = match c.reservations.remove(&req.rid) {
+                Some((tokens, micros, _)) => {
+                    c.state.reserved_tokens = c.state.reserved_tokens.saturating_sub(tokens);
+                    c.state.reserved_micros -= micros;
+                    true
+                }
+                None => false,
+            };
+            if live || c.expired.remove(&req.rid) {
+                c.spend(req, *expire_at_ms);
+                applied = true;
+            }
+        }
+        if !applied {
+            return false;
         }
         for (key, per_minute, refund) in &req.refunds {
             if let Some((tat, _)) = inner.rates.get_mut(key) {
@@ -246,6 +277,7 @@ impl BudgetStore for MemoryStore {
                     ..Default::default()
                 },
                 reservations: HashMap::new(),
+                expired: HashSet::new(),
                 expire_at_ms,
             },
         );

@@ -443,8 +443,12 @@ pub struct CommitRequest {
     pub rid: String,
     /// Now, ms since the epoch.
     pub now_ms: i64,
-    /// How long the commit is remembered (so a retried commit is applied once), ms.
+    /// For an unreserved commit: how long it is remembered (so a retry applies once), ms.
     pub dedupe_ms: i64,
+    /// The spend was admitted without a reservation in this store (locally, while the shared
+    /// store was unreachable): add it to the counters, deduplicated by a marker. A reserved
+    /// commit is deduplicated by its reservation instead and leaves nothing behind.
+    pub unreserved: bool,
     /// Actual tokens (prompt + completion).
     pub tokens: u64,
     /// Actual cost, micro-dollars.
@@ -477,8 +481,9 @@ pub trait BudgetStore: Send + Sync + 'static {
     /// Purge expired reservations of the counters involved, then check every counter and rate
     /// limiter and, only if all admit, reserve in all of them.
     async fn reserve(&self, req: &ReserveRequest) -> Result<Outcome, BudgetError>;
-    /// Release the reservation `rid` (if still live) and add the actual usage, once per `rid`.
-    /// Returns `false` when this `rid` was already committed.
+    /// Release the reservation `rid` and add the actual usage, once per `rid`: to each counter
+    /// still holding the reservation, live or expired-but-uncommitted (or, for an `unreserved`
+    /// commit, to every counter). Returns `false` when this `rid` was already committed.
     async fn commit(&self, req: &CommitRequest) -> Result<bool, BudgetError>;
     /// Current state of counters (expired reservations purged), for `gatewayctl usage`.
     async fn peek(

@@ -232,6 +232,7 @@ impl BudgetStore for RedisStore {
             .arg(req.dedupe_ms.max(1))
             .arg(req.tokens)
             .arg(req.micros)
+            .arg(u8::from(req.unreserved))
             .arg(req.counters.len());
         for (_, expire) in &req.counters {
             inv.arg(*expire);

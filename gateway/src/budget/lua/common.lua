@@ -1,6 +1,7 @@
 -- Shared helpers, prepended to every budget script (see redis.rs). Counters are hashes with
--- fields st/sm (spent tokens/micro-dollars), rt/rm (reserved) and r:<rid> = "<tokens>:<micros>"
--- per live reservation; a sorted set next to each counter holds reservation ids by expiry.
+-- fields st/sm (spent tokens/micro-dollars), rt/rm (reserved), r:<rid> = "<tokens>:<micros>" per
+-- live reservation and x:<rid> per expired one not yet committed; a sorted set next to each
+-- counter holds live reservation ids by expiry.
 -- Numbers go to Redis as integer strings (Lua would print 1000 as 1e+03, and -0 as "-0").
 local function fmt(x)
   if x == 0 then return '0' end
@@ -18,10 +19,12 @@ local function release(h, rid)
   end
 end
 
+-- Release expired reservations, leaving an x:<rid> marker so a late commit still counts once.
 local function purge(h, z, now)
   local expired = redis.call('ZRANGEBYSCORE', z, '-inf', now)
   for _, rid in ipairs(expired) do
     release(h, rid)
+    redis.call('HSET', h, 'x:' .. rid, '1')
   end
   if #expired > 0 then
     redis.call('ZREMRANGEBYSCORE', z, '-inf', now)

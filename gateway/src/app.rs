@@ -145,6 +145,7 @@ impl AppState {
             .await
             .context("starting budgets")?,
         );
+        tokio::spawn(Arc::clone(&budgets).run_commits());
         let shutdown = CancellationToken::new();
         let every = Duration::from_millis(config.store.key_refresh_ms);
         let b = Arc::clone(&budgets);
@@ -331,7 +332,9 @@ pub async fn serve(
             "shutdown grace expired with requests still settling"
         );
     }
-    // Every request task has settled (or the grace ran out): flush the ledger last.
+    // Every request task has settled (or the grace ran out): their budget commits go out, then
+    // the ledger is flushed last.
+    state.budgets.flush(grace).await;
     let writer = state.ledger_writer.lock().ok().and_then(|mut w| w.take());
     if let Some(writer) = writer {
         writer.shutdown().await;

@@ -9,7 +9,7 @@
 //! reservation dangles and no spend is lost.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -17,6 +17,7 @@ use arc_swap::ArcSwap;
 use axum::http::{HeaderName, HeaderValue};
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde::Serialize;
+use tokio::sync::mpsc;
 
 use super::memory::MemoryStore;
 use super::{
@@ -37,6 +38,8 @@ const COUNTER_GRACE_MS: i64 = 86_400_000;
 const STORE_BACKOFF_MS: i64 = 1_000;
 /// Most commits held for replay while the shared store is unreachable.
 const MAX_BACKLOG: usize = 1_000_000;
+/// Most commits sent to the shared store in one batch.
+const COMMIT_BATCH: usize = 256;
 
 /// Every tenant's rules, as of the last refresh.
 #[derive(Debug, Default)]
@@ -154,6 +157,11 @@ pub struct Budgets {
     down_until_ms: AtomicI64,
     backlog: Mutex<VecDeque<CommitRequest>>,
     ttl_ms: i64,
+    /// Commits on their way to the shared store, sent in batches by [`Budgets::run_commits`].
+    commits: mpsc::UnboundedSender<CommitRequest>,
+    commits_rx: Mutex<Option<mpsc::UnboundedReceiver<CommitRequest>>>,
+    /// Commits sent and not yet answered (for [`Budgets::flush`]).
+    pending: AtomicUsize,
 }
 
 impl std::fmt::Debug for Budgets {
@@ -210,7 +218,11 @@ impl Budgets {
             || i64::try_from(total_timeout.as_millis()).unwrap_or(i64::MAX / 2) + 30_000,
             |s| i64::try_from(s).unwrap_or(i64::MAX / 2_000) * 1000,
         );
+        let (commits, commits_rx) = mpsc::unbounded_channel();
         let budgets = Self {
+            commits,
+            commits_rx: Mutex::new(Some(commits_rx)),
+            pending: AtomicUsize::new(0),
             config,
             store,
             shared,
@@ -766,17 +778,67 @@ impl Budgets {
             self.enqueue(req);
             return;
         }
+        self.pending.fetch_add(1, Ordering::SeqCst);
+        if let Err(mpsc::error::SendError(req)) = self.commits.send(req) {
+            // No batcher (it only stops with the process): commit directly.
+            self.pending.fetch_sub(1, Ordering::SeqCst);
+            self.commit_now(vec![req]).await;
+        }
+    }
+
+    /// Send commits to the shared store in batches: one script call per tenant for whatever
+    /// accumulated while the previous batch was in flight (under load, many requests per round
+    /// trip; at low load, one). Runs for the life of the process.
+    pub async fn run_commits(self: Arc<Self>) {
+        let Some(mut rx) = self
+            .commits_rx
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        else {
+            return;
+        };
+        while let Some(first) = rx.recv().await {
+            let mut batch = vec![first];
+            while batch.len() < COMMIT_BATCH {
+                match rx.try_recv() {
+                    Ok(r) => batch.push(r),
+                    Err(_) => break,
+                }
+            }
+            let n = batch.len();
+            self.commit_now(batch).await;
+            self.pending.fetch_sub(n, Ordering::SeqCst);
+        }
+    }
+
+    async fn commit_now(&self, batch: Vec<CommitRequest>) {
         let started = Instant::now();
-        let result = self.store.commit(&req).await;
+        let result = self.store.commit_batch(&batch).await;
         self.metrics
             .budget_store_seconds
             .with_label_values(&["commit"])
             .observe(started.elapsed().as_secs_f64());
         if let Err(e) = result {
+            let now_ms = ms(self.clock.now());
             self.down_until_ms
                 .store(now_ms + STORE_BACKOFF_MS, Ordering::Relaxed);
-            tracing::warn!(error = %e, rid = %req.rid, "budget commit failed; queued for replay");
-            self.enqueue(req);
+            tracing::warn!(error = %e, commits = batch.len(), "budget commit failed; queued for replay");
+            for req in batch {
+                self.enqueue(req);
+            }
+        }
+    }
+
+    /// Wait (up to `grace`) until every commit sent to the shared store was answered, so a
+    /// shutdown leaves no reservation to expire.
+    pub async fn flush(&self, grace: Duration) {
+        let deadline = Instant::now() + grace;
+        while self.pending.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        if self.shared && self.backlog_len() > 0 {
+            self.replay_backlog().await;
         }
     }
 
@@ -794,17 +856,18 @@ impl Budgets {
     /// Replay queued commits into the shared store, oldest first, until it fails again.
     pub async fn replay_backlog(&self) {
         loop {
-            let next = {
+            let next: Vec<CommitRequest> = {
                 let q = self.backlog.lock().unwrap_or_else(|e| e.into_inner());
-                q.front().cloned()
+                q.iter().take(COMMIT_BATCH).cloned().collect()
             };
-            let Some(req) = next else {
+            if next.is_empty() {
                 return;
-            };
-            match self.store.commit(&req).await {
+            }
+            match self.store.commit_batch(&next).await {
                 Ok(_) => {
                     let mut q = self.backlog.lock().unwrap_or_else(|e| e.into_inner());
-                    q.pop_front();
+                    let n = next.len().min(q.len());
+                    q.drain(..n);
                     self.metrics.budget_backlog.set(q.len() as i64);
                     self.down_until_ms.store(0, Ordering::Relaxed);
                 }

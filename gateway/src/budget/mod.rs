@@ -485,6 +485,14 @@ pub trait BudgetStore: Send + Sync + 'static {
     /// still holding the reservation, live or expired-but-uncommitted (or, for an `unreserved`
     /// commit, to every counter). Returns `false` when this `rid` was already committed.
     async fn commit(&self, req: &CommitRequest) -> Result<bool, BudgetError>;
+    /// [`BudgetStore::commit`] for many requests at once (fewer round trips under load).
+    async fn commit_batch(&self, reqs: &[CommitRequest]) -> Result<Vec<bool>, BudgetError> {
+        let mut out = Vec::with_capacity(reqs.len());
+        for r in reqs {
+            out.push(self.commit(r).await?);
+        }
+        Ok(out)
+    }
     /// Current state of counters (expired reservations purged), for `gatewayctl usage`.
     async fn peek(
         &self,

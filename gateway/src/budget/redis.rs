@@ -219,32 +219,60 @@ impl BudgetStore for RedisStore {
     }
 
     async fn commit(&self, req: &CommitRequest) -> Result<bool, BudgetError> {
-        let mut inv = self.commit.prepare_invoke();
-        inv.key(format!("gw:{{{}}}:done:{}", req.tenant_id, req.rid));
-        for (key, _) in &req.counters {
-            inv.key(key).key(zset(key));
+        let applied = self.commit_batch(std::slice::from_ref(req)).await?;
+        Ok(applied.first().copied().unwrap_or(false))
+    }
+
+    async fn commit_batch(&self, reqs: &[CommitRequest]) -> Result<Vec<bool>, BudgetError> {
+        // One script call per tenant: every key of a tenant is in one cluster slot.
+        let mut by_tenant: Vec<(&str, Vec<usize>)> = Vec::new();
+        for (i, r) in reqs.iter().enumerate() {
+            match by_tenant.iter_mut().find(|(t, _)| *t == r.tenant_id) {
+                Some((_, v)) => v.push(i),
+                None => by_tenant.push((&r.tenant_id, vec![i])),
+            }
         }
-        for (key, _, _) in &req.refunds {
-            inv.key(key);
+        let calls = by_tenant.iter().map(|(_, idx)| {
+            let mut inv = self.commit.prepare_invoke();
+            inv.arg(idx.len());
+            for &i in idx {
+                let req = &reqs[i];
+                inv.key(format!("gw:{{{}}}:done:{}", req.tenant_id, req.rid));
+                for (key, _) in &req.counters {
+                    inv.key(key).key(zset(key));
+                }
+                for (key, _, _) in &req.refunds {
+                    inv.key(key);
+                }
+                inv.arg(&req.rid)
+                    .arg(req.now_ms)
+                    .arg(req.dedupe_ms.max(1))
+                    .arg(req.tokens)
+                    .arg(req.micros)
+                    .arg(u8::from(req.unreserved))
+                    .arg(req.counters.len());
+                for (_, expire) in &req.counters {
+                    inv.arg(*expire);
+                }
+                inv.arg(req.refunds.len());
+                for (_, per_minute, refund) in &req.refunds {
+                    inv.arg(*per_minute).arg(*refund);
+                }
+            }
+            async move { ints(self.invoke(inv).await?) }
+        });
+        let replies = futures_util::future::join_all(calls).await;
+        let mut out = vec![false; reqs.len()];
+        for ((_, idx), reply) in by_tenant.iter().zip(replies) {
+            let reply = reply?;
+            if reply.len() != idx.len() {
+                return Err(BudgetError::Protocol(format!("commit reply {reply:?}")));
+            }
+            for (&i, applied) in idx.iter().zip(reply) {
+                out[i] = applied == 1;
+            }
         }
-        inv.arg(&req.rid)
-            .arg(req.now_ms)
-            .arg(req.dedupe_ms.max(1))
-            .arg(req.tokens)
-            .arg(req.micros)
-            .arg(u8::from(req.unreserved))
-            .arg(req.counters.len());
-        for (_, expire) in &req.counters {
-            inv.arg(*expire);
-        }
-        inv.arg(req.refunds.len());
-        for (_, per_minute, refund) in &req.refunds {
-            inv.arg(*per_minute).arg(*refund);
-        }
-        match self.invoke(inv).await? {
-            Value::Int(n) => Ok(n == 1),
-            other => Err(BudgetError::Protocol(format!("commit reply {other:?}"))),
-        }
+        Ok(out)
     }
 
     async fn peek(

@@ -31,7 +31,9 @@ local function purge(h, z, now)
   end
 end
 
+-- A counter's totals, and whether it exists.
 local function state(h)
   local v = redis.call('HMGET', h, 'st', 'sm', 'rt', 'rm')
-  return tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0, tonumber(v[4]) or 0
+  return tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0, tonumber(v[4]) or 0,
+    (v[1] or v[2] or v[3] or v[4]) ~= false
 end

@@ -37,12 +37,14 @@ local function fits(st, sm, rt, rm, ltok, lmic)
 end
 
 local states = {}
+local fresh = {}
 local granted = M
 for i = 1, nc do
   local h, z = KEYS[2 * i - 1], KEYS[2 * i]
   purge(h, z, now)
-  local st, sm, rt, rm = state(h)
+  local st, sm, rt, rm, exists = state(h)
   states[i] = {st, sm, rt, rm}
+  fresh[i] = not exists
 end
 local function flat(head)
   for i = 1, nc do
@@ -110,15 +112,16 @@ local micros = pm + math.ceil(granted * opt)
 for i = 1, nc do
   local a = base + 6 * (i - 1)
   local h, z = KEYS[2 * i - 1], KEYS[2 * i]
-  redis.call('HINCRBY', h, 'rt', fmt(tokens))
-  redis.call('HINCRBY', h, 'rm', fmt(micros))
-  redis.call('HSET', h, 'r:' .. rid, fmt(tokens) .. ':' .. fmt(micros))
-  redis.call('ZADD', z, fmt(now + ttl), rid)
-  local expire = ARGV[a + 6]
-  redis.call('PEXPIREAT', h, expire)
-  redis.call('PEXPIREAT', z, expire)
   local s = states[i]
   s[3] = s[3] + tokens
   s[4] = s[4] + micros
+  -- Absolute values: the state was read in this same atomic script.
+  redis.call('HSET', h, 'rt', fmt(s[3]), 'rm', fmt(s[4]), 'r:' .. rid, fmt(tokens) .. ':' .. fmt(micros))
+  redis.call('ZADD', z, fmt(now + ttl), rid)
+  local expire = ARGV[a + 6]
+  if fresh[i] then
+    redis.call('PEXPIREAT', h, expire)
+  end
+  redis.call('PEXPIREAT', z, expire)
 end
 return flat({0, granted, 0})

@@ -677,7 +677,10 @@ async fn three_gateway_processes_share_one_budget_and_dead_reservations_expire()
         if st["reserved_tokens"].as_u64().unwrap() >= 5 * 1000 {
             break;
         }
-        assert!(t.elapsed() < Duration::from_secs(5), "not all five reserved: {st}");
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "not all five reserved: {st}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     procs[2].child.start_kill().unwrap();

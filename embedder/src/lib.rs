@@ -1,11 +1,14 @@
 //! Text-side primitives shared by the gateway's router, cache and simulator.
 //!
-//! For now this is prefix block hashing: the gateway cannot see a model server's KV cache, but it
-//! can describe a prompt as a chain of hashes of fixed-size token blocks, the same way the servers
-//! key their prefix caches. Two prompts that share their first `k` blocks share their first `k`
-//! hashes, so a replica that recently saw a hash likely still holds that prefix.
+//! - [`bert`]: the transformer sentence embedder (all-MiniLM-L6-v2 on the CPU, with candle).
+//! - [`prefix`]: prefix block hashing. The gateway cannot see a model server's KV cache, but it
+//!   can describe a prompt as a chain of hashes of fixed-size token blocks, the same way the
+//!   servers key their prefix caches. Two prompts that share their first `k` blocks share their
+//!   first `k` hashes, so a replica that recently saw a hash likely still holds that prefix.
+//!
 //! No HTTP, no storage: a pure library.
 
+pub mod bert;
 pub mod prefix;
 
 pub use prefix::{prefix_block_hashes, PrefixLru};

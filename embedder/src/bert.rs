@@ -1,0 +1,159 @@
+//! The transformer sentence embedder on the CPU: all-MiniLM-L6-v2 (BERT, 6 layers, 384
+//! dimensions) run with candle from local files (`model.safetensors`, `tokenizer.json`,
+//! `config.json`), then mean pooling over the attention mask and L2 normalisation — the
+//! sentence-transformers pipeline of that model (`modules.json`: Transformer → Pooling →
+//! Normalize), with its `max_seq_length` of 256 tokens.
+//!
+//! Agreement with the reference (`scripts/embed-reference.py`, float64) is checked on committed
+//! fixtures by `embedder/tests/bert_parity.rs`.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use candle_transformers::models::bert::{BertModel, Config};
+use tokenizers::{PaddingParams, Tokenizer, TruncationParams};
+
+/// Why an embedder could not be loaded or run.
+#[derive(Debug, thiserror::Error)]
+pub enum EmbedError {
+    /// A model file is missing or unreadable.
+    #[error("model file {path}: {message}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// The tokenizer failed.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// The model failed.
+    #[error("model: {0}")]
+    Model(#[from] candle_core::Error),
+}
+
+/// Output dimension of all-MiniLM-L6-v2.
+pub const DIM: usize = 384;
+/// sentence-transformers' `max_seq_length` for this model.
+pub const MAX_TOKENS: usize = 256;
+
+/// A loaded transformer embedder (CPU).
+pub struct BertEmbedder {
+    model: BertModel,
+    tokenizer: Tokenizer,
+    device: Device,
+    dir: PathBuf,
+}
+
+impl std::fmt::Debug for BertEmbedder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BertEmbedder")
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
+    }
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, EmbedError> {
+    std::fs::read(path).map_err(|e| EmbedError::File {
+        path: path.to_owned(),
+        message: e.to_string(),
+    })
+}
+
+impl BertEmbedder {
+    /// Whether `dir` holds the files [`BertEmbedder::load`] needs.
+    pub fn present(dir: &Path) -> bool {
+        ["model.safetensors", "tokenizer.json", "config.json"]
+            .iter()
+            .all(|f| dir.join(f).is_file())
+    }
+
+    /// Load the model from `dir` (as `scripts/fetch-model.sh` lays it out).
+    pub fn load(dir: &Path) -> Result<Self, EmbedError> {
+        let config_path = dir.join("config.json");
+        let config: Config =
+            serde_json::from_slice(&read(&config_path)?).map_err(|e| EmbedError::File {
+                path: config_path.clone(),
+                message: e.to_string(),
+            })?;
+        let tokenizer_path = dir.join("tokenizer.json");
+        let mut tokenizer = Tokenizer::from_bytes(read(&tokenizer_path)?)
+            .map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
+        tokenizer
+            .with_truncation(Some(TruncationParams {
+                max_length: MAX_TOKENS,
+                ..Default::default()
+            }))
+            .map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
+        tokenizer.with_padding(Some(PaddingParams::default()));
+        let device = Device::Cpu;
+        let weights = read(&dir.join("model.safetensors"))?;
+        let vb = VarBuilder::from_buffered_safetensors(weights, DType::F32, &device)?;
+        let model = BertModel::load(vb, &config)?;
+        Ok(Self {
+            model,
+            tokenizer,
+            device,
+            dir: dir.to_owned(),
+        })
+    }
+
+    /// Token count of `text` as the model sees it (with `[CLS]`/`[SEP]`, after truncation).
+    pub fn token_count(&self, text: &str) -> Result<usize, EmbedError> {
+        let enc = self
+            .tokenizer
+            .encode(text, true)
+            .map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().len())
+    }
+
+    /// Embed a batch: one L2-normalised [`DIM`]-vector per text, in order. Texts are padded to
+    /// the longest in the batch; padding is masked out of attention and pooling.
+    pub fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, EmbedError> {
+        if texts.is_empty() {
+            return Ok(Vec::new());
+        }
+        let encodings = self
+            .tokenizer
+            .encode_batch(texts.to_vec(), true)
+            .map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
+        let len = encodings.first().map_or(0, |e| e.get_ids().len());
+        let mut ids = Vec::with_capacity(texts.len() * len);
+        let mut mask = Vec::with_capacity(texts.len() * len);
+        for e in &encodings {
+            ids.extend_from_slice(e.get_ids());
+            mask.extend_from_slice(e.get_attention_mask());
+        }
+        let shape = (texts.len(), len);
+        let ids = Tensor::from_vec(ids, shape, &self.device)?;
+        let mask = Tensor::from_vec(mask, shape, &self.device)?;
+        let types = ids.zeros_like()?;
+        let hidden = self.model.forward(&ids, &types, Some(&mask))?;
+        // Mean over the unmasked tokens, then L2 normalisation.
+        let mask = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
+        let summed = hidden.broadcast_mul(&mask)?.sum(1)?;
+        let counts = mask.sum(1)?.clamp(1e-9f32, f32::MAX)?;
+        let mean = summed.broadcast_div(&counts)?;
+        let norm = mean
+            .sqr()?
+            .sum_keepdim(1)?
+            .sqrt()?
+            .clamp(1e-12f32, f32::MAX)?;
+        Ok(mean.broadcast_div(&norm)?.to_vec2::<f32>()?)
+    }
+}
+
+/// Cosine similarity of two vectors (1.0 for identical directions).
+pub fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    let (mut dot, mut na, mut nb) = (0.0f64, 0.0f64, 0.0f64);
+    for (x, y) in a.iter().zip(b) {
+        dot += f64::from(*x) * f64::from(*y);
+        na += f64::from(*x) * f64::from(*x);
+        nb += f64::from(*y) * f64::from(*y);
+    }
+    if na == 0.0 || nb == 0.0 {
+        return 0.0;
+    }
+    (dot / (na.sqrt() * nb.sqrt())) as f32
+}

@@ -1,0 +1,93 @@
+//! The CPU transformer embedder agrees with the reference pipeline on committed fixtures
+//! (`scripts/embed-reference.py`: float64, the sentence-transformers steps for this model).
+//! Needs the model: `scripts/fetch-model.sh` (the test command runs it).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::path::PathBuf;
+
+use embedder::bert::{cosine, BertEmbedder, DIM};
+use serde_json::Value;
+
+fn model_dir() -> PathBuf {
+    std::env::var_os("MODEL_DIR").map_or_else(
+        || {
+            PathBuf::from(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../models/all-MiniLM-L6-v2"
+            ))
+        },
+        PathBuf::from,
+    )
+}
+
+fn fixtures() -> Vec<(String, usize, Vec<f32>)> {
+    let text = include_str!("fixtures/minilm-reference.json");
+    let v: Value = serde_json::from_str(text).unwrap();
+    v["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["text"].as_str().unwrap().to_owned(),
+                c["tokens"].as_u64().unwrap() as usize,
+                c["embedding"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap() as f32)
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+fn load() -> BertEmbedder {
+    let dir = model_dir();
+    assert!(
+        BertEmbedder::present(&dir),
+        "no model in {}: run scripts/fetch-model.sh",
+        dir.display()
+    );
+    BertEmbedder::load(&dir).unwrap()
+}
+
+#[test]
+fn one_at_a_time_and_batched_match_the_reference_within_1e_4_cosine() {
+    let model = load();
+    let cases = fixtures();
+    let texts: Vec<&str> = cases.iter().map(|(t, _, _)| t.as_str()).collect();
+    let batched = model.embed(&texts).unwrap();
+    let mut worst = 1.0f32;
+    for ((text, tokens, reference), batch) in cases.iter().zip(&batched) {
+        assert_eq!(model.token_count(text).unwrap(), *tokens, "{text:?}");
+        let single = model.embed(&[text.as_str()]).unwrap().remove(0);
+        assert_eq!(single.len(), DIM);
+        let norm: f32 = single.iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-5, "{text:?}: norm {norm}");
+        for (label, got) in [("single", &single), ("batched", batch)] {
+            let c = cosine(got, reference);
+            worst = worst.min(c);
+            assert!(c >= 1.0 - 1e-4, "{label} {text:?}: cosine {c}");
+        }
+    }
+    eprintln!(
+        "worst cosine to the reference over {} cases: {worst}",
+        cases.len()
+    );
+}
+
+#[test]
+fn paraphrases_are_closer_than_unrelated_questions() {
+    let model = load();
+    let v = model
+        .embed(&[
+            "What is the capital of France?",
+            "Which city is the capital of France?",
+            "How do I bake sourdough bread?",
+        ])
+        .unwrap();
+    assert!(cosine(&v[0], &v[1]) > 0.85);
+    assert!(cosine(&v[0], &v[2]) < 0.3);
+}

@@ -1,6 +1,7 @@
 //! Text-side primitives shared by the gateway's router, cache and simulator.
 //!
 //! - [`bert`]: the transformer sentence embedder (all-MiniLM-L6-v2 on the CPU, with candle).
+//! - [`index`]: the semantic cache's vector index (namespaced, LRU + TTL, brute-force scan).
 //! - [`prefix`]: prefix block hashing. The gateway cannot see a model server's KV cache, but it
 //!   can describe a prompt as a chain of hashes of fixed-size token blocks, the same way the
 //!   servers key their prefix caches. Two prompts that share their first `k` blocks share their
@@ -9,6 +10,7 @@
 //! No HTTP, no storage: a pure library.
 
 pub mod bert;
+pub mod index;
 pub mod prefix;
 
 pub use prefix::{prefix_block_hashes, PrefixLru};

@@ -125,7 +125,31 @@ impl BertEmbedder {
             ids.extend_from_slice(e.get_ids());
             mask.extend_from_slice(e.get_attention_mask());
         }
-        let shape = (texts.len(), len);
+        self.forward_pooled(ids, mask, (texts.len(), len))
+    }
+
+    /// Embed sequences of token ids of equal length `shape.1` (already with `[CLS]`/`[SEP]`);
+    /// `mask` marks real tokens (1) and padding (0).
+    pub fn embed_ids(
+        &self,
+        ids: Vec<u32>,
+        mask: Vec<u32>,
+        shape: (usize, usize),
+    ) -> Result<Vec<Vec<f32>>, EmbedError> {
+        self.forward_pooled(ids, mask, shape)
+    }
+
+    /// The tokenizer (truncating at [`MAX_TOKENS`], padding batches).
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    fn forward_pooled(
+        &self,
+        ids: Vec<u32>,
+        mask: Vec<u32>,
+        shape: (usize, usize),
+    ) -> Result<Vec<Vec<f32>>, EmbedError> {
         let ids = Tensor::from_vec(ids, shape, &self.device)?;
         let mask = Tensor::from_vec(mask, shape, &self.device)?;
         let types = ids.zeros_like()?;

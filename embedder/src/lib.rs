@@ -2,6 +2,7 @@
 //!
 //! - [`bert`]: the transformer sentence embedder (all-MiniLM-L6-v2 on the CPU, with candle).
 //! - [`index`]: the semantic cache's vector index (namespaced, LRU + TTL, brute-force scan).
+//! - [`static_embed`]: the static embedding table distilled from the transformer (microseconds).
 //! - [`prefix`]: prefix block hashing. The gateway cannot see a model server's KV cache, but it
 //!   can describe a prompt as a chain of hashes of fixed-size token blocks, the same way the
 //!   servers key their prefix caches. Two prompts that share their first `k` blocks share their
@@ -12,5 +13,6 @@
 pub mod bert;
 pub mod index;
 pub mod prefix;
+pub mod static_embed;
 
 pub use prefix::{prefix_block_hashes, PrefixLru};

@@ -13,6 +13,20 @@ use gateway::simulator::{SimOptions, SimProfile};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+#[derive(Debug, Subcommand)]
+enum EmbedCommand {
+    /// Distill the static embedding table from the transformer (every vocabulary token through
+    /// the model once; a minute or two on a CPU).
+    Distill {
+        /// Model directory (from scripts/fetch-model.sh).
+        #[arg(long, default_value = "models/all-MiniLM-L6-v2")]
+        model: PathBuf,
+        /// Output file (default: static.bin in the model directory).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
 /// LLM gateway and cost-control proxy.
 #[derive(Debug, Parser)]
 #[command(name = "gateway", version, about)]
@@ -40,6 +54,12 @@ enum Command {
         /// Database URL; overrides the config's `store.url`.
         #[arg(long, env = "DATABASE_URL")]
         database_url: Option<String>,
+    },
+    /// Embedding model tools.
+    Embed {
+        /// Embed command.
+        #[command(subcommand)]
+        command: EmbedCommand,
     },
     /// Run a SIMULATED OpenAI-compatible model server (for demos, tests and benchmarks).
     Simulate {
@@ -104,6 +124,35 @@ async fn main() -> anyhow::Result<()> {
                     .context("migrating postgres")?;
             }
             println!("migrated {}", gateway::app::redact_url(&url));
+            Ok(())
+        }
+        Command::Embed {
+            command: EmbedCommand::Distill { model, out },
+        } => {
+            use embedder::bert::BertEmbedder;
+            use embedder::static_embed::StaticEmbedder;
+            anyhow::ensure!(
+                BertEmbedder::present(&model),
+                "no model in {}: run scripts/fetch-model.sh",
+                model.display()
+            );
+            let bert = BertEmbedder::load(&model)?;
+            let started = std::time::Instant::now();
+            let mut last = 0;
+            let table = StaticEmbedder::distill(&bert, |done, total| {
+                if done * 10 / total != last {
+                    last = done * 10 / total;
+                    eprintln!("distilling: {done}/{total} tokens");
+                }
+            })?;
+            let out = out.unwrap_or_else(|| model.join("static.bin"));
+            table.save(&out)?;
+            println!(
+                "wrote {} ({} dimensions) in {:.1} s",
+                out.display(),
+                table.dim(),
+                started.elapsed().as_secs_f64()
+            );
             Ok(())
         }
         Command::Simulate {

@@ -1,0 +1,176 @@
+//! The fast static path: a table of one vector per vocabulary token, distilled from the
+//! transformer (the model2vec recipe, without its PCA): every token of the vocabulary goes
+//! through the model on its own (`[CLS] token [SEP]`, mean-pooled like a sentence), and a text's
+//! static embedding is the normalised mean of its tokens' vectors. No matrix products at query
+//! time: microseconds per text, for callers that cannot wait for the transformer (loop
+//! detection, CPU-only hosts). `gateway embed distill` writes the table next to the model.
+
+use std::io::{Read, Write};
+use std::path::Path;
+
+use tokenizers::Tokenizer;
+
+use crate::bert::{BertEmbedder, EmbedError, DIM};
+
+const MAGIC: &[u8; 8] = b"GWSTATIC";
+const VERSION: u32 = 1;
+/// Tokens per forward pass while distilling.
+const BATCH: usize = 512;
+
+/// A distilled static embedding table with its tokenizer.
+pub struct StaticEmbedder {
+    dim: usize,
+    table: Vec<f32>,
+    tokenizer: Tokenizer,
+}
+
+impl std::fmt::Debug for StaticEmbedder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StaticEmbedder")
+            .field("dim", &self.dim)
+            .field("vocab", &(self.table.len() / self.dim.max(1)))
+            .finish()
+    }
+}
+
+fn io(path: &Path, e: std::io::Error) -> EmbedError {
+    EmbedError::File {
+        path: path.to_owned(),
+        message: e.to_string(),
+    }
+}
+
+impl StaticEmbedder {
+    /// Distill the table from `bert`: every vocabulary token through the model. `progress` is
+    /// called with (done, total) after each batch.
+    pub fn distill(
+        bert: &BertEmbedder,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<Self, EmbedError> {
+        let tokenizer = bert.tokenizer().clone();
+        let special = |t: &str| {
+            tokenizer
+                .token_to_id(t)
+                .ok_or_else(|| EmbedError::Tokenizer(format!("no {t} token")))
+        };
+        let (cls, sep) = (special("[CLS]")?, special("[SEP]")?);
+        let vocab = u32::try_from(tokenizer.get_vocab_size(true))
+            .map_err(|_| EmbedError::Tokenizer("vocabulary too large".into()))?;
+        let mut table = Vec::with_capacity(vocab as usize * DIM);
+        let mut start = 0u32;
+        while start < vocab {
+            let end = (start + BATCH as u32).min(vocab);
+            let n = (end - start) as usize;
+            let ids: Vec<u32> = (start..end).flat_map(|t| [cls, t, sep]).collect();
+            let rows = bert.embed_ids(ids, vec![1; n * 3], (n, 3))?;
+            for row in rows {
+                table.extend_from_slice(&row);
+            }
+            start = end;
+            progress(start as usize, vocab as usize);
+        }
+        Ok(Self {
+            dim: DIM,
+            table,
+            tokenizer: without_limits(tokenizer)?,
+        })
+    }
+
+    /// Write the table (the tokenizer stays in the model directory).
+    pub fn save(&self, path: &Path) -> Result<(), EmbedError> {
+        let tmp = path.with_extension("part");
+        let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(|e| io(&tmp, e))?);
+        let vocab = (self.table.len() / self.dim) as u32;
+        let mut header = Vec::with_capacity(20);
+        header.extend_from_slice(MAGIC);
+        for v in [VERSION, vocab, self.dim as u32] {
+            header.extend_from_slice(&v.to_le_bytes());
+        }
+        f.write_all(&header).map_err(|e| io(&tmp, e))?;
+        for x in &self.table {
+            f.write_all(&x.to_le_bytes()).map_err(|e| io(&tmp, e))?;
+        }
+        f.into_inner()
+            .map_err(|e| io(&tmp, e.into_error()))?
+            .sync_all()
+            .map_err(|e| io(&tmp, e))?;
+        std::fs::rename(&tmp, path).map_err(|e| io(path, e))
+    }
+
+    /// Load a table written by [`StaticEmbedder::save`], with the model's `tokenizer.json`.
+    pub fn load(table: &Path, tokenizer: &Path) -> Result<Self, EmbedError> {
+        let mut bytes = Vec::new();
+        std::fs::File::open(table)
+            .and_then(|mut f| f.read_to_end(&mut bytes))
+            .map_err(|e| io(table, e))?;
+        let bad = |m: &str| EmbedError::File {
+            path: table.to_owned(),
+            message: m.to_owned(),
+        };
+        if bytes.len() < 20 || &bytes[..8] != MAGIC {
+            return Err(bad("not a static embedding table"));
+        }
+        let word =
+            |i: usize| u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
+        if word(8) != VERSION {
+            return Err(bad("unsupported table version"));
+        }
+        let (vocab, dim) = (word(12) as usize, word(16) as usize);
+        let body = &bytes[20..];
+        if dim == 0 || body.len() != vocab * dim * 4 {
+            return Err(bad("truncated table"));
+        }
+        let table = body
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let tok =
+            Tokenizer::from_file(tokenizer).map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
+        Ok(Self {
+            dim,
+            table,
+            tokenizer: without_limits(tok)?,
+        })
+    }
+
+    /// Dimension of the vectors.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// The static embedding of `text`: the L2-normalised mean of its tokens' vectors (zero for
+    /// a text without tokens).
+    pub fn embed(&self, text: &str) -> Result<Vec<f32>, EmbedError> {
+        let enc = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
+        Ok(self.embed_ids(enc.get_ids()))
+    }
+
+    /// The static embedding of a token id sequence.
+    pub fn embed_ids(&self, ids: &[u32]) -> Vec<f32> {
+        let mut out = vec![0.0f32; self.dim];
+        for &id in ids {
+            let at = id as usize * self.dim;
+            if let Some(row) = self.table.get(at..at + self.dim) {
+                for (o, x) in out.iter_mut().zip(row) {
+                    *o += x;
+                }
+            }
+        }
+        let norm = out.iter().map(|x| x * x).sum::<f32>().sqrt();
+        if norm > 0.0 {
+            out.iter_mut().for_each(|x| *x /= norm);
+        }
+        out
+    }
+}
+
+/// Static embeddings read whole texts: no truncation, no padding.
+fn without_limits(mut tok: Tokenizer) -> Result<Tokenizer, EmbedError> {
+    tok.with_truncation(None)
+        .map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
+    tok.with_padding(None);
+    Ok(tok)
+}

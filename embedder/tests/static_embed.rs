@@ -1,0 +1,63 @@
+//! The static table distilled from the transformer: every vocabulary token present, a saved
+//! table loads back identical, and it still ranks a paraphrase above an unrelated question.
+//! Needs the model: `scripts/fetch-model.sh` (the test command runs it).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::path::PathBuf;
+
+use embedder::bert::{cosine, BertEmbedder, DIM};
+use embedder::static_embed::StaticEmbedder;
+
+fn model_dir() -> PathBuf {
+    std::env::var_os("MODEL_DIR").map_or_else(
+        || {
+            PathBuf::from(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../models/all-MiniLM-L6-v2"
+            ))
+        },
+        PathBuf::from,
+    )
+}
+
+#[test]
+fn distilled_table_round_trips_and_ranks_paraphrases_first() {
+    let dir = model_dir();
+    assert!(
+        BertEmbedder::present(&dir),
+        "no model in {}: run scripts/fetch-model.sh",
+        dir.display()
+    );
+    let bert = BertEmbedder::load(&dir).unwrap();
+    let mut batches = 0;
+    let table = StaticEmbedder::distill(&bert, |done, total| {
+        batches += 1;
+        assert!(done <= total);
+    })
+    .unwrap();
+    assert_eq!(table.dim(), DIM);
+    assert!(batches >= 30_000 / 512);
+
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("static.bin");
+    table.save(&path).unwrap();
+    let loaded = StaticEmbedder::load(&path, &dir.join("tokenizer.json")).unwrap();
+    let texts = [
+        "What is the capital of France?",
+        "Which city is the capital of France?",
+        "How do I bake sourdough bread?",
+    ];
+    let a: Vec<Vec<f32>> = texts.iter().map(|t| table.embed(t).unwrap()).collect();
+    let b: Vec<Vec<f32>> = texts.iter().map(|t| loaded.embed(t).unwrap()).collect();
+    assert_eq!(a, b, "a saved table loads back identical");
+    assert!((a[0].iter().map(|x| x * x).sum::<f32>() - 1.0).abs() < 1e-5);
+    assert!(
+        cosine(&a[0], &a[1]) > cosine(&a[0], &a[2]) + 0.1,
+        "paraphrase {} vs unrelated {}",
+        cosine(&a[0], &a[1]),
+        cosine(&a[0], &a[2])
+    );
+    assert_eq!(table.embed("").unwrap(), vec![0.0; DIM]);
+    assert!(StaticEmbedder::load(&dir.join("config.json"), &dir.join("tokenizer.json")).is_err());
+}

@@ -1,6 +1,7 @@
 //! Text-side primitives shared by the gateway's router, cache and simulator.
 //!
 //! - [`bert`]: the transformer sentence embedder (all-MiniLM-L6-v2 on the CPU, with candle).
+//! - [`eval`]: precision / recall / hit rate of a similarity threshold on labelled pairs.
 //! - [`index`]: the semantic cache's vector index (namespaced, LRU + TTL, brute-force scan).
 //! - [`static_embed`]: the static embedding table distilled from the transformer (microseconds).
 //! - [`prefix`]: prefix block hashing. The gateway cannot see a model server's KV cache, but it
@@ -11,6 +12,7 @@
 //! No HTTP, no storage: a pure library.
 
 pub mod bert;
+pub mod eval;
 pub mod index;
 pub mod prefix;
 pub mod static_embed;

@@ -4,22 +4,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
-use std::path::PathBuf;
+mod common;
 
-use embedder::bert::{cosine, BertEmbedder, DIM};
+use embedder::bert::{cosine, DIM};
 use serde_json::Value;
-
-fn model_dir() -> PathBuf {
-    std::env::var_os("MODEL_DIR").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../models/all-MiniLM-L6-v2"
-            ))
-        },
-        PathBuf::from,
-    )
-}
 
 fn fixtures() -> Vec<(String, usize, Vec<f32>)> {
     let text = include_str!("fixtures/minilm-reference.json");
@@ -43,19 +31,9 @@ fn fixtures() -> Vec<(String, usize, Vec<f32>)> {
         .collect()
 }
 
-fn load() -> BertEmbedder {
-    let dir = model_dir();
-    assert!(
-        BertEmbedder::present(&dir),
-        "no model in {}: run scripts/fetch-model.sh",
-        dir.display()
-    );
-    BertEmbedder::load(&dir).unwrap()
-}
-
 #[test]
 fn one_at_a_time_and_batched_match_the_reference_within_1e_4_cosine() {
-    let model = load();
+    let model = common::load();
     let cases = fixtures();
     let texts: Vec<&str> = cases.iter().map(|(t, _, _)| t.as_str()).collect();
     let batched = model.embed(&texts).unwrap();
@@ -80,7 +58,7 @@ fn one_at_a_time_and_batched_match_the_reference_within_1e_4_cosine() {
 
 #[test]
 fn paraphrases_are_closer_than_unrelated_questions() {
-    let model = load();
+    let model = common::load();
     let v = model
         .embed(&[
             "What is the capital of France?",

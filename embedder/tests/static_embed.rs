@@ -4,32 +4,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
-use std::path::PathBuf;
+mod common;
 
-use embedder::bert::{cosine, BertEmbedder, DIM};
+use embedder::bert::{cosine, DIM};
 use embedder::static_embed::StaticEmbedder;
-
-fn model_dir() -> PathBuf {
-    std::env::var_os("MODEL_DIR").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../models/all-MiniLM-L6-v2"
-            ))
-        },
-        PathBuf::from,
-    )
-}
 
 #[test]
 fn distilled_table_round_trips_and_ranks_paraphrases_first() {
-    let dir = model_dir();
-    assert!(
-        BertEmbedder::present(&dir),
-        "no model in {}: run scripts/fetch-model.sh",
-        dir.display()
-    );
-    let bert = BertEmbedder::load(&dir).unwrap();
+    let dir = common::model_dir();
+    let bert = common::load();
     let mut batches = 0;
     let table = StaticEmbedder::distill(&bert, |done, total| {
         batches += 1;

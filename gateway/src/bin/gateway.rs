@@ -25,6 +25,25 @@ enum EmbedCommand {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Precision, recall and hit rate of the similarity threshold on labelled pairs
+    /// (JSON lines `{"a", "b", "duplicate"}`), for the transformer and the static path.
+    Eval {
+        /// The pairs file.
+        #[arg(long)]
+        pairs: PathBuf,
+        /// Model directory (static.bin in it is used when present).
+        #[arg(long, default_value = "models/all-MiniLM-L6-v2")]
+        model: PathBuf,
+        /// The setting to evaluate: a cosine at or above it is a cache hit.
+        #[arg(long, default_value_t = 0.95)]
+        threshold: f32,
+        /// Only the first N pairs.
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Points on the printed curve.
+        #[arg(long, default_value_t = 20)]
+        steps: usize,
+    },
 }
 
 /// LLM gateway and cost-control proxy.
@@ -155,6 +174,16 @@ async fn main() -> anyhow::Result<()> {
             );
             Ok(())
         }
+        Command::Embed {
+            command:
+                EmbedCommand::Eval {
+                    pairs,
+                    model,
+                    threshold,
+                    limit,
+                    steps,
+                },
+        } => embed_eval(&pairs, &model, threshold, limit, steps),
         Command::Simulate {
             profile,
             port,
@@ -196,4 +225,90 @@ async fn main() -> anyhow::Result<()> {
             .await
         }
     }
+}
+
+fn embed_eval(
+    pairs: &std::path::Path,
+    model: &std::path::Path,
+    threshold: f32,
+    limit: Option<usize>,
+    steps: usize,
+) -> anyhow::Result<()> {
+    use embedder::bert::{cosine, BertEmbedder};
+    use embedder::eval::{at, curve, threshold_for_precision, Pair};
+    use embedder::static_embed::StaticEmbedder;
+    let text =
+        std::fs::read_to_string(pairs).with_context(|| format!("reading {}", pairs.display()))?;
+    let mut data = Vec::new();
+    for (i, line) in text.lines().filter(|l| !l.trim().is_empty()).enumerate() {
+        let pair: Pair = serde_json::from_str(line).with_context(|| {
+            format!(
+                "{} line {}: expected {{\"a\", \"b\", \"duplicate\"}}",
+                pairs.display(),
+                i + 1
+            )
+        })?;
+        data.push(pair);
+        if limit.is_some_and(|n| data.len() >= n) {
+            break;
+        }
+    }
+    anyhow::ensure!(!data.is_empty(), "no pairs in {}", pairs.display());
+    anyhow::ensure!(
+        BertEmbedder::present(model),
+        "no model in {}: run scripts/fetch-model.sh",
+        model.display()
+    );
+    let labels: Vec<bool> = data.iter().map(|p| p.duplicate).collect();
+    let bert = BertEmbedder::load(model)?;
+    let mut transformer = Vec::with_capacity(data.len());
+    for chunk in data.chunks(32) {
+        let texts: Vec<&str> = chunk
+            .iter()
+            .flat_map(|p| [p.a.as_str(), p.b.as_str()])
+            .collect();
+        let v = bert.embed(&texts)?;
+        transformer.extend(v.chunks(2).map(|ab| cosine(&ab[0], &ab[1])));
+    }
+    let mut paths = vec![("transformer", transformer)];
+    let table = model.join("static.bin");
+    if table.is_file() {
+        let s = StaticEmbedder::load(&table, &model.join("tokenizer.json"))?;
+        let mut scores = Vec::with_capacity(data.len());
+        for p in &data {
+            scores.push(cosine(&s.embed(&p.a)?, &s.embed(&p.b)?));
+        }
+        paths.push(("static", scores));
+    } else {
+        println!(
+            "(no {}: run `gateway embed distill` to evaluate the static path)",
+            table.display()
+        );
+    }
+    let duplicates = labels.iter().filter(|&&l| l).count();
+    println!("{} pairs, {duplicates} duplicates", data.len());
+    for (name, scores) in &paths {
+        let p = at(scores, &labels, threshold);
+        println!(
+            "\n{name}: at threshold {threshold:.3}: precision {:.3}, recall {:.3}, hit rate {:.3}",
+            p.precision, p.recall, p.hit_rate
+        );
+        for target in [0.90, 0.95] {
+            match threshold_for_precision(scores, &labels, target) {
+                Some(b) => println!(
+                    "  precision >= {target:.2}: threshold {:.4}, recall {:.3}, hit rate {:.3}",
+                    b.threshold, b.recall, b.hit_rate
+                ),
+                None => println!("  precision >= {target:.2}: not reached at any threshold"),
+            }
+        }
+        println!("  threshold  precision  recall  hit rate");
+        for p in curve(scores, &labels, steps) {
+            println!(
+                "  {:9.4}  {:9.3}  {:6.3}  {:8.3}",
+                p.threshold, p.precision, p.recall, p.hit_rate
+            );
+        }
+    }
+    Ok(())
 }

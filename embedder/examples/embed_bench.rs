@@ -1,0 +1,107 @@
+//! CPU benchmark of the embedder: transformer and static embedding latency for a 32- and a
+//! 256-token text, transformer batch throughput, and index search time at 10k and 100k entries.
+//!
+//!   cargo run --release -p embedder --example embed_bench [-- MODEL_DIR]
+//!
+//! Needs the model (`scripts/fetch-model.sh`) and the static table (`gateway embed distill`).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "benchmark")]
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use embedder::bert::{BertEmbedder, DIM};
+use embedder::index::{CpuIndex, VectorIndex};
+use embedder::static_embed::StaticEmbedder;
+
+fn percentile(mut xs: Vec<f64>, p: f64) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[((xs.len() - 1) as f64 * p).round() as usize]
+}
+
+fn time<F: FnMut()>(n: usize, mut f: F) -> (f64, f64) {
+    f(); // warm up
+    let samples: Vec<f64> = (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    (percentile(samples.clone(), 0.5), percentile(samples, 0.99))
+}
+
+/// A text of exactly `tokens` model tokens (with [CLS] and [SEP]).
+fn text_of(bert: &BertEmbedder, tokens: usize) -> String {
+    let mut words = Vec::new();
+    let mut i = 0;
+    loop {
+        words.push(
+            [
+                "price", "of", "the", "cheapest", "flight", "to", "lisbon", "in", "may",
+            ][i % 9],
+        );
+        i += 1;
+        let t = words.join(" ");
+        if bert.token_count(&t).unwrap() >= tokens {
+            return t;
+        }
+    }
+}
+
+fn unit(seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut v: Vec<f32> = (0..DIM)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect();
+    let n = v.iter().map(|a| a * a).sum::<f32>().sqrt();
+    v.iter_mut().for_each(|a| *a /= n);
+    v
+}
+
+fn main() {
+    let dir = std::env::args()
+        .nth(1)
+        .map_or_else(|| PathBuf::from("models/all-MiniLM-L6-v2"), PathBuf::from);
+    let bert = BertEmbedder::load(&dir).expect("model: run scripts/fetch-model.sh");
+    let table = StaticEmbedder::load(&dir.join("static.bin"), &dir.join("tokenizer.json"))
+        .expect("static table: run `gateway embed distill`");
+    println!("| what | p50 ms | p99 ms |");
+    println!("|---|---|---|");
+    for tokens in [32, 256] {
+        let text = text_of(&bert, tokens);
+        let (p50, p99) = time(50, || {
+            bert.embed(&[text.as_str()]).unwrap();
+        });
+        println!("| transformer, {tokens} tokens | {p50:.3} | {p99:.3} |");
+        let (p50, p99) = time(2000, || {
+            table.embed(&text).unwrap();
+        });
+        println!("| static, {tokens} tokens | {p50:.4} | {p99:.4} |");
+    }
+    let text = text_of(&bert, 32);
+    let batch: Vec<&str> = vec![text.as_str(); 32];
+    let t = Instant::now();
+    let rounds = 10;
+    for _ in 0..rounds {
+        bert.embed(&batch).unwrap();
+    }
+    let per_s = (rounds * batch.len()) as f64 / t.elapsed().as_secs_f64();
+    println!("| transformer throughput, batches of 32 × 32 tokens | {per_s:.0} texts/s | |");
+    for n in [10_000u64, 100_000] {
+        let mut idx = CpuIndex::new(DIM, n as usize, i64::MAX / 2);
+        for i in 0..n {
+            idx.insert(1, i, &unit(i), 0);
+        }
+        let q = unit(n + 7);
+        let (p50, p99) = time(200, || {
+            idx.search(1, &q, 5, 0.9, 1);
+        });
+        println!("| index search, {n} entries × {DIM} f32 | {p50:.3} | {p99:.3} |");
+    }
+}

@@ -1,0 +1,29 @@
+//! Shared by the embedder's integration tests.
+
+use std::path::PathBuf;
+
+use embedder::bert::BertEmbedder;
+
+/// The model directory: `MODEL_DIR`, or the workspace's `models/all-MiniLM-L6-v2`.
+pub fn model_dir() -> PathBuf {
+    std::env::var_os("MODEL_DIR").map_or_else(
+        || {
+            PathBuf::from(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../models/all-MiniLM-L6-v2"
+            ))
+        },
+        PathBuf::from,
+    )
+}
+
+/// The transformer, or a failure telling how to get the model.
+pub fn load() -> BertEmbedder {
+    let dir = model_dir();
+    assert!(
+        BertEmbedder::present(&dir),
+        "no model in {}: run scripts/fetch-model.sh",
+        dir.display()
+    );
+    BertEmbedder::load(&dir).expect("the model loads")
+}

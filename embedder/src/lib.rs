@@ -3,6 +3,8 @@
 //! - [`bert`]: the transformer sentence embedder (all-MiniLM-L6-v2 on the CPU, with candle).
 //! - [`eval`]: precision / recall / hit rate of a similarity threshold on labelled pairs.
 //! - [`index`]: the semantic cache's vector index (namespaced, LRU + TTL, brute-force scan).
+//! - [`verifier`]: the second-stage verifier of cache hits (pair features, logistic regression,
+//!   k-fold cross-validation).
 //! - [`static_embed`]: the static embedding table distilled from the transformer (microseconds).
 //! - [`prefix`]: prefix block hashing. The gateway cannot see a model server's KV cache, but it
 //!   can describe a prompt as a chain of hashes of fixed-size token blocks, the same way the
@@ -16,5 +18,6 @@ pub mod eval;
 pub mod index;
 pub mod prefix;
 pub mod static_embed;
+pub mod verifier;
 
 pub use prefix::{prefix_block_hashes, PrefixLru};

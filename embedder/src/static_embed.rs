@@ -148,6 +148,19 @@ impl StaticEmbedder {
         Ok(self.embed_ids(enc.get_ids()))
     }
 
+    /// Each token's unit vector, in order (for token-level alignment of two texts).
+    pub fn token_vectors(&self, text: &str) -> Result<Vec<Vec<f32>>, EmbedError> {
+        let enc = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
+        Ok(enc
+            .get_ids()
+            .iter()
+            .map(|&id| self.embed_ids(&[id]))
+            .collect())
+    }
+
     /// The static embedding of a token id sequence.
     pub fn embed_ids(&self, ids: &[u32]) -> Vec<f32> {
         let mut out = vec![0.0f32; self.dim];

@@ -115,6 +115,9 @@ impl PriceBook {
 pub struct Prices {
     store: Arc<dyn Store>,
     book: ArcSwap<PriceBook>,
+    /// Serialises [`Prices::refresh`], so a periodic refresh that read the table before an
+    /// admin change cannot store its stale book after the admin's fresh one.
+    refreshing: tokio::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for Prices {
@@ -142,6 +145,7 @@ impl Prices {
         let prices = Self {
             store,
             book: ArcSwap::from_pointee(PriceBook::default()),
+            refreshing: tokio::sync::Mutex::new(()),
         };
         prices.refresh().await?;
         Ok(prices)
@@ -149,6 +153,7 @@ impl Prices {
 
     /// Reload the book from the store.
     pub async fn refresh(&self) -> Result<(), StoreError> {
+        let _serial = self.refreshing.lock().await;
         let book = PriceBook::new(self.store.list_prices().await?);
         self.book.store(Arc::new(book));
         Ok(())

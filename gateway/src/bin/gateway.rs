@@ -44,6 +44,25 @@ enum EmbedCommand {
         #[arg(long, default_value_t = 20)]
         steps: usize,
     },
+    /// Train the cache-hit verifier on labelled pairs with k-fold cross-validation; prints the
+    /// held-out precision/recall and writes the model with its held-out curve.
+    TrainVerifier {
+        /// The pairs file (JSON lines `{"a", "b", "duplicate"}`).
+        #[arg(long)]
+        pairs: PathBuf,
+        /// Model directory (needs static.bin: `gateway embed distill`).
+        #[arg(long, default_value = "models/all-MiniLM-L6-v2")]
+        model: PathBuf,
+        /// Output file (default: verifier.json in the model directory).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Folds.
+        #[arg(long, default_value_t = 5)]
+        folds: usize,
+        /// Only the first N pairs.
+        #[arg(long)]
+        limit: Option<usize>,
+    },
 }
 
 /// LLM gateway and cost-control proxy.
@@ -184,6 +203,16 @@ async fn main() -> anyhow::Result<()> {
                     steps,
                 },
         } => embed_eval(&pairs, &model, threshold, limit, steps),
+        Command::Embed {
+            command:
+                EmbedCommand::TrainVerifier {
+                    pairs,
+                    model,
+                    out,
+                    folds,
+                    limit,
+                },
+        } => train_verifier(&pairs, &model, out, folds, limit),
         Command::Simulate {
             profile,
             port,
@@ -227,21 +256,16 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
-fn embed_eval(
+/// Read a pairs file (JSON lines `{"a", "b", "duplicate"}`), up to `limit` pairs.
+fn read_pairs(
     pairs: &std::path::Path,
-    model: &std::path::Path,
-    threshold: f32,
     limit: Option<usize>,
-    steps: usize,
-) -> anyhow::Result<()> {
-    use embedder::bert::{cosine, BertEmbedder};
-    use embedder::eval::{at, curve, threshold_for_precision, Pair};
-    use embedder::static_embed::StaticEmbedder;
+) -> anyhow::Result<Vec<embedder::eval::Pair>> {
     let text =
         std::fs::read_to_string(pairs).with_context(|| format!("reading {}", pairs.display()))?;
     let mut data = Vec::new();
     for (i, line) in text.lines().filter(|l| !l.trim().is_empty()).enumerate() {
-        let pair: Pair = serde_json::from_str(line).with_context(|| {
+        let pair: embedder::eval::Pair = serde_json::from_str(line).with_context(|| {
             format!(
                 "{} line {}: expected {{\"a\", \"b\", \"duplicate\"}}",
                 pairs.display(),
@@ -254,22 +278,111 @@ fn embed_eval(
         }
     }
     anyhow::ensure!(!data.is_empty(), "no pairs in {}", pairs.display());
-    anyhow::ensure!(
-        BertEmbedder::present(model),
-        "no model in {}: run scripts/fetch-model.sh",
-        model.display()
-    );
-    let labels: Vec<bool> = data.iter().map(|p| p.duplicate).collect();
-    let bert = BertEmbedder::load(model)?;
-    let mut transformer = Vec::with_capacity(data.len());
-    for chunk in data.chunks(32) {
+    Ok(data)
+}
+
+/// The transformer cosine of each pair (batches of 32 pairs).
+fn transformer_cosines(
+    bert: &embedder::bert::BertEmbedder,
+    data: &[embedder::eval::Pair],
+) -> anyhow::Result<Vec<f32>> {
+    let mut out = Vec::with_capacity(data.len());
+    for (n, chunk) in data.chunks(32).enumerate() {
         let texts: Vec<&str> = chunk
             .iter()
             .flat_map(|p| [p.a.as_str(), p.b.as_str()])
             .collect();
         let v = bert.embed(&texts)?;
-        transformer.extend(v.chunks(2).map(|ab| cosine(&ab[0], &ab[1])));
+        out.extend(v.chunks(2).map(|ab| embedder::bert::cosine(&ab[0], &ab[1])));
+        if (n + 1) % 50 == 0 {
+            eprintln!("embedded {} of {} pairs", out.len(), data.len());
+        }
     }
+    Ok(out)
+}
+
+fn load_bert(model: &std::path::Path) -> anyhow::Result<embedder::bert::BertEmbedder> {
+    anyhow::ensure!(
+        embedder::bert::BertEmbedder::present(model),
+        "no model in {}: run scripts/fetch-model.sh",
+        model.display()
+    );
+    Ok(embedder::bert::BertEmbedder::load(model)?)
+}
+
+fn train_verifier(
+    pairs: &std::path::Path,
+    model: &std::path::Path,
+    out: Option<PathBuf>,
+    folds: usize,
+    limit: Option<usize>,
+) -> anyhow::Result<()> {
+    use embedder::eval::{at, threshold_for_precision};
+    use embedder::static_embed::StaticEmbedder;
+    use embedder::verifier::{cross_validate, features, CurvePoint, Verifier};
+    let data = read_pairs(pairs, limit)?;
+    let bert = load_bert(model)?;
+    let table_path = model.join("static.bin");
+    anyhow::ensure!(
+        table_path.is_file(),
+        "no {}: run `gateway embed distill` first",
+        table_path.display()
+    );
+    let table = StaticEmbedder::load(&table_path, &model.join("tokenizer.json"))?;
+    let cosines = transformer_cosines(&bert, &data)?;
+    let x: Vec<Vec<f32>> = data
+        .iter()
+        .zip(&cosines)
+        .map(|(p, &c)| features(&p.a, &p.b, c, &table))
+        .collect();
+    let y: Vec<bool> = data.iter().map(|p| p.duplicate).collect();
+    let (epochs, l2) = (400, 1e-3);
+    let held = cross_validate(&x, &y, folds, epochs, l2);
+    println!(
+        "{} pairs, {} duplicates, {folds}-fold cross-validation (held-out scores)",
+        data.len(),
+        y.iter().filter(|&&l| l).count()
+    );
+    println!("  target precision  cosine alone: recall  verifier: recall (threshold)");
+    for target in [0.80, 0.85, 0.90, 0.95] {
+        let plain = threshold_for_precision(&cosines, &y, target).map_or(0.0, |p| p.recall);
+        let v = threshold_for_precision(&held, &y, target);
+        println!(
+            "  {target:16.2}  {plain:20.3}  {}",
+            v.map_or("not reached".to_owned(), |p| format!(
+                "{:.3} ({:.3})",
+                p.recall, p.threshold
+            ))
+        );
+    }
+    let mut curve: Vec<CurvePoint> = (1..100)
+        .map(|i| at(&held, &y, i as f32 / 100.0).into())
+        .collect();
+    curve.retain(|p| p.recall > 0.0);
+    let mut verifier = Verifier::fit(&x, &y, epochs, l2);
+    verifier.curve = curve;
+    verifier.trained_on = format!("{} ({} pairs, {folds}-fold)", pairs.display(), data.len());
+    let out = out.unwrap_or_else(|| model.join("verifier.json"));
+    std::fs::write(&out, serde_json::to_vec_pretty(&verifier)?)
+        .with_context(|| format!("writing {}", out.display()))?;
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+fn embed_eval(
+    pairs: &std::path::Path,
+    model: &std::path::Path,
+    threshold: f32,
+    limit: Option<usize>,
+    steps: usize,
+) -> anyhow::Result<()> {
+    use embedder::bert::cosine;
+    use embedder::eval::{at, curve, threshold_for_precision};
+    use embedder::static_embed::StaticEmbedder;
+    let data = read_pairs(pairs, limit)?;
+    let labels: Vec<bool> = data.iter().map(|p| p.duplicate).collect();
+    let bert = load_bert(model)?;
+    let transformer = transformer_cosines(&bert, &data)?;
     let mut paths = vec![("transformer", transformer)];
     let table = model.join("static.bin");
     if table.is_file() {

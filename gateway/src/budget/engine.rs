@@ -162,6 +162,8 @@ pub struct Budgets {
     commits_rx: Mutex<Option<mpsc::UnboundedReceiver<CommitRequest>>>,
     /// Commits sent and not yet answered (for [`Budgets::flush`]).
     pending: AtomicUsize,
+    /// Serialises [`Budgets::refresh`].
+    refreshing: tokio::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for Budgets {
@@ -223,6 +225,7 @@ impl Budgets {
             commits,
             commits_rx: Mutex::new(Some(commits_rx)),
             pending: AtomicUsize::new(0),
+            refreshing: tokio::sync::Mutex::new(()),
             config,
             store,
             shared,
@@ -244,6 +247,9 @@ impl Budgets {
     /// Reload policies, rate limits and fail modes; seed counters of policies seen for the
     /// first time. A policy change reaches this replica within one refresh.
     pub async fn refresh(&self) -> Result<(), StoreError> {
+        // One refresh at a time: otherwise a slow periodic refresh that read the rules before an
+        // admin change could store its stale snapshot after the admin's fresh one.
+        let _serial = self.refreshing.lock().await;
         let policies = self.rules.list_budgets(None).await?;
         let rates = self.rules.list_rate_limits(None).await?;
         let modes = self.rules.list_fail_modes().await?;

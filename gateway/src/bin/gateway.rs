@@ -62,6 +62,9 @@ enum EmbedCommand {
         /// Only the first N pairs.
         #[arg(long)]
         limit: Option<usize>,
+        /// Also write every pair's features and label as JSON lines (for analysis).
+        #[arg(long)]
+        dump_features: Option<PathBuf>,
     },
 }
 
@@ -211,8 +214,9 @@ async fn main() -> anyhow::Result<()> {
                     out,
                     folds,
                     limit,
+                    dump_features,
                 },
-        } => train_verifier(&pairs, &model, out, folds, limit),
+        } => train_verifier(&pairs, &model, out, folds, limit, dump_features),
         Command::Simulate {
             profile,
             port,
@@ -316,6 +320,7 @@ fn train_verifier(
     out: Option<PathBuf>,
     folds: usize,
     limit: Option<usize>,
+    dump_features: Option<PathBuf>,
 ) -> anyhow::Result<()> {
     use embedder::eval::{at, threshold_for_precision};
     use embedder::static_embed::StaticEmbedder;
@@ -336,6 +341,14 @@ fn train_verifier(
         .map(|(p, &c)| features(&p.a, &p.b, c, &table))
         .collect();
     let y: Vec<bool> = data.iter().map(|p| p.duplicate).collect();
+    if let Some(path) = dump_features {
+        let mut lines = String::new();
+        for (f, l) in x.iter().zip(&y) {
+            lines.push_str(&serde_json::json!({"features": f, "duplicate": l}).to_string());
+            lines.push('\n');
+        }
+        std::fs::write(&path, lines).with_context(|| format!("writing {}", path.display()))?;
+    }
     let (epochs, l2) = (400, 1e-3);
     let held = cross_validate(&x, &y, folds, epochs, l2);
     println!(

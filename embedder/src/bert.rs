@@ -38,6 +38,9 @@ pub const DIM: usize = 384;
 /// sentence-transformers' `max_seq_length` for this model.
 pub const MAX_TOKENS: usize = 256;
 
+/// A text's sentence vector and its contextual token vectors.
+pub type TextVectors = (Vec<f32>, Vec<Vec<f32>>);
+
 /// A loaded transformer embedder (CPU).
 pub struct BertEmbedder {
     model: BertModel,
@@ -128,6 +131,48 @@ impl BertEmbedder {
         self.forward_pooled(ids, mask, (texts.len(), len))
     }
 
+    /// Like [`BertEmbedder::embed`], also returning each text's contextual token vectors
+    /// (L2-normalised hidden states of its real tokens, without `[CLS]` and `[SEP]`), for
+    /// token-level alignment of two texts.
+    pub fn embed_with_tokens(&self, texts: &[&str]) -> Result<Vec<TextVectors>, EmbedError> {
+        if texts.is_empty() {
+            return Ok(Vec::new());
+        }
+        let encodings = self
+            .tokenizer
+            .encode_batch(texts.to_vec(), true)
+            .map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
+        let len = encodings.first().map_or(0, |e| e.get_ids().len());
+        let mut ids = Vec::with_capacity(texts.len() * len);
+        let mut mask = Vec::with_capacity(texts.len() * len);
+        for e in &encodings {
+            ids.extend_from_slice(e.get_ids());
+            mask.extend_from_slice(e.get_attention_mask());
+        }
+        let shape = (texts.len(), len);
+        let (pooled, hidden) = self.forward(ids, mask.clone(), shape)?;
+        let hidden = hidden.to_vec3::<f32>()?;
+        let mut out = Vec::with_capacity(texts.len());
+        for (i, (p, rows)) in pooled.into_iter().zip(hidden).enumerate() {
+            let real = mask[i * len..(i + 1) * len]
+                .iter()
+                .filter(|&&m| m == 1)
+                .count();
+            let tokens = rows
+                .into_iter()
+                .take(real.saturating_sub(1))
+                .skip(1)
+                .map(|mut v| {
+                    let n = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
+                    v.iter_mut().for_each(|x| *x /= n);
+                    v
+                })
+                .collect();
+            out.push((p, tokens));
+        }
+        Ok(out)
+    }
+
     /// Embed sequences of token ids of equal length `shape.1` (already with `[CLS]`/`[SEP]`);
     /// `mask` marks real tokens (1) and padding (0).
     pub fn embed_ids(
@@ -150,6 +195,16 @@ impl BertEmbedder {
         mask: Vec<u32>,
         shape: (usize, usize),
     ) -> Result<Vec<Vec<f32>>, EmbedError> {
+        Ok(self.forward(ids, mask, shape)?.0)
+    }
+
+    /// Pooled, normalised sentence vectors and the raw hidden states `[batch, len, DIM]`.
+    fn forward(
+        &self,
+        ids: Vec<u32>,
+        mask: Vec<u32>,
+        shape: (usize, usize),
+    ) -> Result<(Vec<Vec<f32>>, Tensor), EmbedError> {
         let ids = Tensor::from_vec(ids, shape, &self.device)?;
         let mask = Tensor::from_vec(mask, shape, &self.device)?;
         let types = ids.zeros_like()?;
@@ -164,7 +219,7 @@ impl BertEmbedder {
             .sum_keepdim(1)?
             .sqrt()?
             .clamp(1e-12f32, f32::MAX)?;
-        Ok(mean.broadcast_div(&norm)?.to_vec2::<f32>()?)
+        Ok((mean.broadcast_div(&norm)?.to_vec2::<f32>()?, hidden))
     }
 }
 

@@ -2,9 +2,10 @@
 //! candidate pair, because a false hit (answering a different question) is worse than a miss and
 //! plain cosine cannot tell "IIT JEE 2016 cutoff" from "IIT JEE 2017 cutoff".
 //!
-//! Features ([`FEATURES`]): transformer and static cosine; a token-level alignment of the two
-//! texts (for every token, its best match among the other text's tokens by static vector: the
-//! weakest match shows a single differing year, place or quantity); mismatched numbers,
+//! Features ([`FEATURES`]): transformer and static cosine; token-level alignments of the two
+//! texts (for every token, its best match among the other text's tokens, by static vector and by
+//! the transformer's contextual token vector: the weakest match shows a single differing year,
+//! place or quantity); mismatched numbers,
 //! capitalised words (entities), negations and question words; length ratio and word overlap.
 //! The model is logistic regression on standardised features, trained with k-fold
 //! cross-validation (`gateway embed train-verifier`); the held-out curve ships in the artefact
@@ -33,6 +34,8 @@ pub const FEATURES: &[&str] = &[
     "word_jaccard",
     "same_normalised_text",
     "cosine_transformer_x_align_min",
+    "context_align_min",
+    "context_align_mean",
 ];
 
 const NEGATIONS: &[&str] = &["not", "no", "never", "without", "none", "cannot", "nor"];
@@ -83,19 +86,36 @@ fn best_matches(from: &[Vec<f32>], to: &[Vec<f32>]) -> Vec<f32> {
         .collect()
 }
 
-/// The features of a pair, given the transformer cosine of its two texts.
-pub fn features(a: &str, b: &str, cosine_transformer: f32, table: &StaticEmbedder) -> Vec<f32> {
+/// What the transformer says about a pair: the cosine of the two sentence vectors and the
+/// weakest and mean best match of each contextual token among the other text's tokens.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TransformerSignals {
+    /// Sentence cosine.
+    pub cosine: f32,
+    /// Weakest best match of a token (a single differing word shows here).
+    pub align_min: f32,
+    /// Mean best match.
+    pub align_mean: f32,
+}
+
+/// Alignment of two token vector lists: (weakest, mean) best match, both directions.
+pub fn alignment(ta: &[Vec<f32>], tb: &[Vec<f32>]) -> (f32, f32) {
+    let mut matches = best_matches(ta, tb);
+    matches.extend(best_matches(tb, ta));
+    if matches.is_empty() {
+        return (0.0, 0.0);
+    }
+    let min = matches.iter().copied().fold(1.0f32, f32::min);
+    (min, matches.iter().sum::<f32>() / matches.len() as f32)
+}
+
+/// The features of a pair, given what the transformer says about it.
+pub fn features(a: &str, b: &str, t: TransformerSignals, table: &StaticEmbedder) -> Vec<f32> {
+    let cosine_transformer = t.cosine;
     let (wa, wb) = (words(a), words(b));
     let tokens = |t: &str| table.token_vectors(t).unwrap_or_default();
     let (ta, tb) = (tokens(a), tokens(b));
-    let mut matches = best_matches(&ta, &tb);
-    matches.extend(best_matches(&tb, &ta));
-    let align_min = matches.iter().copied().fold(1.0f32, f32::min);
-    let align_mean = if matches.is_empty() {
-        0.0
-    } else {
-        matches.iter().sum::<f32>() / matches.len() as f32
-    };
+    let (align_min, align_mean) = alignment(&ta, &tb);
     let cosine_static = match (table.embed(a), table.embed(b)) {
         (Ok(x), Ok(y)) => cosine(&x, &y),
         _ => 0.0,
@@ -121,6 +141,8 @@ pub fn features(a: &str, b: &str, cosine_transformer: f32, table: &StaticEmbedde
         la.intersection(&lb).count() as f32 / union as f32,
         flag(la == lb),
         cosine_transformer * align_min,
+        t.align_min,
+        t.align_mean,
     ]
 }
 

@@ -69,3 +69,24 @@ fn paraphrases_are_closer_than_unrelated_questions() {
     assert!(cosine(&v[0], &v[1]) > 0.85);
     assert!(cosine(&v[0], &v[2]) < 0.3);
 }
+
+#[test]
+fn token_vectors_come_with_the_same_sentence_vector() {
+    let model = common::load();
+    let texts = [
+        "IIT JEE 2016 cutoff",
+        "IIT JEE 2017 cutoff for general category",
+    ];
+    let plain = model.embed(&texts).unwrap();
+    let with = model.embed_with_tokens(&texts).unwrap();
+    for (i, (sentence, tokens)) in with.iter().enumerate() {
+        assert!(cosine(sentence, &plain[i]) > 0.99999);
+        assert_eq!(tokens.len(), model.token_count(texts[i]).unwrap() - 2);
+        assert!(tokens
+            .iter()
+            .all(|t| (t.iter().map(|x| x * x).sum::<f32>() - 1.0).abs() < 1e-4));
+    }
+    // The differing year is the weakest contextual match.
+    let (min, mean) = embedder::verifier::alignment(&with[0].1, &with[1].1[..with[0].1.len()]);
+    assert!(min < mean);
+}

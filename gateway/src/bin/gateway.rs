@@ -305,6 +305,34 @@ fn transformer_cosines(
     Ok(out)
 }
 
+/// Sentence cosine and contextual token alignment of each pair (batches of 32 pairs).
+fn transformer_signals(
+    bert: &embedder::bert::BertEmbedder,
+    data: &[embedder::eval::Pair],
+) -> anyhow::Result<Vec<embedder::verifier::TransformerSignals>> {
+    use embedder::verifier::{alignment, TransformerSignals};
+    let mut out = Vec::with_capacity(data.len());
+    for (n, chunk) in data.chunks(32).enumerate() {
+        let texts: Vec<&str> = chunk
+            .iter()
+            .flat_map(|p| [p.a.as_str(), p.b.as_str()])
+            .collect();
+        let v = bert.embed_with_tokens(&texts)?;
+        for ab in v.chunks(2) {
+            let (align_min, align_mean) = alignment(&ab[0].1, &ab[1].1);
+            out.push(TransformerSignals {
+                cosine: embedder::bert::cosine(&ab[0].0, &ab[1].0),
+                align_min,
+                align_mean,
+            });
+        }
+        if (n + 1) % 50 == 0 {
+            eprintln!("embedded {} of {} pairs", out.len(), data.len());
+        }
+    }
+    Ok(out)
+}
+
 fn load_bert(model: &std::path::Path) -> anyhow::Result<embedder::bert::BertEmbedder> {
     anyhow::ensure!(
         embedder::bert::BertEmbedder::present(model),
@@ -334,11 +362,12 @@ fn train_verifier(
         table_path.display()
     );
     let table = StaticEmbedder::load(&table_path, &model.join("tokenizer.json"))?;
-    let cosines = transformer_cosines(&bert, &data)?;
+    let signals = transformer_signals(&bert, &data)?;
+    let cosines: Vec<f32> = signals.iter().map(|s| s.cosine).collect();
     let x: Vec<Vec<f32>> = data
         .iter()
-        .zip(&cosines)
-        .map(|(p, &c)| features(&p.a, &p.b, c, &table))
+        .zip(&signals)
+        .map(|(p, &s)| features(&p.a, &p.b, s, &table))
         .collect();
     let y: Vec<bool> = data.iter().map(|p| p.duplicate).collect();
     if let Some(path) = dump_features {

@@ -38,6 +38,9 @@ pub const DIM: usize = 384;
 /// sentence-transformers' `max_seq_length` for this model.
 pub const MAX_TOKENS: usize = 256;
 
+/// A tokenized batch: token ids and attention mask (row-major), and (texts, padded length).
+type Batch = (Vec<u32>, Vec<u32>, (usize, usize));
+
 /// A text's sentence vector and its contextual token vectors.
 pub type TextVectors = (Vec<f32>, Vec<Vec<f32>>);
 
@@ -117,6 +120,12 @@ impl BertEmbedder {
         if texts.is_empty() {
             return Ok(Vec::new());
         }
+        let (ids, mask, shape) = self.encode(texts)?;
+        self.forward_pooled(ids, mask, shape)
+    }
+
+    /// Tokenize a batch: ids and attention mask, row-major, padded to the longest text.
+    fn encode(&self, texts: &[&str]) -> Result<Batch, EmbedError> {
         let encodings = self
             .tokenizer
             .encode_batch(texts.to_vec(), true)
@@ -128,7 +137,7 @@ impl BertEmbedder {
             ids.extend_from_slice(e.get_ids());
             mask.extend_from_slice(e.get_attention_mask());
         }
-        self.forward_pooled(ids, mask, (texts.len(), len))
+        Ok((ids, mask, (texts.len(), len)))
     }
 
     /// Like [`BertEmbedder::embed`], also returning each text's contextual token vectors
@@ -138,18 +147,8 @@ impl BertEmbedder {
         if texts.is_empty() {
             return Ok(Vec::new());
         }
-        let encodings = self
-            .tokenizer
-            .encode_batch(texts.to_vec(), true)
-            .map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
-        let len = encodings.first().map_or(0, |e| e.get_ids().len());
-        let mut ids = Vec::with_capacity(texts.len() * len);
-        let mut mask = Vec::with_capacity(texts.len() * len);
-        for e in &encodings {
-            ids.extend_from_slice(e.get_ids());
-            mask.extend_from_slice(e.get_attention_mask());
-        }
-        let shape = (texts.len(), len);
+        let (ids, mask, shape) = self.encode(texts)?;
+        let len = shape.1;
         let (pooled, hidden) = self.forward(ids, mask.clone(), shape)?;
         let hidden = hidden.to_vec3::<f32>()?;
         let mut out = Vec::with_capacity(texts.len());

@@ -285,26 +285,6 @@ fn read_pairs(
     Ok(data)
 }
 
-/// The transformer cosine of each pair (batches of 32 pairs).
-fn transformer_cosines(
-    bert: &embedder::bert::BertEmbedder,
-    data: &[embedder::eval::Pair],
-) -> anyhow::Result<Vec<f32>> {
-    let mut out = Vec::with_capacity(data.len());
-    for (n, chunk) in data.chunks(32).enumerate() {
-        let texts: Vec<&str> = chunk
-            .iter()
-            .flat_map(|p| [p.a.as_str(), p.b.as_str()])
-            .collect();
-        let v = bert.embed(&texts)?;
-        out.extend(v.chunks(2).map(|ab| embedder::bert::cosine(&ab[0], &ab[1])));
-        if (n + 1) % 50 == 0 {
-            eprintln!("embedded {} of {} pairs", out.len(), data.len());
-        }
-    }
-    Ok(out)
-}
-
 /// Sentence cosine and contextual token alignment of each pair (batches of 32 pairs).
 fn transformer_signals(
     bert: &embedder::bert::BertEmbedder,
@@ -424,7 +404,10 @@ fn embed_eval(
     let data = read_pairs(pairs, limit)?;
     let labels: Vec<bool> = data.iter().map(|p| p.duplicate).collect();
     let bert = load_bert(model)?;
-    let transformer = transformer_cosines(&bert, &data)?;
+    let transformer: Vec<f32> = transformer_signals(&bert, &data)?
+        .iter()
+        .map(|s| s.cosine)
+        .collect();
     let mut paths = vec![("transformer", transformer)];
     let table = model.join("static.bin");
     if table.is_file() {

@@ -666,18 +666,12 @@ impl Budgets {
             headers.extend(header("x-gateway-budget-mode", "fail-open".into()));
         }
         self.decision(plan, outcome);
-        let token_rates = plan
+        // The limiters as reserved on (already scaled to the local share when failing open).
+        let token_rates = req
             .rates
             .iter()
-            .filter(|(r, _)| r.kind == RateKind::Tokens)
-            .map(|(r, _)| {
-                let pm = if local {
-                    ((r.per_minute as f64 * self.config.fail_open_share) as u64).max(1)
-                } else {
-                    r.per_minute
-                };
-                (r.key.clone(), pm)
-            })
+            .filter(|r| r.kind == RateKind::Tokens)
+            .map(|r| (r.key.clone(), r.per_minute))
             .collect();
         Admission {
             max_tokens: (input.generates && plan.bounds_output()).then_some(granted),

@@ -31,6 +31,29 @@ pub enum EmbedError {
     /// The model failed.
     #[error("model: {0}")]
     Model(#[from] candle_core::Error),
+    /// The GPU (driver, NVRTC, cuBLAS) failed or is absent.
+    #[error("gpu: {0}")]
+    Device(String),
+}
+
+/// A sentence embedder the semantic cache can run on: [`BertEmbedder`] on the CPU, or the CUDA
+/// implementation (`cuda` feature).
+pub trait Embed: Send {
+    /// Which implementation: `"cpu"` or `"cuda"`.
+    fn device(&self) -> &'static str;
+    /// Each text's L2-normalised sentence vector and its L2-normalised contextual token vectors
+    /// (real tokens only, without `[CLS]`/`[SEP]`), as [`BertEmbedder::embed_with_tokens`].
+    fn embed_with_tokens(&self, texts: &[&str]) -> Result<Vec<TextVectors>, EmbedError>;
+}
+
+impl Embed for BertEmbedder {
+    fn device(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn embed_with_tokens(&self, texts: &[&str]) -> Result<Vec<TextVectors>, EmbedError> {
+        BertEmbedder::embed_with_tokens(self, texts)
+    }
 }
 
 /// Output dimension of all-MiniLM-L6-v2.

@@ -1,10 +1,13 @@
 //! Text-side primitives shared by the gateway's router, cache and simulator.
 //!
 //! - [`bert`]: the transformer sentence embedder (all-MiniLM-L6-v2 on the CPU, with candle).
+//! - `cuda` (feature `cuda`): the transformer, the static table and the vector index on an
+//!   NVIDIA GPU (CUDA libraries loaded at run time; NVRTC kernels, cuBLAS products).
 //! - [`eval`]: precision / recall / hit rate of a similarity threshold on labelled pairs.
 //! - [`index`]: the semantic cache's vector index (namespaced, LRU + TTL, brute-force scan).
 //! - [`verifier`]: the second-stage verifier of cache hits (pair features, logistic regression,
 //!   k-fold cross-validation).
+//! - [`semantic`]: the semantic cache's decision (nearest stored questions, then the verifier).
 //! - [`static_embed`]: the static embedding table distilled from the transformer (microseconds).
 //! - [`prefix`]: prefix block hashing. The gateway cannot see a model server's KV cache, but it
 //!   can describe a prompt as a chain of hashes of fixed-size token blocks, the same way the
@@ -14,9 +17,12 @@
 //! No HTTP, no storage: a pure library.
 
 pub mod bert;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod eval;
 pub mod index;
 pub mod prefix;
+pub mod semantic;
 pub mod static_embed;
 pub mod verifier;
 

@@ -29,16 +29,7 @@ P_RDB=${P_RDB:-19205}
 command -v wrk >/dev/null || { echo "needs wrk: apt-get install wrk" >&2; exit 1; }
 command -v redis-server >/dev/null || { echo "needs redis-server" >&2; exit 1; }
 
-cargo build --release -q -p gateway --bins
-BIN=${CARGO_TARGET_DIR:-target}/release
-WORK=$(mktemp -d)
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-wait_port() { for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 never opened" >&2; exit 1; }
+. bench/common.sh
 
 # A private Redis, so its command counters are ours alone.
 redis-server --port "$P_RDB" --bind 127.0.0.1 --save '' --appendonly no --dir "$WORK" >"$WORK/redis.log" 2>&1 &
@@ -49,40 +40,12 @@ wait_port "$P_RDB"
 PIDS+=($!)
 wait_port "$P_UP"
 
-ADMIN=bench-admin-token
-gateway() { # NAME PORT BUDGET_STORE_TOML
-  cat >"$WORK/$1.toml" <<EOF
-[server]
-listen = "127.0.0.1:$2"
-[store]
-url = "sqlite://$WORK/$1.db"
-[admin]
-token = "$ADMIN"
-[tiers.small]
-replicas = [{ name = "sim", url = "http://127.0.0.1:$P_UP/v1", model = "sim-small", max_concurrency = 4096 }]
-[tiers.large]
-replicas = [{ name = "sim-l", url = "http://127.0.0.1:$P_UP/v1", model = "sim-small", max_concurrency = 4096 }]
-[models]
-fast = "small"
-[prices.sim-small]
-input = 0.15
-output = 0.60
-[ledger]
-enabled = false
-[budgets]
-$3
-EOF
-  RUST_LOG=warn "$BIN/gateway" serve --config "$WORK/$1.toml" >"$WORK/$1.log" 2>&1 &
-  PIDS+=($!)
-  wait_port "$2"
-  export GATEWAY_URL="http://127.0.0.1:$2" GATEWAY_ADMIN_TOKEN=$ADMIN
-  "$BIN/gatewayctl" tenants create bench >/dev/null
-  "$BIN/gatewayctl" --json keys create --tenant bench |
-    python3 -c 'import json,sys; print(json.load(sys.stdin)["key"])' >"$WORK/$1.key"
-}
-gateway off "$P_OFF" 'store = "memory"'
-gateway memory "$P_MEM" 'store = "memory"'
-gateway redis "$P_REDIS" "store = \"redis\"
+start_gateway off "$P_OFF" "$P_UP" '[budgets]
+store = "memory"'
+start_gateway memory "$P_MEM" "$P_UP" '[budgets]
+store = "memory"'
+start_gateway redis "$P_REDIS" "$P_UP" "[budgets]
+store = \"redis\"
 redis_urls = [\"redis://127.0.0.1:$P_RDB\"]"
 # A day budget (tokens and USD) and a per-minute rate limit, far above what the run uses, so
 # every request does the full reserve + commit and none is refused.

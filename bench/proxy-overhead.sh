@@ -25,18 +25,7 @@ P_GW_NOLEDGER=${P_GW_NOLEDGER:-19104}
 command -v nginx >/dev/null || { echo "needs nginx: apt-get install nginx" >&2; exit 1; }
 command -v oha >/dev/null || { echo "needs oha: cargo install oha --locked" >&2; exit 1; }
 
-cargo build --release -q -p gateway --bins
-BIN=${CARGO_TARGET_DIR:-target}/release
-WORK=$(mktemp -d)
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  [ -f "$WORK/nginx.pid" ] && kill "$(cat "$WORK/nginx.pid")" 2>/dev/null || true
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-
-wait_port() { for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 never opened" >&2; exit 1; }
+. bench/common.sh
 
 # Upstream: the zero-latency simulator.
 "$BIN/gateway" simulate --profile zero --model sim-small --port "$P_UP" >"$WORK/sim.log" 2>&1 &
@@ -70,7 +59,6 @@ nginx -c "$WORK/nginx.conf"
 wait_port "$P_NGINX"
 
 # The gateway: embedded SQLite store, both tiers on the simulator, one worker thread per core.
-ADMIN=bench-admin-token
 cat >"$WORK/gateway.toml" <<EOF
 [server]
 listen = "127.0.0.1:$P_GW"

@@ -35,6 +35,8 @@ pub trait VectorIndex: Send {
         -> Vec<Hit>;
     /// Remove an entry; `false` when it was not there.
     fn remove(&mut self, id: EntryId) -> bool;
+    /// Whether `id` is held (expired entries may be held until touched).
+    fn contains(&self, id: EntryId) -> bool;
     /// Live entries (expired ones may be counted until touched).
     fn len(&self) -> usize;
     /// No entries.
@@ -207,6 +209,10 @@ impl VectorIndex for CpuIndex {
             self.shards.remove(&slot.ns);
         }
         true
+    }
+
+    fn contains(&self, id: EntryId) -> bool {
+        self.slots.contains_key(&id)
     }
 
     fn len(&self) -> usize {

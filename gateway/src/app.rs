@@ -49,6 +49,8 @@ pub struct Inner {
     pub prices: Arc<Prices>,
     /// Budgets and rate limits.
     pub budgets: Arc<crate::budget::Budgets>,
+    /// The exact and semantic response cache.
+    pub cache: Arc<crate::cache::Cache>,
     /// The ledger, when the gateway writes one.
     pub ledger: Option<Arc<dyn LedgerStore>>,
     /// The ledger writer task, flushed on shutdown.
@@ -169,6 +171,21 @@ impl AppState {
                 }
             }
         });
+        let cache = Arc::new(
+            crate::cache::Cache::new(config.cache.clone(), Arc::clone(&store), metrics.clone())
+                .await
+                .context("starting the cache")?,
+        );
+        let c = Arc::clone(&cache);
+        tokio::spawn(store::refresh_every(
+            "cache policies",
+            every,
+            shutdown.clone(),
+            move || {
+                let c = Arc::clone(&c);
+                async move { c.refresh().await }
+            },
+        ));
         let (a, p) = (Arc::clone(&auth), Arc::clone(&prices));
         tokio::spawn(store::refresh_every(
             "keys",
@@ -197,6 +214,7 @@ impl AppState {
             sink,
             prices,
             budgets,
+            cache,
             ledger,
             ledger_writer: std::sync::Mutex::new(ledger_writer),
             tasks: TaskTracker::new(),
@@ -282,6 +300,12 @@ pub fn build_router(state: AppState) -> Router {
         .route(
             "/admin/v1/tenants/{tenant}/fail-mode",
             put(routes::budgets::set_fail_mode),
+        )
+        .route(
+            "/admin/v1/tenants/{tenant}/cache-policy",
+            put(routes::budgets::set_cache_policy)
+                .get(routes::budgets::get_cache_policy)
+                .delete(routes::budgets::delete_cache_policy),
         )
         .route("/dashboard", get(routes::dashboard::dashboard))
         .route(

@@ -78,6 +78,12 @@ pub enum Command {
         #[command(subcommand)]
         command: LimitCommand,
     },
+    /// A tenant's response-cache policy (exact and semantic layers).
+    Cache {
+        /// Cache command.
+        #[command(subcommand)]
+        command: CacheCommand,
+    },
     /// A tenant's budgets in their current windows: spent, reserved, remaining, reset time.
     Usage {
         /// Tenant id or name.
@@ -138,6 +144,45 @@ pub enum BudgetCommand {
         tenant: String,
         /// `closed` (503) or `open` (admit against a local share of each limit).
         mode: String,
+    },
+}
+
+/// `gatewayctl cache …`
+#[derive(Debug, Subcommand)]
+pub enum CacheCommand {
+    /// Set a tenant's cache policy (options left out take the gateway config's defaults).
+    Set {
+        /// Tenant id or name.
+        #[arg(long)]
+        tenant: String,
+        /// off, exact, or semantic (exact first, then paraphrases).
+        #[arg(long)]
+        mode: Option<String>,
+        /// Time to live of cached answers, seconds.
+        #[arg(long)]
+        ttl_secs: Option<u64>,
+        /// Precision a semantic hit must have on the verifier's held-out curve (e.g. 0.95:
+        /// fewer, safer hits; 0.8: more hits, more false ones).
+        #[arg(long)]
+        min_precision: Option<f64>,
+        /// Also cache sampled requests (temperature absent or above 0).
+        #[arg(long)]
+        any_temperature: bool,
+        /// Also cache requests with tools (exact layer only).
+        #[arg(long)]
+        tools: bool,
+    },
+    /// Show a tenant's policy, the one in force, and its point on the verifier's curve.
+    Show {
+        /// Tenant id or name.
+        #[arg(long)]
+        tenant: String,
+    },
+    /// Drop a tenant's own policy (back to the config's defaults).
+    Reset {
+        /// Tenant id or name.
+        #[arg(long)]
+        tenant: String,
     },
 }
 
@@ -474,6 +519,7 @@ pub async fn run(cli: Cli, out: &mut impl Write) -> anyhow::Result<()> {
         Command::Budgets { command } => budgets(&admin, command).await?,
         Command::Limits { command } => limits(&admin, command).await?,
         Command::Usage { tenant } => usage(&admin, &tenant).await?,
+        Command::Cache { command } => cache(&admin, command).await?,
         Command::Report { command, format } => {
             let (value, tables) = report(&admin, command).await?;
             match format {
@@ -659,6 +705,84 @@ async fn budgets(admin: &Admin, command: BudgetCommand) -> anyhow::Result<(Value
             (v, h)
         }
     })
+}
+
+async fn cache(admin: &Admin, command: CacheCommand) -> anyhow::Result<(Value, String)> {
+    use reqwest::Method;
+    let (method, tenant, body) = match command {
+        CacheCommand::Set {
+            tenant,
+            mode,
+            ttl_secs,
+            min_precision,
+            any_temperature,
+            tools,
+        } => {
+            let mut body = serde_json::Map::new();
+            for (field, value) in [
+                ("mode", mode.map(Value::from)),
+                ("ttl_secs", ttl_secs.map(Value::from)),
+                ("min_precision", min_precision.map(Value::from)),
+            ] {
+                if let Some(v) = value {
+                    body.insert(field.into(), v);
+                }
+            }
+            body.insert("any_temperature".into(), Value::from(any_temperature));
+            body.insert("tools".into(), Value::from(tools));
+            (Method::PUT, tenant, Some(Value::Object(body)))
+        }
+        CacheCommand::Show { tenant } => (Method::GET, tenant, None),
+        CacheCommand::Reset { tenant } => (Method::DELETE, tenant, None),
+    };
+    let v = admin
+        .call(method, &format!("tenants/{tenant}/cache-policy"), body)
+        .await?;
+    let e = &v["effective"];
+    let point = &v["verifier_point"];
+    let semantic = if point.is_null() {
+        if v["semantic_ready"] == Value::Bool(true) {
+            "no point of the verifier's curve reaches this precision: semantic hits off".into()
+        } else {
+            "semantic layer not loaded on this replica".to_owned()
+        }
+    } else {
+        format!(
+            "verifier threshold {} (held-out precision {}, recall {})",
+            s(point, "threshold"),
+            s(point, "precision"),
+            s(point, "recall")
+        )
+    };
+    let h = format!(
+        "{}\n{}",
+        table(
+            &[
+                "TENANT",
+                "MODE",
+                "TTL (S)",
+                "MIN PRECISION",
+                "ANY TEMPERATURE",
+                "TOOLS",
+                "OWN POLICY"
+            ],
+            vec![vec![
+                s(&v, "tenant"),
+                s(e, "mode"),
+                s(e, "ttl_secs"),
+                s(e, "min_precision"),
+                s(e, "any_temperature"),
+                s(e, "tools"),
+                if v["policy"].is_null() {
+                    "no (defaults)".into()
+                } else {
+                    "yes".into()
+                },
+            ]],
+        ),
+        semantic
+    );
+    Ok((v, h))
 }
 
 async fn limits(admin: &Admin, command: LimitCommand) -> anyhow::Result<(Value, String)> {

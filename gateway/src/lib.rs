@@ -13,6 +13,7 @@
 
 pub mod app;
 pub mod budget;
+pub mod cache;
 pub mod config;
 pub mod ctl;
 pub mod demo;

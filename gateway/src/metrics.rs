@@ -48,6 +48,19 @@ pub mod names {
     /// Budget commits waiting for the shared store to come back.
     pub const BUDGET_BACKLOG: &str = "gateway_budget_commit_backlog";
 
+    /// Cache lookups by layer (exact, semantic) and result (hit, miss, skipped).
+    pub const CACHE_LOOKUPS: &str = "gateway_cache_lookups_total";
+    /// USD micro-dollars cache hits saved, by tenant.
+    pub const CACHE_SAVED: &str = "gateway_cache_saved_micros_total";
+    /// Responses held by the exact layer.
+    pub const CACHE_ENTRIES: &str = "gateway_cache_entries";
+    /// Bytes held by the exact layer.
+    pub const CACHE_BYTES: &str = "gateway_cache_bytes";
+    /// 1 once the semantic layer (model, static table, verifier) is loaded.
+    pub const CACHE_SEMANTIC_READY: &str = "gateway_cache_semantic_ready";
+    /// Semantic lookup latency (queue, embedding, search, verification).
+    pub const CACHE_SEMANTIC_SECONDS: &str = "gateway_cache_semantic_seconds";
+
     /// Every name above.
     pub const ALL: &[&str] = &[
         REQUESTS,
@@ -66,6 +79,12 @@ pub mod names {
         BUDGET_STORE_ERRORS,
         BUDGET_STORE_SECONDS,
         BUDGET_BACKLOG,
+        CACHE_LOOKUPS,
+        CACHE_SAVED,
+        CACHE_ENTRIES,
+        CACHE_BYTES,
+        CACHE_SEMANTIC_READY,
+        CACHE_SEMANTIC_SECONDS,
     ];
 }
 
@@ -105,6 +124,18 @@ pub struct Metrics {
     pub budget_store_seconds: HistogramVec,
     /// See [`names::BUDGET_BACKLOG`].
     pub budget_backlog: IntGauge,
+    /// See [`names::CACHE_LOOKUPS`].
+    pub cache_lookups: IntCounterVec,
+    /// See [`names::CACHE_SAVED`].
+    pub cache_saved: IntCounterVec,
+    /// See [`names::CACHE_ENTRIES`].
+    pub cache_entries: IntGauge,
+    /// See [`names::CACHE_BYTES`].
+    pub cache_bytes: IntGauge,
+    /// See [`names::CACHE_SEMANTIC_READY`].
+    pub cache_semantic_ready: IntGauge,
+    /// See [`names::CACHE_SEMANTIC_SECONDS`].
+    pub cache_semantic_seconds: Histogram,
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -208,6 +239,39 @@ impl Metrics {
             names::BUDGET_BACKLOG,
             "Budget commits waiting for the shared store.",
         )?;
+        let cache_lookups = IntCounterVec::new(
+            Opts::new(names::CACHE_LOOKUPS, "Cache lookups by layer and result."),
+            &["layer", "result"],
+        )?;
+        for layer in ["exact", "semantic"] {
+            for result in ["hit", "miss", "skipped"] {
+                cache_lookups.with_label_values(&[layer, result]);
+            }
+        }
+        let cache_saved = IntCounterVec::new(
+            Opts::new(
+                names::CACHE_SAVED,
+                "USD micro-dollars saved by cache hits, by tenant.",
+            ),
+            &["tenant"],
+        )?;
+        let cache_entries = IntGauge::new(names::CACHE_ENTRIES, "Responses in the exact cache.")?;
+        let cache_bytes = IntGauge::new(names::CACHE_BYTES, "Bytes held by the exact cache.")?;
+        let cache_semantic_ready = IntGauge::new(
+            names::CACHE_SEMANTIC_READY,
+            "1 once the semantic cache layer is loaded.",
+        )?;
+        let cache_semantic_seconds = Histogram::with_opts(
+            HistogramOpts::new(names::CACHE_SEMANTIC_SECONDS, "Semantic lookup latency.").buckets(
+                vec![0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0],
+            ),
+        )?;
+        registry.register(Box::new(cache_lookups.clone()))?;
+        registry.register(Box::new(cache_saved.clone()))?;
+        registry.register(Box::new(cache_entries.clone()))?;
+        registry.register(Box::new(cache_bytes.clone()))?;
+        registry.register(Box::new(cache_semantic_ready.clone()))?;
+        registry.register(Box::new(cache_semantic_seconds.clone()))?;
         registry.register(Box::new(budget_decisions.clone()))?;
         registry.register(Box::new(budget_store_errors.clone()))?;
         registry.register(Box::new(budget_store_seconds.clone()))?;
@@ -242,6 +306,12 @@ impl Metrics {
             budget_store_errors,
             budget_store_seconds,
             budget_backlog,
+            cache_lookups,
+            cache_saved,
+            cache_entries,
+            cache_bytes,
+            cache_semantic_ready,
+            cache_semantic_seconds,
         })
     }
 

@@ -315,6 +315,8 @@ impl ParsedRequest {
             "endpoint".into(),
             Value::String(self.endpoint.label().into()),
         );
+        let mut canonical = Value::Object(canonical);
+        canonical_numbers(&mut canonical);
         fingerprint_bytes(&serde_json::to_vec(&canonical).unwrap_or_default())
     }
 
@@ -340,6 +342,28 @@ impl ParsedRequest {
                 .map_or(0, |p| count_input(p, tokenizer)),
         };
         n as u64
+    }
+}
+
+/// Write whole-valued floats as integers (`0.0` → `0`), so equal requests hash equally whatever
+/// the client's JSON encoder does with numbers.
+pub fn canonical_numbers(v: &mut Value) {
+    match v {
+        Value::Number(n) => {
+            if let Some(f) = n.as_f64().filter(|f| n.is_f64() && f.fract() == 0.0) {
+                if f.abs() < 9.0e15 {
+                    #[expect(
+                        clippy::cast_possible_truncation,
+                        reason = "checked whole and in range"
+                    )]
+                    let i = f as i64;
+                    *v = Value::from(i);
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(canonical_numbers),
+        Value::Object(map) => map.values_mut().for_each(canonical_numbers),
+        _ => {}
     }
 }
 
@@ -474,6 +498,8 @@ pub struct SseRewriter {
     pub done: bool,
     /// Data events seen.
     pub events: u64,
+    /// Rebuilds the whole response for the cache, when set.
+    pub assembler: Option<StreamAssembler>,
 }
 
 impl SseRewriter {
@@ -486,6 +512,7 @@ impl SseRewriter {
             text: String::new(),
             done: false,
             events: 0,
+            assembler: None,
         }
     }
 
@@ -534,6 +561,9 @@ impl SseRewriter {
             return Some(event);
         };
         completion_text(&value, &mut self.text);
+        if let Some(a) = &mut self.assembler {
+            a.push(&value);
+        }
         let Some(usage) = usage_of(&value) else {
             return Some(event);
         };
@@ -554,6 +584,195 @@ impl SseRewriter {
         }
         Some(Bytes::from(format!("data: {value}\n\n")))
     }
+}
+
+/// Rebuilds the non-streamed response from a streamed one, chunk by chunk, so a streamed answer
+/// can be cached and later served to either kind of client. Only plain content is supported: a
+/// stream with tool calls, logprobs or non-text content, or one that did not finish every choice,
+/// yields nothing.
+#[derive(Debug)]
+pub struct StreamAssembler {
+    endpoint: Endpoint,
+    head: Map<String, Value>,
+    /// index → (content, finish_reason)
+    choices: std::collections::BTreeMap<u64, (String, Option<Value>)>,
+    usage: Option<Value>,
+    unsupported: bool,
+}
+
+impl StreamAssembler {
+    /// An assembler for a stream of `endpoint` (chat or completions).
+    pub fn new(endpoint: Endpoint) -> Self {
+        Self {
+            endpoint,
+            head: Map::new(),
+            choices: std::collections::BTreeMap::new(),
+            usage: None,
+            unsupported: endpoint == Endpoint::Embeddings,
+        }
+    }
+
+    /// Take in one parsed chunk.
+    pub fn push(&mut self, chunk: &Value) {
+        for field in ["id", "created", "model", "system_fingerprint"] {
+            if let Some(v) = chunk.get(field) {
+                self.head.entry(field).or_insert_with(|| v.clone());
+            }
+        }
+        if let Some(u) = chunk.get("usage").filter(|u| !u.is_null()) {
+            self.usage = Some(u.clone());
+        }
+        let Some(Value::Array(choices)) = chunk.get("choices") else {
+            return;
+        };
+        for c in choices {
+            let index = c.get("index").and_then(Value::as_u64).unwrap_or(0);
+            let entry = self.choices.entry(index).or_default();
+            if c.get("logprobs").is_some_and(|l| !l.is_null()) {
+                self.unsupported = true;
+            }
+            let piece = match self.endpoint {
+                Endpoint::Chat => {
+                    let delta = c.get("delta");
+                    for f in ["tool_calls", "function_call", "refusal"] {
+                        if delta.and_then(|d| d.get(f)).is_some_and(|v| !v.is_null()) {
+                            self.unsupported = true;
+                        }
+                    }
+                    delta.and_then(|d| d.get("content"))
+                }
+                _ => c.get("text"),
+            };
+            match piece {
+                Some(Value::String(t)) => entry.0.push_str(t),
+                None | Some(Value::Null) => {}
+                Some(_) => self.unsupported = true,
+            }
+            if let Some(r) = c.get("finish_reason").filter(|r| !r.is_null()) {
+                entry.1 = Some(r.clone());
+            }
+        }
+    }
+
+    /// The equivalent non-streamed response body, when the stream was complete and supported.
+    pub fn finish(self) -> Option<Bytes> {
+        if self.unsupported
+            || self.choices.is_empty()
+            || self.choices.values().any(|(_, r)| r.is_none())
+        {
+            return None;
+        }
+        let mut out = self.head;
+        let (object, choices): (&str, Vec<Value>) = match self.endpoint {
+            Endpoint::Chat => (
+                "chat.completion",
+                self.choices
+                    .into_iter()
+                    .map(|(index, (content, reason))| {
+                        serde_json::json!({"index": index, "logprobs": null, "finish_reason": reason,
+                            "message": {"role": "assistant", "content": content}})
+                    })
+                    .collect(),
+            ),
+            _ => (
+                "text_completion",
+                self.choices
+                    .into_iter()
+                    .map(|(index, (text, reason))| {
+                        serde_json::json!({"index": index, "text": text, "logprobs": null,
+                            "finish_reason": reason})
+                    })
+                    .collect(),
+            ),
+        };
+        out.insert("object".into(), Value::from(object));
+        out.insert("choices".into(), Value::Array(choices));
+        if let Some(u) = self.usage {
+            out.insert("usage".into(), u);
+        }
+        serde_json::to_vec(&out).ok().map(Bytes::from)
+    }
+}
+
+/// Replay a stored non-streamed response (chat or completions) as an SSE stream, the way an
+/// upstream would have streamed it: a role chunk, the content, a finish chunk per choice, the
+/// usage chunk when `include_usage`, then `[DONE]`. `None` when `body` is not such a response.
+pub fn replay_sse(body: &[u8], endpoint: Endpoint, include_usage: bool) -> Option<Bytes> {
+    use serde_json::json;
+    let v: Value = serde_json::from_slice(body).ok()?;
+    let choices = v.get("choices")?.as_array()?;
+    let mut head = Map::new();
+    for field in ["id", "created", "model", "system_fingerprint"] {
+        if let Some(x) = v.get(field) {
+            head.insert(field.into(), x.clone());
+        }
+    }
+    let object = match endpoint {
+        Endpoint::Chat => "chat.completion.chunk",
+        Endpoint::Completions => "text_completion",
+        Endpoint::Embeddings => return None,
+    };
+    head.insert("object".into(), Value::from(object));
+    let mut out = BytesMut::new();
+    let mut emit = |choices: Value, usage: Option<&Value>| {
+        let mut chunk = head.clone();
+        chunk.insert("choices".into(), choices);
+        if let Some(u) = usage {
+            chunk.insert("usage".into(), u.clone());
+        }
+        out.extend_from_slice(b"data: ");
+        out.extend_from_slice(Value::Object(chunk).to_string().as_bytes());
+        out.extend_from_slice(b"\n\n");
+    };
+    for (i, c) in choices.iter().enumerate() {
+        let index = c.get("index").cloned().unwrap_or_else(|| Value::from(i));
+        let reason = c.get("finish_reason").cloned().unwrap_or(Value::Null);
+        match endpoint {
+            Endpoint::Chat => {
+                let message = c.get("message")?;
+                let mut delta = Map::new();
+                delta.insert("role".into(), Value::from("assistant"));
+                delta.insert(
+                    "content".into(),
+                    message.get("content").cloned().unwrap_or(Value::Null),
+                );
+                if let Some(Value::Array(calls)) = message.get("tool_calls") {
+                    let calls: Vec<Value> = calls
+                        .iter()
+                        .enumerate()
+                        .map(|(n, call)| {
+                            let mut call = call.clone();
+                            if let Value::Object(o) = &mut call {
+                                o.insert("index".into(), Value::from(n));
+                            }
+                            call
+                        })
+                        .collect();
+                    delta.insert("tool_calls".into(), Value::Array(calls));
+                }
+                emit(
+                    json!([{"index": index, "delta": delta, "logprobs": null, "finish_reason": null}]),
+                    None,
+                );
+                emit(
+                    json!([{"index": index, "delta": {}, "logprobs": null, "finish_reason": reason}]),
+                    None,
+                );
+            }
+            _ => emit(
+                json!([{"index": index, "text": c.get("text").cloned().unwrap_or(Value::from("")),
+                        "logprobs": null, "finish_reason": reason}]),
+                None,
+            ),
+        }
+    }
+    if include_usage {
+        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+            emit(json!([]), Some(u));
+        }
+    }
+    out.extend_from_slice(b"data: [DONE]\n\n");
+    Some(out.freeze())
 }
 
 /// Index just past the first complete event (blank-line terminated) in `buf`.
@@ -635,7 +854,7 @@ mod tests {
             json!({"model": "fast", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}),
         )
         .unwrap();
-        let body = r#"{"messages":[{"content":"hi","role":"user"}],"stream":true,"user":"u1","temperature":0,"model":"fast"}"#;
+        let body = r#"{"messages":[{"content":"hi","role":"user"}],"stream":true,"user":"u1","temperature":0.0,"model":"fast"}"#;
         let b = ParsedRequest::parse(Endpoint::Chat, body.as_bytes()).unwrap();
         assert_eq!(a.fingerprint(), b.fingerprint());
         let c = parse(
@@ -645,6 +864,68 @@ mod tests {
         .unwrap();
         assert_ne!(a.fingerprint(), c.fingerprint());
         assert_eq!(b.end_user(), Some("u1"));
+    }
+
+    #[test]
+    fn a_stream_is_assembled_into_a_response_and_replayed_back() {
+        let chunks = [
+            json!({"id": "c1", "created": 7, "model": "m", "object": "chat.completion.chunk",
+                   "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}),
+            json!({"id": "c1", "created": 7, "model": "m",
+                   "choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": null}]}),
+            json!({"id": "c1", "created": 7, "model": "m",
+                   "choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]}),
+            json!({"id": "c1", "created": 7, "model": "m", "choices": [],
+                   "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}),
+        ];
+        let mut a = StreamAssembler::new(Endpoint::Chat);
+        chunks.iter().for_each(|c| a.push(c));
+        let body = a.finish().unwrap();
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["object"], "chat.completion");
+        assert_eq!(v["choices"][0]["message"]["content"], "Hello");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        assert_eq!(v["usage"]["completion_tokens"], 2);
+
+        for include_usage in [false, true] {
+            let sse = replay_sse(&body, Endpoint::Chat, include_usage).unwrap();
+            let mut rw = SseRewriter::new(true);
+            rw.assembler = Some(StreamAssembler::new(Endpoint::Chat));
+            let _ = rw.push(&sse);
+            assert!(rw.done);
+            assert_eq!(rw.text, "Hello");
+            assert_eq!(rw.usage.is_some(), include_usage);
+            let again = rw.assembler.take().unwrap().finish().unwrap();
+            let w: Value = serde_json::from_slice(&again).unwrap();
+            assert_eq!(w["choices"], v["choices"]);
+        }
+
+        // Unfinished, tool-calling or logprob streams are not assembled.
+        let mut unfinished = StreamAssembler::new(Endpoint::Chat);
+        unfinished.push(&chunks[1]);
+        assert!(unfinished.finish().is_none());
+        let mut tools = StreamAssembler::new(Endpoint::Chat);
+        tools.push(
+            &json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]},
+                                        "finish_reason": "tool_calls"}]}),
+        );
+        assert!(tools.finish().is_none());
+
+        let mut c = StreamAssembler::new(Endpoint::Completions);
+        c.push(
+            &json!({"id": "x", "choices": [{"index": 0, "text": "4", "finish_reason": "length"}]}),
+        );
+        let body = c.finish().unwrap();
+        let sse = String::from_utf8(
+            replay_sse(&body, Endpoint::Completions, false)
+                .unwrap()
+                .to_vec(),
+        )
+        .unwrap();
+        assert!(
+            sse.contains("\"text\":\"4\"") && sse.ends_with("data: [DONE]\n\n"),
+            "{sse}"
+        );
     }
 
     #[test]

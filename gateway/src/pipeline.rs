@@ -24,9 +24,12 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::app::AppState;
 use crate::budget::engine::{AdmitInput, Reservation, ReservePrice};
 use crate::budget::Admission;
+use crate::cache::Lookup;
 use crate::config::{DisconnectPolicy, AUTO, LARGE, SMALL};
 use crate::error::ApiError;
-use crate::openai::{completion_text, usage_in_body, Endpoint, ParsedRequest, SseRewriter, Usage};
+use crate::openai::{
+    completion_text, usage_in_body, Endpoint, ParsedRequest, SseRewriter, StreamAssembler, Usage,
+};
 use crate::store::ApiKey;
 use crate::upstream::{self, AttemptError, Target, Tier, UpstreamResponse};
 use crate::usage::{CacheStatus, UsageEvent, UsageSource};
@@ -44,6 +47,8 @@ pub struct RequestContext {
     pub started: Instant,
     /// Arrival time (wall clock).
     pub started_at: DateTime<Utc>,
+    /// The client's `Cache-Control` directives.
+    pub cache_control: crate::cache::Directives,
 }
 
 /// Status recorded when the client disconnected before the end of a stream (nginx's convention).
@@ -120,6 +125,19 @@ pub async fn run(
     } else {
         target
     };
+    let mut cache = state
+        .cache
+        .plan(&ctx.key.tenant_id, &req, ctx.cache_control);
+    if let Some(lookup) = cache.as_mut() {
+        event.cache_status = CacheStatus::Miss;
+        if let Some(found) = state.cache.lookup(lookup).await {
+            match cache_hit(&state, &ctx, &req, event, found) {
+                Ok(response) => return response,
+                Err(e) => event = *e,
+            }
+        }
+    }
+    let cache_status = event.cache_status;
     let mut req = req;
     let mut admission = Admission::default();
     if let Some(plan) = state.budgets.plan(&ctx.key, &event.tags) {
@@ -137,6 +155,10 @@ pub async fn run(
             }
         }
     }
+    if let Some(lookup) = cache.as_mut() {
+        // A clamped or downgraded answer is not the answer to the request as asked.
+        lookup.write &= !admission.downgraded && !admission.clamped;
+    }
     let headers = std::mem::take(&mut admission.headers);
     let fallback = !admission.downgraded;
     let mut response = forward(
@@ -147,10 +169,84 @@ pub async fn run(
         &primary,
         fallback,
         admission.reservation.take(),
+        cache,
     )
     .await;
     response.headers_mut().extend(headers);
+    response.headers_mut().insert(
+        crate::cache::CACHE_HEADER,
+        HeaderValue::from_static(cache_status.header_value()),
+    );
     response
+}
+
+/// Answer from the cache: cost 0, the saved cost recorded. `Err` gives the event back when the
+/// stored answer cannot be replayed in the form asked for (the request then goes upstream).
+fn cache_hit(
+    state: &AppState,
+    ctx: &RequestContext,
+    req: &ParsedRequest,
+    mut event: UsageEvent,
+    found: crate::cache::Found,
+) -> Result<Response, Box<UsageEvent>> {
+    let entry = &found.entry;
+    let body = if req.stream {
+        match crate::openai::replay_sse(&entry.body, req.endpoint, req.client_wants_usage) {
+            Some(b) => b,
+            None => return Err(Box::new(event)),
+        }
+    } else {
+        entry.body.clone()
+    };
+    event.cache_status = found.status;
+    event.served_model = Some(entry.served_model.clone());
+    event.tier = Some(entry.tier.clone());
+    let (input, output) =
+        state
+            .prices
+            .book()
+            .cost_split(&entry.served_model, &entry.usage, ctx.started_at);
+    event.saved_micros = input + output;
+    event.latency_ms = ms_since(ctx.started);
+    event.ttft_ms = Some(event.latency_ms);
+    state
+        .metrics
+        .cache_saved
+        .with_label_values(&[event.tenant_name.as_str()])
+        .inc_by(u64::try_from(event.saved_micros).unwrap_or(0));
+    let mut response = Response::new(Body::from(body));
+    let headers = response.headers_mut();
+    let content_type = if req.stream {
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        "text/event-stream"
+    } else {
+        "application/json"
+    };
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    headers.insert(
+        crate::cache::CACHE_HEADER,
+        HeaderValue::from_static(found.status.header_value()),
+    );
+    for (name, value) in [
+        ("x-gateway-tier", entry.tier.as_str()),
+        ("x-gateway-served-model", entry.served_model.as_str()),
+    ] {
+        if let Ok(v) = HeaderValue::from_str(value) {
+            headers.insert(name, v);
+        }
+    }
+    if let Some((cosine, probability)) = found.similarity {
+        for (name, value) in [
+            ("x-gateway-cache-similarity", cosine),
+            ("x-gateway-cache-confidence", probability),
+        ] {
+            if let Ok(v) = HeaderValue::from_str(&format!("{value:.4}")) {
+                headers.insert(name, v);
+            }
+        }
+    }
+    settle(state, event, None);
+    Ok(response)
 }
 
 /// What the budget step needs to know about a request: its prompt estimate (the primary tier's
@@ -252,6 +348,7 @@ async fn read_all(resp: UpstreamResponse, deadline: Instant) -> Buffered {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn forward(
     state: AppState,
     ctx: RequestContext,
@@ -260,6 +357,7 @@ async fn forward(
     primary: &str,
     fallback: bool,
     reservation: Option<Reservation>,
+    cache: Option<Lookup>,
 ) -> Response {
     let deadline = ctx.started + state.upstreams.config().total_timeout();
     let mut tried: Vec<(String, usize)> = Vec::new();
@@ -311,6 +409,7 @@ async fn forward(
                     resp,
                     deadline,
                     reservation,
+                    cache,
                 );
             }
             Ok(resp) => match read_all(resp, deadline).await {
@@ -328,6 +427,7 @@ async fn forward(
                         &headers,
                         body,
                         reservation,
+                        cache,
                     );
                 }
                 Buffered::Failed(e) => Err((e.to_string(), e.kind(), attempt_error(&e))),
@@ -409,6 +509,7 @@ fn buffered_response(
     upstream_headers: &HeaderMap,
     body: Bytes,
     reservation: Option<Reservation>,
+    cache: Option<Lookup>,
 ) -> Response {
     let target = tier.target(lease);
     event.tier = Some(tier.name.clone());
@@ -433,6 +534,10 @@ fn buffered_response(
                 apply_usage(&mut event, counted, UsageSource::Tokenizer);
             }
         }
+        if let (Some(lookup), true) = (cache, status == StatusCode::OK) {
+            let entry = cache_entry(&event, tier, target, body.clone(), lookup.ttl);
+            state.cache.fill(lookup, entry);
+        }
     } else {
         event.error_kind = Some(format!("upstream_{}", status.as_u16()));
     }
@@ -456,6 +561,27 @@ fn buffered_response(
     response
 }
 
+/// A fresh answer as the cache keeps it.
+fn cache_entry(
+    event: &UsageEvent,
+    tier: &Tier,
+    target: &Target,
+    body: Bytes,
+    ttl: std::time::Duration,
+) -> crate::cache::Entry {
+    crate::cache::Entry {
+        body,
+        served_model: target.model.clone(),
+        tier: tier.name.clone(),
+        usage: Usage {
+            prompt_tokens: event.prompt_tokens,
+            completion_tokens: event.completion_tokens,
+            cached_tokens: event.cached_tokens,
+        },
+        ttl,
+    }
+}
+
 fn apply_usage(event: &mut UsageEvent, usage: Usage, source: UsageSource) {
     event.prompt_tokens = usage.prompt_tokens;
     event.completion_tokens = usage.completion_tokens;
@@ -474,6 +600,7 @@ fn stream_response(
     resp: UpstreamResponse,
     deadline: Instant,
     reservation: Option<Reservation>,
+    cache: Option<Lookup>,
 ) -> Response {
     let target = tier.target(&lease);
     event.tier = Some(tier.name.clone());
@@ -501,6 +628,9 @@ fn stream_response(
         let idle = state.upstreams.config().idle_timeout();
         let policy = state.upstreams.config().on_client_disconnect;
         let mut rewriter = SseRewriter::new(req.client_wants_usage);
+        if cache.as_ref().is_some_and(|c| c.write) {
+            rewriter.assembler = Some(StreamAssembler::new(req.endpoint));
+        }
         let mut upstream = http_body_util::BodyDataStream::new(resp.into_body());
         let mut client_gone = false;
         let mut failure: Option<&'static str> = None;
@@ -570,6 +700,15 @@ fn stream_response(
             ),
         };
         apply_usage(&mut event, usage.0, usage.1);
+        let assembled = match (failure, rewriter.done, rewriter.assembler.take()) {
+            (None, true, Some(a)) => a.finish(),
+            _ => None,
+        };
+        if let (Some(lookup), Some(body)) = (cache, assembled) {
+            let target = tier.target(&lease);
+            let entry = cache_entry(&event, tier, target, body, lookup.ttl);
+            state.cache.fill(lookup, entry);
+        }
         if client_gone {
             event.client_disconnected = true;
             event.status = CLIENT_CLOSED;

@@ -22,6 +22,18 @@ pub enum CacheStatus {
     HitSemantic,
 }
 
+impl CacheStatus {
+    /// The `x-gateway-cache` response header's value.
+    pub fn header_value(self) -> &'static str {
+        match self {
+            Self::Bypass => "bypass",
+            Self::Miss => "miss",
+            Self::HitExact => "hit-exact",
+            Self::HitSemantic => "hit-semantic",
+        }
+    }
+}
+
 /// How the token counts were obtained.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

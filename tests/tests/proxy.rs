@@ -661,6 +661,12 @@ async fn metrics_expose_every_defined_name_after_traffic() {
     s.small[0].faults(json!({"fail_next": 1})).await;
     s.small[1].faults(json!({"fail_next": 1})).await;
     let _ = s.app.chat(chat_body("fast", "hi")).await;
+    // A repeated deterministic request, so the cache counts a hit and its saving.
+    let mut repeat = chat_body("fast", "again");
+    repeat["temperature"] = json!(0);
+    for _ in 0..2 {
+        let _ = s.app.chat(repeat.clone()).await.text().await;
+    }
     let text = s.app.metrics().await;
     for name in gateway::metrics::names::ALL {
         assert!(

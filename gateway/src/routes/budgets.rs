@@ -13,6 +13,7 @@ use serde_json::{json, Value};
 use crate::app::AppState;
 use crate::budget::engine::limit_from;
 use crate::budget::{Action, FailMode, Limit, RateLimit, Scope, Window};
+use crate::cache::CachePolicy;
 use crate::error::ApiError;
 use crate::routes::admin::{tenant, ADMIN_BODY_LIMIT};
 use crate::routes::{parse_json, read_body};
@@ -285,4 +286,76 @@ pub async fn set_fail_mode(
     state.store.set_fail_mode(&t.id, mode).await?;
     refresh(&state).await?;
     Ok(Json(json!({"tenant": t.id, "fail_mode": mode})))
+}
+
+/// A tenant's cache policy as stored, as in force, and where it lands on the verifier's curve.
+fn cache_policy_view(state: &AppState, tenant_id: &str, own: Option<&CachePolicy>) -> Value {
+    let effective = state.cache.policy(tenant_id);
+    let point = effective
+        .min_precision
+        .and_then(|p| state.cache.curve_point(p))
+        .map(|p| json!({"threshold": p.threshold, "precision": p.precision, "recall": p.recall}));
+    json!({
+        "tenant": tenant_id,
+        "policy": own,
+        "effective": effective,
+        "semantic_ready": state.cache.semantic_ready(),
+        "verifier_point": point,
+    })
+}
+
+/// `PUT /admin/v1/tenants/{tenant}/cache-policy {"mode", "ttl_secs", "min_precision",
+/// "any_temperature", "tools"}` (fields left out take the config's defaults).
+pub async fn set_cache_policy(
+    State(state): State<AppState>,
+    Path(id_or_name): Path<String>,
+    body: Body,
+) -> Result<Json<Value>, ApiError> {
+    let policy: CachePolicy = parse_json(&read_body(body, ADMIN_BODY_LIMIT).await?)?;
+    if let Some(p) = policy.min_precision {
+        if !(0.0..=1.0).contains(&p) {
+            return Err(ApiError::invalid(
+                "min_precision",
+                "must be between 0 and 1 (e.g. 0.9)",
+            ));
+        }
+    }
+    if policy.ttl_secs == Some(0) {
+        return Err(ApiError::invalid("ttl_secs", "must be at least 1"));
+    }
+    let t = tenant(&state, &id_or_name).await?;
+    state.store.set_cache_policy(&t.id, &policy).await?;
+    state.cache.refresh().await?;
+    Ok(Json(cache_policy_view(&state, &t.id, Some(&policy))))
+}
+
+/// `GET /admin/v1/tenants/{tenant}/cache-policy`
+pub async fn get_cache_policy(
+    State(state): State<AppState>,
+    Path(id_or_name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let t = tenant(&state, &id_or_name).await?;
+    let own = state
+        .store
+        .list_cache_policies()
+        .await?
+        .into_iter()
+        .find(|(id, _)| *id == t.id)
+        .map(|(_, p)| p);
+    Ok(Json(cache_policy_view(&state, &t.id, own.as_ref())))
+}
+
+/// `DELETE /admin/v1/tenants/{tenant}/cache-policy`: back to the config's defaults.
+pub async fn delete_cache_policy(
+    State(state): State<AppState>,
+    Path(id_or_name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let t = tenant(&state, &id_or_name).await?;
+    if !state.store.delete_cache_policy(&t.id).await? {
+        return Err(ApiError::NotFound(
+            "this tenant has no cache policy of its own".into(),
+        ));
+    }
+    state.cache.refresh().await?;
+    Ok(Json(cache_policy_view(&state, &t.id, None)))
 }

@@ -89,6 +89,11 @@ async fn proxy(
         key,
         started,
         started_at: chrono::Utc::now(),
+        cache_control: crate::cache::Directives::parse(
+            headers
+                .get(axum::http::header::CACHE_CONTROL)
+                .and_then(|v| v.to_str().ok()),
+        ),
     };
     let body = match request_tags(&headers) {
         Ok(tags) => {

@@ -26,6 +26,11 @@ const SQLITE: Embedded = &[
         "budgets",
         include_str!("../../../migrations/sqlite/0003_budgets.sql"),
     ),
+    (
+        4,
+        "cache policies",
+        include_str!("../../../migrations/sqlite/0004_cache_policies.sql"),
+    ),
 ];
 
 const POSTGRES: Embedded = &[
@@ -43,6 +48,11 @@ const POSTGRES: Embedded = &[
         3,
         "budgets",
         include_str!("../../../migrations/postgres/0003_budgets.sql"),
+    ),
+    (
+        4,
+        "cache policies",
+        include_str!("../../../migrations/postgres/0004_cache_policies.sql"),
     ),
 ];
 

@@ -136,6 +136,18 @@ pub trait Store: Send + Sync + 'static {
     async fn set_fail_mode(&self, tenant_id: &str, mode: FailMode) -> Result<(), StoreError>;
     /// Every tenant's explicit fail mode.
     async fn list_fail_modes(&self) -> Result<Vec<(String, FailMode)>, StoreError>;
+    /// Set a tenant's response-cache policy (replacing any previous one).
+    async fn set_cache_policy(
+        &self,
+        tenant_id: &str,
+        policy: &crate::cache::CachePolicy,
+    ) -> Result<(), StoreError>;
+    /// Every tenant's own cache policy.
+    async fn list_cache_policies(
+        &self,
+    ) -> Result<Vec<(String, crate::cache::CachePolicy)>, StoreError>;
+    /// Drop a tenant's cache policy (back to the config's defaults); `false` when it had none.
+    async fn delete_cache_policy(&self, tenant_id: &str) -> Result<bool, StoreError>;
 }
 
 /// What is needed to create or replace a budget policy.

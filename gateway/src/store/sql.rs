@@ -80,6 +80,12 @@ pub(super) const DELETE_RATE_LIMIT: &str =
 pub(super) const SET_FAIL_MODE: &str = "INSERT INTO tenant_budget_settings (tenant_id, fail_mode) \
      VALUES ($1, $2) ON CONFLICT (tenant_id) DO UPDATE SET fail_mode = excluded.fail_mode";
 pub(super) const LIST_FAIL_MODES: &str = "SELECT tenant_id, fail_mode FROM tenant_budget_settings";
+pub(super) const SET_CACHE_POLICY: &str = "INSERT INTO tenant_cache_policies (tenant_id, policy) \
+     VALUES ($1, $2) ON CONFLICT (tenant_id) DO UPDATE SET policy = excluded.policy";
+pub(super) const LIST_CACHE_POLICIES: &str =
+    "SELECT tenant_id, policy FROM tenant_cache_policies ORDER BY tenant_id";
+pub(super) const DELETE_CACHE_POLICY: &str =
+    "DELETE FROM tenant_cache_policies WHERE tenant_id = $1";
 
 macro_rules! sql_store {
     ($store:ident, $row:ty) => {
@@ -92,6 +98,7 @@ macro_rules! sql_store {
             use super::super::sql::*;
             use super::super::{new_id, now, ApiKey, NewBudget, NewKey, Store, StoreError, Tenant};
             use crate::budget::{Action, BudgetPolicy, FailMode, Limit, RateLimit, Scope, Window};
+            use crate::cache::CachePolicy;
             use crate::pricing::Price;
 
             fn tenant(row: &$row) -> Result<Tenant, StoreError> {
@@ -466,6 +473,49 @@ macro_rules! sql_store {
                             ))
                         })
                         .collect()
+                }
+
+                async fn set_cache_policy(
+                    &self,
+                    tenant_id: &str,
+                    policy: &CachePolicy,
+                ) -> Result<(), StoreError> {
+                    let json = serde_json::to_string(policy)
+                        .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+                    sqlx::query(SET_CACHE_POLICY)
+                        .bind(tenant_id)
+                        .bind(json)
+                        .execute(&self.pool)
+                        .await?;
+                    Ok(())
+                }
+
+                async fn list_cache_policies(
+                    &self,
+                ) -> Result<Vec<(String, CachePolicy)>, StoreError> {
+                    let rows = sqlx::query(LIST_CACHE_POLICIES)
+                        .fetch_all(&self.pool)
+                        .await?;
+                    rows.iter()
+                        .map(|r| {
+                            let json: String = r.try_get("policy")?;
+                            Ok((
+                                r.try_get("tenant_id")?,
+                                serde_json::from_str(&json).map_err(|_| {
+                                    StoreError::Corrupt("tenant_cache_policies.policy".into())
+                                })?,
+                            ))
+                        })
+                        .collect()
+                }
+
+                async fn delete_cache_policy(&self, tenant_id: &str) -> Result<bool, StoreError> {
+                    let n = sqlx::query(DELETE_CACHE_POLICY)
+                        .bind(tenant_id)
+                        .execute(&self.pool)
+                        .await?
+                        .rows_affected();
+                    Ok(n > 0)
                 }
             }
         }

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# What the response cache buys end to end: requests/s and latency through the gateway with the
+# cache off, exact only, and exact + semantic, at a workload where 30% of the requests repeat an
+# earlier question word for word, all measured in the same run against the same simulated small
+# model server (realistic timing: time to first token plus 8 ms per generated token).
+#
+#   bench/cache-throughput.sh                # 20 s per measurement
+#   DURATION=30s CONNS=32 bench/cache-throughput.sh
+#
+# Questions are the `a` side of ../shared/data/qqp-dev.jsonl (real, varied questions), sent with
+# temperature 0 and max_tokens 16. Each wrk connection draws a new question with probability 0.7,
+# and otherwise repeats one of the 200 most recent ones. Hit counts come from the gateway's own
+# metrics. Needs: wrk (apt-get install wrk), python3.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DURATION=${DURATION:-20s}
+CONNS=${CONNS:-16}
+REPEAT=${REPEAT:-0.3}
+PAIRS=${PAIRS:-../shared/data/qqp-dev.jsonl}
+P_UP=${P_UP:-19301}
+P_OFF=${P_OFF:-19302}
+P_EXACT=${P_EXACT:-19303}
+P_SEM=${P_SEM:-19304}
+
+command -v wrk >/dev/null || { echo "needs wrk: apt-get install wrk" >&2; exit 1; }
+scripts/fetch-model.sh >/dev/null
+. bench/common.sh
+
+python3 - "$PAIRS" "$WORK/questions.txt" <<'EOF'
+import json, sys
+seen, out = set(), []
+for line in open(sys.argv[1]):
+    q = json.loads(line)["a"].replace("\n", " ").strip()
+    if q and q not in seen:
+        seen.add(q); out.append(q)
+open(sys.argv[2], "w").write("\n".join(out) + "\n")
+EOF
+
+cat >"$WORK/load.lua" <<'EOF'
+local questions = {}
+for line in io.lines(os.getenv("QUESTIONS")) do questions[#questions + 1] = line end
+local repeat_share = tonumber(os.getenv("REPEAT"))
+local key = os.getenv("KEY")
+local threads = 0
+function setup(thread) thread:set("tid", threads); threads = threads + 1 end
+local recent, next_q = {}, 0
+function init(args)
+  math.randomseed(tid * 7919 + 17)
+  next_q = tid * 100000
+end
+local function escape(s) return (s:gsub('\\', '\\\\'):gsub('"', '\\"')) end
+function request()
+  local q
+  if #recent > 0 and math.random() < repeat_share then
+    q = recent[math.random(#recent)]
+  else
+    next_q = next_q + 1
+    q = questions[(next_q % #questions) + 1] .. " (" .. next_q .. ")"
+    recent[#recent % 200 + 1] = q
+  end
+  local body = '{"model":"fast","temperature":0,"max_tokens":16,"messages":[{"role":"user","content":"' .. escape(q) .. '"}]}'
+  return wrk.format("POST", "/v1/chat/completions",
+    {["Content-Type"] = "application/json", ["Authorization"] = "Bearer " .. key}, body)
+end
+EOF
+
+"$BIN/gateway" simulate --profile small --model sim-small --port "$P_UP" >"$WORK/sim.log" 2>&1 &
+PIDS+=($!)
+wait_port "$P_UP"
+
+metric() { # PORT LAYER RESULT
+  curl -s "http://127.0.0.1:$1/metrics" |
+    awk -v l="$2" -v r="$3" '$0 ~ "^gateway_cache_lookups_total\\{layer=\""l"\",result=\""r"\"\\}" {print $2}'
+}
+
+printf '| cache | requests/s | p50 ms | p99 ms | exact hits | semantic hits | semantic skipped |\n|---|---|---|---|---|---|---|\n' >"$WORK/table.md"
+run() { # NAME PORT MODE
+  start_gateway "$1" "$2" "$P_UP" "[cache]
+mode = \"$3\""
+  if [ "$3" = semantic ]; then
+    for _ in $(seq 1 600); do
+      curl -s "http://127.0.0.1:$2/metrics" | grep -q '^gateway_cache_semantic_ready 1' && break
+      sleep 0.5
+    done
+  fi
+  QUESTIONS="$WORK/questions.txt" REPEAT="$REPEAT" KEY=$(cat "$WORK/$1.key") \
+    wrk -t2 -c"$CONNS" -d"$DURATION" --latency -s "$WORK/load.lua" "http://127.0.0.1:$2" >"$WORK/$1.wrk"
+  local rps p50 p99
+  rps=$(awk '/^Requests\/sec/ {print $2}' "$WORK/$1.wrk")
+  p50=$(awk '$1 == "50%" {print $2}' "$WORK/$1.wrk")
+  p99=$(awk '$1 == "99%" {print $2}' "$WORK/$1.wrk")
+  printf '| %s | %s | %s | %s | %s | %s | %s |\n' "$1" "$rps" "$p50" "$p99" \
+    "$(metric "$2" exact hit)" "$(metric "$2" semantic hit)" "$(metric "$2" semantic skipped)" >>"$WORK/table.md"
+  grep -q 'Non-2xx' "$WORK/$1.wrk" && { echo "$1: errors:"; cat "$WORK/$1.wrk"; }
+  return 0
+}
+
+run off "$P_OFF" off
+run exact "$P_EXACT" exact
+run semantic "$P_SEM" semantic
+echo "connections $CONNS, $DURATION each, repeat share $REPEAT, upstream: simulated small profile"
+cat "$WORK/table.md"

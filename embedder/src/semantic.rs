@@ -1,0 +1,178 @@
+//! The semantic cache's decision, independent of where vectors are computed: search the query's
+//! namespace for the nearest stored questions, then let the [`Verifier`] judge each candidate
+//! pair, and answer only when it is confident enough.
+//!
+//! Cosine similarity alone cannot tell "IIT JEE 2016 cutoff" from "IIT JEE 2017 cutoff"; the
+//! verifier sees the token-level alignment of the two texts (a single differing year shows as one
+//! token without a match), so each stored entry keeps its text and contextual token vectors.
+//!
+//! [`SemanticIndex`] is synchronous and single-owner: the gateway runs it on a dedicated thread
+//! (next to the embedding model), so async request handlers never wait on a lock.
+
+use std::collections::HashMap;
+
+use crate::bert::TextVectors;
+use crate::index::{EntryId, VectorIndex};
+use crate::static_embed::StaticEmbedder;
+use crate::verifier::{alignment, features, TransformerSignals, Verifier};
+
+/// The verifier artefact trained on the dev set (`gateway embed train-verifier`), shipped with
+/// the crate.
+pub const SHIPPED_VERIFIER: &str = include_str!("../assets/verifier.json");
+
+/// A stored question: what the verifier needs to judge a new one against it.
+#[derive(Debug)]
+struct Stored {
+    text: String,
+    tokens: Vec<Vec<f32>>,
+    /// The caller's key for the cached answer.
+    key: u128,
+}
+
+/// A verified match.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Verdict {
+    /// The caller's key for the cached answer.
+    pub key: u128,
+    /// Cosine similarity of the two sentence vectors.
+    pub cosine: f32,
+    /// The verifier's probability that the two are the same question.
+    pub probability: f32,
+}
+
+/// Nearest-neighbour search plus verification over stored questions.
+pub struct SemanticIndex {
+    index: Box<dyn VectorIndex>,
+    entries: HashMap<EntryId, Stored>,
+    verifier: Verifier,
+    table: StaticEmbedder,
+    next_id: EntryId,
+}
+
+impl std::fmt::Debug for SemanticIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SemanticIndex")
+            .field("entries", &self.entries.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Load a verifier artefact, checking that it was trained on this build's features.
+pub fn load_verifier(json: &str) -> Result<Verifier, String> {
+    let v: Verifier =
+        serde_json::from_str(json).map_err(|e| format!("unreadable verifier: {e}"))?;
+    let expected: Vec<&str> = crate::verifier::FEATURES.to_vec();
+    if v.features
+        .iter()
+        .map(String::as_str)
+        .ne(expected.iter().copied())
+    {
+        return Err(format!(
+            "the verifier was trained on features {:?}, this build computes {expected:?}; \
+             retrain it with `gateway embed train-verifier`",
+            v.features
+        ));
+    }
+    if v.curve.is_empty() {
+        return Err("the verifier has no held-out curve".into());
+    }
+    Ok(v)
+}
+
+impl SemanticIndex {
+    /// Wrap `index` (CPU or GPU); `table` is the static embedder the verifier's features use.
+    pub fn new(index: Box<dyn VectorIndex>, verifier: Verifier, table: StaticEmbedder) -> Self {
+        Self {
+            index,
+            entries: HashMap::new(),
+            verifier,
+            table,
+            next_id: 1,
+        }
+    }
+
+    /// The verifier (its held-out curve maps a precision target to a threshold).
+    pub fn verifier(&self) -> &Verifier {
+        &self.verifier
+    }
+
+    /// Stored questions.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Nothing stored.
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// The best of the `k` nearest stored questions in `ns` (cosine ≥ `min_cosine`) whose
+    /// verifier probability reaches `threshold`, if any.
+    #[allow(clippy::too_many_arguments)]
+    pub fn best(
+        &mut self,
+        ns: u64,
+        text: &str,
+        query: &TextVectors,
+        k: usize,
+        min_cosine: f32,
+        threshold: f32,
+        now_ms: i64,
+    ) -> Option<Verdict> {
+        let hits = self.index.search(ns, &query.0, k, min_cosine, now_ms);
+        let mut best: Option<Verdict> = None;
+        for hit in hits {
+            let Some(stored) = self.entries.get(&hit.id) else {
+                continue;
+            };
+            let (align_min, align_mean) = alignment(&query.1, &stored.tokens);
+            let signals = TransformerSignals {
+                cosine: hit.score,
+                align_min,
+                align_mean,
+            };
+            let f = features(text, &stored.text, signals, &self.table);
+            let probability = self.verifier.probability(&f);
+            if probability >= threshold && best.is_none_or(|b| probability > b.probability) {
+                best = Some(Verdict {
+                    key: stored.key,
+                    cosine: hit.score,
+                    probability,
+                });
+            }
+        }
+        best
+    }
+
+    /// Store a question (`text` and its vectors) answered by the caller's `key`.
+    pub fn insert(&mut self, ns: u64, text: String, vectors: TextVectors, key: u128, now_ms: i64) {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.index.insert(ns, id, &vectors.0, now_ms);
+        self.entries.insert(
+            id,
+            Stored {
+                text,
+                tokens: vectors.1,
+                key,
+            },
+        );
+        // The index evicts on its own (LRU, TTL); drop what it no longer holds, amortised.
+        if self.entries.len() > 2 * self.index.len() + 64 {
+            let index = &self.index;
+            self.entries.retain(|id, _| index.contains(*id));
+        }
+    }
+}
+
+#[cfg(test)]
+#[expect(clippy::expect_used, reason = "tests")]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_verifier_matches_this_build() {
+        let v = load_verifier(SHIPPED_VERIFIER).expect("shipped verifier loads");
+        assert!(v.threshold_for(0.5).is_some());
+    }
+}

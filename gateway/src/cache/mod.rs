@@ -1,0 +1,510 @@
+//! The response cache: an exact layer (hash of the canonical request) and a semantic layer
+//! (nearest stored question in the same namespace, confirmed by the verifier).
+//!
+//! - Only what the tenant's [`CachePolicy`] marks cacheable is looked up or stored (default:
+//!   `temperature: 0`, no tools); `Cache-Control: no-cache` skips the lookup (the fresh answer
+//!   is still stored), `no-store` bypasses the cache both ways.
+//! - Nothing is shared across tenants: the tenant id is part of every key and namespace.
+//! - The semantic layer only ever matches within a namespace: tenant, endpoint, client model,
+//!   every parameter but the last user message (so system prompt, tools, sampling parameters and
+//!   the earlier conversation must be identical), and answers only above the verifier threshold
+//!   for the tenant's precision target.
+//! - Responses live in the exact layer (bounded in bytes, per-entry time to live); the semantic
+//!   index points at exact-layer keys, so an expired answer is gone for both layers.
+//!
+//! The pipeline calls [`Cache::plan`], then [`Cache::lookup`] before the budget step, and
+//! [`Cache::fill`] when a fresh answer completed.
+
+pub mod semantic;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::config::CacheConfig;
+use crate::metrics::Metrics;
+use crate::openai::{Endpoint, ParsedRequest, Usage};
+use crate::store::{Store, StoreError};
+use crate::usage::CacheStatus;
+
+/// Response header saying how the cache answered: `hit-exact`, `hit-semantic`, `miss` (looked
+/// up, answered upstream) or `bypass` (not cacheable under the tenant's policy).
+pub const CACHE_HEADER: &str = "x-gateway-cache";
+
+/// Which layers a tenant uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheMode {
+    /// No caching.
+    Off,
+    /// Exact repeats only.
+    Exact,
+    /// Exact repeats, then paraphrases (the semantic layer).
+    Semantic,
+}
+
+impl CacheMode {
+    /// Parse `off`, `exact` or `semantic`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "off" => Some(Self::Off),
+            "exact" => Some(Self::Exact),
+            "semantic" => Some(Self::Semantic),
+            _ => None,
+        }
+    }
+}
+
+/// A tenant's cache policy; fields left out take the config's defaults.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CachePolicy {
+    /// Which layers to use.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<CacheMode>,
+    /// Time to live of this tenant's cached answers, seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_secs: Option<u64>,
+    /// The point on the verifier's held-out curve: the precision a semantic hit must have
+    /// (higher: fewer, safer hits).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_precision: Option<f64>,
+    /// Also cache sampled requests (temperature absent or above 0): a repeat then gets the same
+    /// sample instead of a new one.
+    #[serde(default)]
+    pub any_temperature: bool,
+    /// Also cache requests with tools (exact layer only; the tools are part of the key).
+    #[serde(default)]
+    pub tools: bool,
+}
+
+/// What the client said in `Cache-Control`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Directives {
+    /// `no-cache`: do not answer from the cache (a fresh answer is still stored).
+    pub no_cache: bool,
+    /// `no-store`: neither answer from nor store into the cache.
+    pub no_store: bool,
+}
+
+impl Directives {
+    /// Read `Cache-Control` directives (case-insensitive, comma-separated).
+    pub fn parse(value: Option<&str>) -> Self {
+        let mut d = Self::default();
+        for part in value.unwrap_or_default().split(',') {
+            match part.trim().to_ascii_lowercase().as_str() {
+                "no-cache" => d.no_cache = true,
+                "no-store" => d.no_store = true,
+                _ => {}
+            }
+        }
+        d
+    }
+}
+
+/// A cached answer.
+#[derive(Debug)]
+pub struct Entry {
+    /// The non-streamed response body.
+    pub body: Bytes,
+    /// The model that produced it.
+    pub served_model: String,
+    /// Its tier.
+    pub tier: String,
+    /// What producing it consumed (what a hit saves).
+    pub usage: Usage,
+    /// Time to live.
+    pub ttl: Duration,
+}
+
+/// The semantic part of a lookup: the namespace and the text.
+#[derive(Debug, Clone)]
+pub struct SemanticQuery {
+    /// Hash of everything that must match exactly.
+    pub ns: u64,
+    /// The question.
+    pub text: String,
+    /// Verifier probability a hit needs (from the tenant's precision target).
+    pub threshold: f32,
+    /// The question's vectors, once embedded (kept to index the fresh answer).
+    pub vectors: Option<Arc<embedder::bert::TextVectors>>,
+}
+
+/// A request's cache plan, from [`Cache::plan`] to [`Cache::fill`].
+#[derive(Debug, Clone)]
+pub struct Lookup {
+    /// Exact-layer key (tenant + canonical request).
+    pub key: u128,
+    /// Answer from the cache (not with `no-cache`).
+    pub read: bool,
+    /// Store the fresh answer (cleared when a budget clamped or downgraded the request: that
+    /// answer is not what the request asked for).
+    pub write: bool,
+    /// Time to live of the answer.
+    pub ttl: Duration,
+    /// The semantic layer's part, when it applies.
+    pub semantic: Option<SemanticQuery>,
+}
+
+/// A cache hit.
+#[derive(Debug)]
+pub struct Found {
+    /// The answer.
+    pub entry: Arc<Entry>,
+    /// `HitExact` or `HitSemantic`.
+    pub status: CacheStatus,
+    /// Cosine similarity and verifier probability, for semantic hits.
+    pub similarity: Option<(f32, f32)>,
+}
+
+/// The cache of one gateway replica.
+pub struct Cache {
+    config: CacheConfig,
+    policies: ArcSwap<HashMap<String, CachePolicy>>,
+    store: Arc<dyn Store>,
+    exact: moka::sync::Cache<u128, Arc<Entry>>,
+    semantic: Option<semantic::Semantic>,
+    metrics: Metrics,
+}
+
+impl std::fmt::Debug for Cache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cache")
+            .field("entries", &self.exact.entry_count())
+            .finish_non_exhaustive()
+    }
+}
+
+struct PerEntryTtl;
+
+impl moka::Expiry<u128, Arc<Entry>> for PerEntryTtl {
+    fn expire_after_create(&self, _: &u128, entry: &Arc<Entry>, _: Instant) -> Option<Duration> {
+        Some(entry.ttl)
+    }
+}
+
+fn sha128(parts: &[&[u8]]) -> u128 {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for p in parts {
+        h.update((p.len() as u64).to_le_bytes());
+        h.update(p);
+    }
+    let d = h.finalize();
+    let mut b = [0u8; 16];
+    b.copy_from_slice(&d[..16]);
+    u128::from_le_bytes(b)
+}
+
+/// A message's text when it is a plain text message (a string, or text parts only).
+fn message_text(content: Option<&Value>) -> Option<String> {
+    match content? {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(parts) => {
+            let mut out = String::new();
+            for p in parts {
+                if p.get("type").and_then(Value::as_str) != Some("text") {
+                    return None;
+                }
+                out.push_str(p.get("text")?.as_str()?);
+            }
+            Some(out)
+        }
+        _ => None,
+    }
+}
+
+/// The question a semantic lookup embeds, and the rest of the request (which must match
+/// exactly): for chat the last message when it is a user's text, for completions a single
+/// string prompt.
+fn split_question(req: &ParsedRequest) -> Option<(String, Map<String, Value>)> {
+    let mut rest = req.body.clone();
+    for k in ["stream", "stream_options", "user", "model"] {
+        rest.remove(k);
+    }
+    let text = match req.endpoint {
+        Endpoint::Chat => {
+            let Some(Value::Array(messages)) = rest.get_mut("messages") else {
+                return None;
+            };
+            let last = messages.pop()?;
+            if last.get("role").and_then(Value::as_str) != Some("user") {
+                return None;
+            }
+            message_text(last.get("content"))?
+        }
+        Endpoint::Completions => match rest.remove("prompt")? {
+            Value::String(s) => s,
+            _ => return None,
+        },
+        Endpoint::Embeddings => return None,
+    };
+    (!text.trim().is_empty()).then_some((text, rest))
+}
+
+fn has_tools(body: &Map<String, Value>) -> bool {
+    ["tools", "functions"].iter().any(|f| match body.get(*f) {
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(Value::Null) | None => false,
+        Some(_) => true,
+    })
+}
+
+/// `temperature` present and exactly 0.
+fn deterministic(body: &Map<String, Value>) -> bool {
+    body.get("temperature")
+        .and_then(Value::as_f64)
+        .is_some_and(|t| t == 0.0)
+}
+
+impl Cache {
+    /// Build the cache; starts the semantic layer's thread when the policy default or any
+    /// tenant may use it and the model is present.
+    pub async fn new(
+        config: CacheConfig,
+        store: Arc<dyn Store>,
+        metrics: Metrics,
+    ) -> anyhow::Result<Self> {
+        let exact = moka::sync::Cache::builder()
+            .max_capacity(config.max_bytes)
+            .weigher(|_k: &u128, e: &Arc<Entry>| {
+                u32::try_from(e.body.len() + e.served_model.len() + 128).unwrap_or(u32::MAX)
+            })
+            .expire_after(PerEntryTtl)
+            .build();
+        let semantic = semantic::Semantic::start(&config.semantic, metrics.clone())
+            .map_err(anyhow::Error::msg)?;
+        let cache = Self {
+            config,
+            policies: ArcSwap::from_pointee(HashMap::new()),
+            store,
+            exact,
+            semantic,
+            metrics,
+        };
+        cache.refresh().await?;
+        Ok(cache)
+    }
+
+    /// Reload every tenant's policy (called every `store.key_refresh_ms`).
+    pub async fn refresh(&self) -> Result<(), StoreError> {
+        let all = self.store.list_cache_policies().await?;
+        self.policies.store(Arc::new(all.into_iter().collect()));
+        self.metrics
+            .cache_entries
+            .set(i64::try_from(self.exact.entry_count()).unwrap_or(i64::MAX));
+        self.metrics
+            .cache_bytes
+            .set(i64::try_from(self.exact.weighted_size()).unwrap_or(i64::MAX));
+        Ok(())
+    }
+
+    /// The policy in force for `tenant_id`, defaults filled in.
+    pub fn policy(&self, tenant_id: &str) -> CachePolicy {
+        let own = self
+            .policies
+            .load()
+            .get(tenant_id)
+            .cloned()
+            .unwrap_or_default();
+        CachePolicy {
+            mode: Some(own.mode.unwrap_or(self.config.mode)),
+            ttl_secs: Some(own.ttl_secs.unwrap_or(self.config.ttl_secs)),
+            min_precision: Some(own.min_precision.unwrap_or(self.config.min_precision)),
+            ..own
+        }
+    }
+
+    /// Whether the semantic layer is loaded and answering.
+    pub fn semantic_ready(&self) -> bool {
+        self.semantic
+            .as_ref()
+            .is_some_and(semantic::Semantic::ready)
+    }
+
+    /// The verifier curve's point for `precision` (`None` before the semantic layer is ready
+    /// or when the curve never reaches it).
+    pub fn curve_point(&self, precision: f64) -> Option<embedder::verifier::CurvePoint> {
+        self.semantic.as_ref()?.curve_point(precision)
+    }
+
+    /// Decide whether (and how) `req` of `tenant_id` uses the cache. `None`: bypass.
+    pub fn plan(
+        &self,
+        tenant_id: &str,
+        req: &ParsedRequest,
+        directives: Directives,
+    ) -> Option<Lookup> {
+        let policy = self.policy(tenant_id);
+        let mode = policy.mode.unwrap_or(CacheMode::Off);
+        if mode == CacheMode::Off || directives.no_store {
+            return None;
+        }
+        let tools = has_tools(&req.body);
+        if req.endpoint != Endpoint::Embeddings {
+            if tools && !policy.tools {
+                return None;
+            }
+            if !policy.any_temperature && !deterministic(&req.body) {
+                return None;
+            }
+        }
+        let key = sha128(&[tenant_id.as_bytes(), req.fingerprint().as_bytes()]);
+        let read = !directives.no_cache;
+        let semantic = match (&self.semantic, mode) {
+            (Some(s), CacheMode::Semantic) if read && !tools && req.choices() == 1 => {
+                let threshold = s.threshold_for(policy.min_precision.unwrap_or(1.0));
+                match (threshold, split_question(req)) {
+                    (Some(threshold), Some((text, rest))) => {
+                        let mut rest = Value::Object(rest);
+                        crate::openai::canonical_numbers(&mut rest);
+                        let rest = serde_json::to_vec(&rest).unwrap_or_default();
+                        let ns = sha128(&[
+                            tenant_id.as_bytes(),
+                            req.endpoint.label().as_bytes(),
+                            req.model.as_bytes(),
+                            &rest,
+                        ]) as u64;
+                        Some(SemanticQuery {
+                            ns,
+                            text,
+                            threshold,
+                            vectors: None,
+                        })
+                    }
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        Some(Lookup {
+            key,
+            read,
+            write: true,
+            ttl: Duration::from_secs(policy.ttl_secs.unwrap_or(self.config.ttl_secs)),
+            semantic,
+        })
+    }
+
+    /// Look `lookup` up: the exact layer, then the semantic one. Keeps the question's vectors
+    /// in `lookup` for [`Cache::fill`].
+    pub async fn lookup(&self, lookup: &mut Lookup) -> Option<Found> {
+        if !lookup.read {
+            return None;
+        }
+        let lookups = &self.metrics.cache_lookups;
+        if let Some(entry) = self.exact.get(&lookup.key) {
+            lookups.with_label_values(&["exact", "hit"]).inc();
+            return Some(Found {
+                entry,
+                status: CacheStatus::HitExact,
+                similarity: None,
+            });
+        }
+        lookups.with_label_values(&["exact", "miss"]).inc();
+        let (Some(s), Some(q)) = (&self.semantic, lookup.semantic.as_mut()) else {
+            return None;
+        };
+        let started = Instant::now();
+        let Some(result) = s.lookup(q.ns, &q.text, q.threshold).await else {
+            lookups.with_label_values(&["semantic", "skipped"]).inc();
+            return None;
+        };
+        self.metrics
+            .cache_semantic_seconds
+            .observe(started.elapsed().as_secs_f64());
+        q.vectors = Some(result.vectors);
+        let found = result.verdict.and_then(|v| {
+            self.exact.get(&v.key).map(|entry| Found {
+                entry,
+                status: CacheStatus::HitSemantic,
+                similarity: Some((v.cosine, v.probability)),
+            })
+        });
+        let outcome = if found.is_some() { "hit" } else { "miss" };
+        lookups.with_label_values(&["semantic", outcome]).inc();
+        found
+    }
+
+    /// Store a fresh answer under `lookup` (when it may be stored and is not too large).
+    pub fn fill(&self, lookup: Lookup, entry: Entry) {
+        if !lookup.write || entry.body.len() as u64 > self.config.max_entry_bytes {
+            return;
+        }
+        self.exact.insert(lookup.key, Arc::new(entry));
+        if let (Some(s), Some(q)) = (&self.semantic, lookup.semantic) {
+            if let Some(vectors) = q.vectors {
+                s.insert(q.ns, q.text, vectors, lookup.key);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "tests")]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn chat(v: Value) -> ParsedRequest {
+        ParsedRequest::parse(Endpoint::Chat, v.to_string().as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn cache_control_directives() {
+        assert_eq!(
+            Directives::parse(Some("No-Cache, max-age=0")),
+            Directives {
+                no_cache: true,
+                no_store: false
+            }
+        );
+        assert!(Directives::parse(Some("no-store")).no_store);
+        assert_eq!(Directives::parse(None), Directives::default());
+    }
+
+    #[test]
+    fn the_question_is_the_last_user_text_and_the_rest_must_match() {
+        let a = chat(json!({"model": "fast", "temperature": 0, "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "How do I boil an egg?"}]}]}));
+        let (text, rest) = split_question(&a).unwrap();
+        assert_eq!(text, "How do I boil an egg?");
+        assert_eq!(
+            rest["messages"],
+            json!([{"role": "system", "content": "Be brief."}])
+        );
+        assert!(!rest.contains_key("model"));
+        let b = chat(json!({"model": "fast", "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}));
+        assert!(
+            split_question(&b).is_none(),
+            "last message is not the user's"
+        );
+        let c = chat(
+            json!({"model": "fast", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x"}}]}]}),
+        );
+        assert!(split_question(&c).is_none(), "not text");
+    }
+
+    #[test]
+    fn tools_and_temperature_are_read_from_the_body() {
+        let mut body = Map::new();
+        assert!(!deterministic(&body));
+        body.insert("temperature".into(), json!(0));
+        assert!(deterministic(&body));
+        body.insert("temperature".into(), json!(0.2));
+        assert!(!deterministic(&body));
+        assert!(!has_tools(&body));
+        body.insert("tools".into(), json!([]));
+        assert!(!has_tools(&body));
+        body.insert("tools".into(), json!([{"type": "function"}]));
+        assert!(has_tools(&body));
+    }
+}

@@ -1,0 +1,325 @@
+//! The semantic layer's worker: one dedicated thread owns the embedding model, the static table,
+//! the vector index and the verifier. Requests hand it jobs over a channel and await a oneshot
+//! reply, so no async task ever blocks on the model; lookups that arrive together are embedded
+//! in one batch.
+//!
+//! Overload never slows the gateway down: when more than `max_queue` lookups are waiting, or a
+//! reply takes longer than `lookup_timeout_ms`, the request goes on as a miss.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use embedder::bert::{BertEmbedder, Embed, TextVectors};
+use embedder::index::{CpuIndex, VectorIndex};
+use embedder::semantic::{load_verifier, SemanticIndex, Verdict, SHIPPED_VERIFIER};
+use embedder::static_embed::StaticEmbedder;
+use embedder::verifier::Verifier;
+use tokio::sync::oneshot;
+
+use crate::config::{EmbedDevice, SemanticConfig};
+use crate::metrics::Metrics;
+
+/// What a lookup found: the question's vectors (to index the fresh answer later) and the best
+/// verified match, if any.
+#[derive(Debug)]
+pub struct Looked {
+    /// Sentence and token vectors of the question.
+    pub vectors: Arc<TextVectors>,
+    /// The verified match.
+    pub verdict: Option<Verdict>,
+}
+
+enum Job {
+    Lookup {
+        ns: u64,
+        text: String,
+        threshold: f32,
+        reply: oneshot::Sender<Looked>,
+    },
+    Insert {
+        ns: u64,
+        text: String,
+        vectors: Arc<TextVectors>,
+        key: u128,
+        at: Instant,
+    },
+}
+
+/// Handle to the worker thread.
+#[derive(Debug)]
+pub struct Semantic {
+    tx: mpsc::Sender<Job>,
+    queued: Arc<AtomicUsize>,
+    verifier: Arc<OnceLock<Verifier>>,
+    max_queue: usize,
+    timeout: Duration,
+}
+
+/// Index entries outlive nothing: an answer's lifetime is the exact layer's, which the index
+/// entry points into. This only bounds how long a stale vector is kept.
+const INDEX_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
+
+impl Semantic {
+    /// Start the worker, or return `None` (with a log line saying why the semantic layer is
+    /// off) when the model is missing. `device = "cuda"` without a usable GPU is an error.
+    pub fn start(config: &SemanticConfig, metrics: Metrics) -> Result<Option<Self>, String> {
+        let gpu = match config.device {
+            EmbedDevice::Cpu => None,
+            EmbedDevice::Cuda => Some(gpu_ordinal().map_err(|e| {
+                format!("cache.semantic.device = \"cuda\", but no GPU can be used: {e}")
+            })?),
+            EmbedDevice::Auto => gpu_ordinal().ok(),
+        };
+        if !BertEmbedder::present(&config.model_dir) {
+            tracing::warn!(
+                model_dir = %config.model_dir.display(),
+                "semantic cache off: no embedding model (run scripts/fetch-model.sh); the exact cache still works"
+            );
+            return Ok(None);
+        }
+        let (tx, rx) = mpsc::channel();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let verifier = Arc::new(OnceLock::new());
+        let worker = Worker {
+            gpu,
+            config: config.clone(),
+            queued: Arc::clone(&queued),
+            verifier: Arc::clone(&verifier),
+            metrics,
+        };
+        let spawned = std::thread::Builder::new()
+            .name("gw-semantic".into())
+            .spawn(move || worker.run(&rx));
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "semantic cache off: could not start its thread");
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            tx,
+            queued,
+            verifier,
+            max_queue: config.max_queue,
+            timeout: Duration::from_millis(config.lookup_timeout_ms),
+        }))
+    }
+
+    /// Whether the model, table and verifier are loaded.
+    pub fn ready(&self) -> bool {
+        self.verifier.get().is_some()
+    }
+
+    /// The verifier threshold that reaches `precision` on its held-out curve (`None` before
+    /// the layer is ready or when the curve never gets there).
+    pub fn threshold_for(&self, precision: f64) -> Option<f32> {
+        self.curve_point(precision).map(|p| p.threshold)
+    }
+
+    /// The held-out curve's point for `precision`.
+    pub fn curve_point(&self, precision: f64) -> Option<embedder::verifier::CurvePoint> {
+        self.verifier.get()?.threshold_for(precision)
+    }
+
+    /// Embed `text` and find its best verified match in `ns`; `None` when skipped (not ready,
+    /// queue full, too slow).
+    pub async fn lookup(&self, ns: u64, text: &str, threshold: f32) -> Option<Looked> {
+        if !self.ready() || self.queued.load(Ordering::Relaxed) >= self.max_queue {
+            return None;
+        }
+        let (reply, rx) = oneshot::channel();
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        let job = Job::Lookup {
+            ns,
+            text: text.to_owned(),
+            threshold,
+            reply,
+        };
+        if self.tx.send(job).is_err() {
+            self.queued.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        tokio::time::timeout(self.timeout, rx).await.ok()?.ok()
+    }
+
+    /// Index a fresh answer's question.
+    pub fn insert(&self, ns: u64, text: String, vectors: Arc<TextVectors>, key: u128) {
+        let _ = self.tx.send(Job::Insert {
+            ns,
+            text,
+            vectors,
+            key,
+            at: Instant::now(),
+        });
+    }
+}
+
+/// An embedding model and a vector index, on one device.
+type Backend = (Box<dyn Embed>, Box<dyn VectorIndex>);
+
+/// The GPU to use, when this build and machine have one.
+#[cfg(feature = "cuda")]
+fn gpu_ordinal() -> Result<usize, String> {
+    embedder::cuda::available()
+        .map(|_| 0)
+        .map_err(|e| e.to_string())
+}
+
+/// The GPU to use, when this build and machine have one.
+#[cfg(not(feature = "cuda"))]
+fn gpu_ordinal() -> Result<usize, String> {
+    Err("this gateway was built without the `cuda` feature (cargo build --features cuda)".into())
+}
+
+/// The embedder and index on `gpu`, or on the CPU.
+#[cfg(feature = "cuda")]
+fn backend(dir: &Path, gpu: Option<usize>, capacity: usize) -> Result<Backend, String> {
+    use embedder::cuda::{GpuEmbedder, GpuIndex};
+    match gpu {
+        Some(ordinal) => Ok((
+            Box::new(GpuEmbedder::load(dir, ordinal).map_err(|e| e.to_string())?),
+            Box::new(
+                GpuIndex::new(embedder::bert::DIM, capacity, INDEX_TTL_MS, ordinal)
+                    .map_err(|e| e.to_string())?,
+            ),
+        )),
+        None => cpu_backend(dir, capacity),
+    }
+}
+
+/// The embedder and index on the CPU (this build has no GPU path).
+#[cfg(not(feature = "cuda"))]
+fn backend(dir: &Path, _gpu: Option<usize>, capacity: usize) -> Result<Backend, String> {
+    cpu_backend(dir, capacity)
+}
+
+fn cpu_backend(dir: &Path, capacity: usize) -> Result<Backend, String> {
+    Ok((
+        Box::new(BertEmbedder::load(dir).map_err(|e| e.to_string())?),
+        Box::new(CpuIndex::new(embedder::bert::DIM, capacity, INDEX_TTL_MS)),
+    ))
+}
+
+struct Worker {
+    gpu: Option<usize>,
+    config: SemanticConfig,
+    queued: Arc<AtomicUsize>,
+    verifier: Arc<OnceLock<Verifier>>,
+    metrics: Metrics,
+}
+
+/// Load the static table next to the model, distilling (and saving) it on first use.
+fn static_table(dir: &Path) -> Result<StaticEmbedder, String> {
+    let table = dir.join("static.bin");
+    let tokenizer = dir.join("tokenizer.json");
+    if table.exists() {
+        return StaticEmbedder::load(&table, &tokenizer).map_err(|e| e.to_string());
+    }
+    tracing::info!(path = %table.display(), "distilling the static embedding table (once)");
+    let bert = BertEmbedder::load(dir).map_err(|e| e.to_string())?;
+    let distilled = StaticEmbedder::distill(&bert, |_, _| {}).map_err(|e| e.to_string())?;
+    if let Err(e) = distilled.save(&table) {
+        tracing::warn!(error = %e, "could not save the static table; it will be distilled again at the next start");
+    }
+    Ok(distilled)
+}
+
+impl Worker {
+    fn load(&self) -> Result<(Box<dyn Embed>, SemanticIndex, Verifier), String> {
+        let dir = &self.config.model_dir;
+        let table = static_table(dir)?;
+        let (model, index) = backend(dir, self.gpu, self.config.capacity)?;
+        let json = match &self.config.verifier {
+            Some(path) => std::fs::read_to_string(path)
+                .map_err(|e| format!("reading verifier {}: {e}", path.display()))?,
+            None => SHIPPED_VERIFIER.to_owned(),
+        };
+        let verifier = load_verifier(&json)?;
+        let semantic = SemanticIndex::new(index, verifier.clone(), table);
+        Ok((model, semantic, verifier))
+    }
+
+    fn run(self, rx: &mpsc::Receiver<Job>) {
+        let started = Instant::now();
+        let (bert, mut index, verifier) = match self.load() {
+            Ok(loaded) => loaded,
+            Err(e) => {
+                tracing::error!(error = %e, "semantic cache off: could not load it");
+                return;
+            }
+        };
+        let epoch = Instant::now();
+        let now_ms = |at: Instant| i64::try_from(at.duration_since(epoch).as_millis()).unwrap_or(0);
+        let _ = self.verifier.set(verifier);
+        self.metrics.cache_semantic_ready.set(1);
+        tracing::info!(
+            seconds = started.elapsed().as_secs_f64(),
+            device = bert.device(),
+            "semantic cache ready"
+        );
+        while let Ok(first) = rx.recv() {
+            let mut jobs = vec![first];
+            while jobs.len() < self.config.batch {
+                match rx.try_recv() {
+                    Ok(job) => jobs.push(job),
+                    Err(_) => break,
+                }
+            }
+            let mut lookups = Vec::new();
+            for job in jobs {
+                match job {
+                    Job::Insert {
+                        ns,
+                        text,
+                        vectors,
+                        key,
+                        at,
+                    } => {
+                        let vectors = Arc::unwrap_or_clone(vectors);
+                        index.insert(ns, text, vectors, key, now_ms(at));
+                    }
+                    Job::Lookup {
+                        ns,
+                        text,
+                        threshold,
+                        reply,
+                    } => {
+                        self.queued.fetch_sub(1, Ordering::Relaxed);
+                        // The caller gave up waiting: skip the work.
+                        if !reply.is_closed() {
+                            lookups.push((ns, text, threshold, reply));
+                        }
+                    }
+                }
+            }
+            if lookups.is_empty() {
+                continue;
+            }
+            let texts: Vec<&str> = lookups.iter().map(|(_, t, _, _)| t.as_str()).collect();
+            let embedded = match bert.embed_with_tokens(&texts) {
+                Ok(v) => v,
+                Err(e) => {
+                    tracing::warn!(error = %e, "semantic cache: embedding failed; treated as misses");
+                    continue;
+                }
+            };
+            let now = now_ms(Instant::now());
+            for ((ns, text, threshold, reply), vectors) in lookups.into_iter().zip(embedded) {
+                let verdict = index.best(
+                    ns,
+                    &text,
+                    &vectors,
+                    self.config.candidates,
+                    self.config.min_cosine,
+                    threshold,
+                    now,
+                );
+                let _ = reply.send(Looked {
+                    vectors: Arc::new(vectors),
+                    verdict,
+                });
+            }
+        }
+    }
+}

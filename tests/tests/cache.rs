@@ -1,0 +1,450 @@
+//! The response cache end to end: exact hits (buffered and replayed as SSE to a real client),
+//! what is and is not cacheable, `Cache-Control`, tenant isolation, per-tenant policies through
+//! `gatewayctl`, time to live, settlement of hits (cost 0, saved cost), and the semantic layer
+//! with the real all-MiniLM-L6-v2 model and the shipped verifier.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use async_openai::types::chat::CreateChatCompletionRequestArgs;
+use e2e::{config, replica, Sim, StoreKind, TestApp};
+use futures_util::StreamExt;
+use gateway::config::Config;
+use gateway::usage::CacheStatus;
+use serde_json::{json, Value};
+
+fn cache_header(r: &reqwest::Response) -> String {
+    r.headers()
+        .get("x-gateway-cache")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default()
+}
+
+fn deterministic(text: &str) -> Value {
+    json!({"model": "fast", "temperature": 0, "messages": [{"role": "user", "content": text}]})
+}
+
+/// A gateway in front of one zero-latency simulator per tier, exact cache only (no model).
+async fn exact_app(kind: StoreKind) -> (TestApp, Sim) {
+    let sim = Sim::zero("sim-small").await;
+    let large = Sim::zero("sim-large").await;
+    let mut c: Config = config(
+        vec![replica("s1", &sim.url, "sim-small")],
+        vec![replica("l1", &large.url, "sim-large")],
+    );
+    c.cache.semantic.model_dir = "/nonexistent/model".into();
+    c.prices.insert(
+        "sim-small".into(),
+        gateway::config::PriceConfig {
+            input: 1.0,
+            output: 2.0,
+            cached_input: None,
+        },
+    );
+    std::mem::forget(large);
+    (TestApp::spawn(c, kind).await, sim)
+}
+
+#[tokio::test]
+async fn exact_repeats_are_answered_from_the_cache_and_settled_at_cost_zero() {
+    for kind in e2e::BOTH {
+        let (mut app, sim) = exact_app(kind).await;
+        let body = deterministic("What is the capital of France?");
+        let first = app.chat(body.clone()).await;
+        assert_eq!(first.status(), 200);
+        assert_eq!(cache_header(&first), "miss");
+        let first_body: Value = first.json().await.unwrap();
+        let miss = app.next_event().await;
+        assert_eq!(miss.cache_status, CacheStatus::Miss);
+        assert!(miss.cost_micros > 0, "the miss is charged");
+
+        // Key order and delivery fields do not matter; the answer is byte-identical.
+        let reordered = json!({"messages": [{"content": "What is the capital of France?", "role": "user"}],
+                               "user": "someone", "temperature": 0, "model": "fast"});
+        let second = app.chat(reordered).await;
+        assert_eq!(cache_header(&second), "hit-exact");
+        assert_eq!(
+            second.headers()["x-gateway-served-model"].to_str().unwrap(),
+            "sim-small"
+        );
+        let second_body: Value = second.json().await.unwrap();
+        assert_eq!(first_body, second_body);
+        assert_eq!(
+            sim.sim.requests(),
+            1,
+            "the repeat never reached the upstream"
+        );
+        let hit = app.next_event().await;
+        assert_eq!(hit.cache_status, CacheStatus::HitExact);
+        assert_eq!(hit.cost_micros, 0);
+        assert_eq!(hit.prompt_tokens + hit.completion_tokens, 0);
+        assert_eq!(
+            hit.saved_micros, miss.cost_micros,
+            "saved what the miss cost"
+        );
+        assert_eq!(hit.served_model.as_deref(), Some("sim-small"));
+
+        // A streamed repeat is replayed as SSE to a real client, with usage when asked.
+        let client = app.openai(&app.api_key);
+        let req = CreateChatCompletionRequestArgs::default()
+            .model("fast")
+            .temperature(0.0)
+            .messages(vec![
+                async_openai::types::chat::ChatCompletionRequestUserMessageArgs::default()
+                    .content("What is the capital of France?")
+                    .build()
+                    .unwrap()
+                    .into(),
+            ])
+            .stream(true)
+            .stream_options(async_openai::types::chat::ChatCompletionStreamOptions {
+                include_usage: Some(true),
+                include_obfuscation: None,
+            })
+            .build()
+            .unwrap();
+        let mut stream = client.chat().create_stream(req).await.unwrap();
+        let (mut text, mut usage, mut finish) = (String::new(), None, None);
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.unwrap();
+            for c in &chunk.choices {
+                if let Some(t) = &c.delta.content {
+                    text.push_str(t);
+                }
+                if c.finish_reason.is_some() {
+                    finish = Some(());
+                }
+            }
+            if chunk.usage.is_some() {
+                usage = chunk.usage;
+            }
+        }
+        assert_eq!(
+            text,
+            first_body["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+        );
+        assert!(finish.is_some(), "the replay finishes its choice");
+        assert_eq!(
+            u64::from(usage.expect("usage chunk replayed").completion_tokens),
+            first_body["usage"]["completion_tokens"].as_u64().unwrap()
+        );
+        assert_eq!(sim.sim.requests(), 1);
+        assert_eq!(app.next_event().await.cache_status, CacheStatus::HitExact);
+
+        // A streamed miss is assembled and cached for non-streamed repeats too.
+        let mut streamed = deterministic("Name a prime number.");
+        streamed["stream"] = json!(true);
+        let r = app.chat(streamed.clone()).await;
+        assert_eq!(cache_header(&r), "miss");
+        let sse = r.text().await.unwrap();
+        assert!(!sse.contains("\"usage\":{"), "usage not asked for: {sse}");
+        let _ = app.next_event().await;
+        let r = app.chat(deterministic("Name a prime number.")).await;
+        assert_eq!(cache_header(&r), "hit-exact");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["object"], "chat.completion");
+        let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+        let streamed_text: String = sse
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .filter_map(|c| {
+                c["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .map(str::to_owned)
+            })
+            .collect();
+        assert_eq!(content, streamed_text);
+        assert_eq!(sim.sim.requests(), 2);
+        let m = app.metrics().await;
+        assert!(
+            m.contains("gateway_cache_lookups_total{layer=\"exact\",result=\"hit\"} 3"),
+            "{m}"
+        );
+        assert!(m.contains("gateway_cache_semantic_ready 0"));
+        app.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn only_cacheable_requests_use_the_cache_and_never_across_tenants() {
+    let (mut app, sim) = exact_app(StoreKind::Sqlite).await;
+    let mut calls = 0;
+    let mut send_twice = async |body: Value, headers: &[(&str, &str)], expect: [&str; 2]| {
+        for want in expect {
+            let mut req = app
+                .http
+                .post(format!("{}/v1/chat/completions", app.base))
+                .bearer_auth(&app.api_key)
+                .json(&body);
+            for (k, v) in headers {
+                req = req.header(*k, *v);
+            }
+            let r = req.send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            assert_eq!(cache_header(&r), want, "{body} {headers:?}");
+            calls += 1;
+        }
+    };
+    // Sampled (temperature absent or > 0): each call is a new sample.
+    send_twice(
+        json!({"model": "fast", "messages": [{"role": "user", "content": "a poem"}]}),
+        &[],
+        ["bypass", "bypass"],
+    )
+    .await;
+    let mut warm = deterministic("tools?");
+    warm["tools"] = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+    send_twice(warm, &[], ["bypass", "bypass"]).await;
+    send_twice(
+        deterministic("no store"),
+        &[("cache-control", "no-store")],
+        ["bypass", "bypass"],
+    )
+    .await;
+    // no-cache: always fresh, but the fresh answer is stored.
+    send_twice(
+        deterministic("fresh"),
+        &[("cache-control", "no-cache")],
+        ["miss", "miss"],
+    )
+    .await;
+    send_twice(deterministic("fresh"), &[], ["hit-exact", "hit-exact"]).await;
+    assert_eq!(sim.sim.requests(), 8, "{calls} calls");
+    for _ in 0..calls {
+        app.next_event().await;
+    }
+
+    // Another tenant asking the same question gets its own answer.
+    let r = app
+        .admin(
+            reqwest::Method::POST,
+            "tenants",
+            Some(json!({"name": "globex"})),
+        )
+        .await;
+    let tenant: Value = r.json().await.unwrap();
+    let r = app
+        .admin(
+            reqwest::Method::POST,
+            "keys",
+            Some(json!({"tenant": tenant["id"]})),
+        )
+        .await;
+    let key: Value = r.json().await.unwrap();
+    let secret = key["key"].as_str().unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let r = app
+        .http
+        .post(format!("{}/v1/chat/completions", app.base))
+        .bearer_auth(secret)
+        .json(&deterministic("fresh"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(cache_header(&r), "miss");
+    assert_eq!(sim.sim.requests(), 9);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn tenant_policies_from_gatewayctl_switch_modes_and_time_to_live() {
+    let (app, sim) = exact_app(StoreKind::Sqlite).await;
+    let (ok, out) = app
+        .ctl(&["cache", "set", "--tenant", "acme", "--mode", "off"])
+        .await;
+    assert!(ok, "{out}");
+    assert!(out.contains("off"), "{out}");
+    let body = deterministic("policy?");
+    for _ in 0..2 {
+        assert_eq!(cache_header(&app.chat(body.clone()).await), "bypass");
+    }
+    let (ok, out) = app
+        .ctl(&[
+            "cache",
+            "set",
+            "--tenant",
+            "acme",
+            "--mode",
+            "exact",
+            "--ttl-secs",
+            "1",
+            "--any-temperature",
+        ])
+        .await;
+    assert!(ok, "{out}");
+    let sampled = json!({"model": "fast", "messages": [{"role": "user", "content": "sampled"}]});
+    assert_eq!(cache_header(&app.chat(sampled.clone()).await), "miss");
+    assert_eq!(cache_header(&app.chat(sampled.clone()).await), "hit-exact");
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    assert_eq!(
+        cache_header(&app.chat(sampled.clone()).await),
+        "miss",
+        "expired after its ttl"
+    );
+    let (ok, out) = app.ctl(&["cache", "show", "--tenant", "acme"]).await;
+    assert!(ok && out.contains("exact") && out.contains("yes"), "{out}");
+    let (ok, out) = app
+        .ctl(&["cache", "set", "--tenant", "acme", "--min-precision", "1.5"])
+        .await;
+    assert!(!ok && out.contains("between 0 and 1"), "{out}");
+    let (ok, out) = app.ctl(&["cache", "reset", "--tenant", "acme"]).await;
+    assert!(ok && out.contains("no (defaults)"), "{out}");
+    assert_eq!(cache_header(&app.chat(sampled).await), "bypass");
+    assert_eq!(sim.sim.requests(), 5);
+    app.stop().await;
+}
+
+fn model_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/all-MiniLM-L6-v2")
+}
+
+#[tokio::test]
+async fn paraphrases_hit_the_semantic_layer_and_near_misses_do_not() {
+    let sim = Sim::zero("sim-small").await;
+    let large = Sim::zero("sim-large").await;
+    let mut c = config(
+        vec![replica("s1", &sim.url, "sim-small")],
+        vec![replica("l1", &large.url, "sim-large")],
+    );
+    c.cache.semantic.model_dir = model_dir();
+    assert!(
+        c.cache
+            .semantic
+            .model_dir
+            .join("model.safetensors")
+            .exists(),
+        "run scripts/fetch-model.sh"
+    );
+    // Generous: the static table is distilled on first use when scripts/test.sh did not.
+    c.cache.semantic.lookup_timeout_ms = 5_000;
+    let mut app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    while !app.state.cache.semantic_ready() {
+        assert!(std::time::Instant::now() < deadline, "semantic layer loads");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let set_precision = async |p: &str| {
+        let (ok, out) = app
+            .ctl(&["cache", "set", "--tenant", "acme", "--min-precision", p])
+            .await;
+        assert!(ok && out.contains("verifier threshold"), "{out}");
+    };
+    let ask = async |system: Option<&str>, text: &str| {
+        let mut body = deterministic(text);
+        if let Some(s) = system {
+            body["messages"] = json!([{"role": "system", "content": s},
+                                      {"role": "user", "content": text}]);
+        }
+        let r = app.chat(body).await;
+        assert_eq!(r.status(), 200);
+        cache_header(&r)
+    };
+    let (a, b) = (
+        "How can I learn to cook Italian food at home?",
+        "How do I learn to cook Italian food at home?",
+    );
+    // The tenant's precision target picks the verifier threshold: at 0.95 this paraphrase
+    // is not confident enough, at 0.9 it is.
+    set_precision("0.95").await;
+    assert_eq!(ask(None, a).await, "miss");
+    assert_eq!(ask(None, b).await, "miss");
+    set_precision("0.9").await;
+    assert_eq!(ask(Some("Be brief."), a).await, "miss");
+    assert_eq!(ask(Some("Be brief."), b).await, "hit-semantic");
+    // One differing number: the verifier refuses what cosine similarity alone (0.97) accepts.
+    assert_eq!(
+        ask(
+            None,
+            "What was the IIT JEE 2016 cutoff for general category?"
+        )
+        .await,
+        "miss"
+    );
+    assert_eq!(
+        ask(
+            None,
+            "What was the IIT JEE 2017 cutoff for general category?"
+        )
+        .await,
+        "miss"
+    );
+    assert_eq!(sim.sim.requests(), 5);
+    let mut events = Vec::new();
+    for _ in 0..6 {
+        events.push(app.next_event().await);
+    }
+    let hit = &events[3];
+    assert_eq!(hit.cache_status, CacheStatus::HitSemantic);
+    assert_eq!(hit.cost_micros, 0);
+
+    // A different system prompt is a different namespace: no hit, however close the question.
+    let mut other = deterministic("How do I learn to cook Italian food at home?");
+    other["messages"] = json!([{"role": "system", "content": "Answer in French."},
+                               {"role": "user", "content": "How do I learn to cook Italian food at home?"}]);
+    let r = app.chat(other).await;
+    assert_eq!(cache_header(&r), "miss");
+    assert_eq!(sim.sim.requests(), 6);
+    let m = app.metrics().await;
+    assert!(m.contains("gateway_cache_semantic_ready 1"), "{m}");
+    assert!(
+        m.contains("gateway_cache_lookups_total{layer=\"semantic\",result=\"hit\"} 1"),
+        "{m}"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn asking_for_cuda_without_a_usable_gpu_is_a_clear_startup_error() {
+    let sim = Sim::zero("sim-small").await;
+    let mut c = config(
+        vec![replica("s1", &sim.url, "sim-small")],
+        vec![replica("l1", &sim.url, "sim-small")],
+    );
+    c.cache.semantic.device = gateway::config::EmbedDevice::Cuda;
+    let store = e2e::TestStore::new(StoreKind::Sqlite).await.unwrap();
+    c.store.url = store.url.clone();
+    let deps = gateway::Deps {
+        store: Some(std::sync::Arc::clone(&store.store)),
+        ..Default::default()
+    };
+    match gateway::AppState::build(c, deps).await {
+        // A machine with a GPU and a `cuda` build may start; everywhere else it must say why not.
+        Ok(_) => eprintln!("a GPU is usable here: nothing to check"),
+        Err(e) => {
+            let message = format!("{e:#}");
+            assert!(
+                message.contains("cache.semantic.device") && message.contains("no GPU can be used"),
+                "{message}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn an_answer_clamped_by_a_budget_is_not_cached() {
+    let (app, sim) = exact_app(StoreKind::Sqlite).await;
+    let r = app
+        .admin(
+            reqwest::Method::POST,
+            "budgets",
+            Some(json!({"tenant": "acme", "window": "day", "limit_tokens": 400})),
+        )
+        .await;
+    assert_eq!(r.status(), 201);
+    let mut body = deterministic("Tell me everything.");
+    body["max_tokens"] = json!(1000);
+    let r = app.chat(body.clone()).await;
+    assert_eq!(r.status(), 200);
+    assert!(r.headers().contains_key("x-gateway-budget-clamped"));
+    assert_eq!(cache_header(&r), "miss");
+    // Not the answer to the request as asked: the repeat goes upstream again.
+    let r = app.chat(body).await;
+    assert_eq!(cache_header(&r), "miss");
+    assert_eq!(sim.sim.requests(), 2);
+    app.stop().await;
+}

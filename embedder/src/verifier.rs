@@ -7,8 +7,9 @@
 //! the transformer's contextual token vector: the weakest match shows a single differing year,
 //! place or quantity); mismatched numbers,
 //! capitalised words (entities), negations and question words; length ratio and word overlap.
-//! The model is logistic regression on standardised features, trained with k-fold
-//! cross-validation (`gateway embed train-verifier`); the held-out curve ships in the artefact
+//! The model is gradient-boosted regression trees (logistic loss; a differing number can veto a
+//! high cosine, which a linear model cannot express), trained with k-fold cross-validation
+//! (`gateway embed train-verifier`); the held-out curve ships in the artefact
 //! so a tenant setting can pick a point on it (a target precision → a threshold).
 
 use std::collections::BTreeSet;
@@ -146,19 +147,93 @@ pub fn features(a: &str, b: &str, t: TransformerSignals, table: &StaticEmbedder)
     ]
 }
 
-/// A trained verifier: standardisation, logistic weights, and its cross-validated curve.
+/// One node of a regression tree: a split (`feature`, go left when the value is at most
+/// `threshold`) or, when `feature` is [`LEAF`], a leaf holding `value`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct Node {
+    /// Feature index, or [`LEAF`].
+    pub feature: u16,
+    /// Split threshold.
+    pub threshold: f32,
+    /// Left child (index in the tree's nodes).
+    pub left: u32,
+    /// Right child.
+    pub right: u32,
+    /// Leaf value (log-odds contribution, before the learning rate).
+    pub value: f32,
+}
+
+/// [`Node::feature`] of a leaf.
+pub const LEAF: u16 = u16::MAX;
+
+/// One regression tree, root first.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Tree {
+    /// Nodes; children always come after their parent.
+    pub nodes: Vec<Node>,
+}
+
+impl Tree {
+    fn predict(&self, f: &[f32]) -> f32 {
+        let mut i = 0usize;
+        loop {
+            let Some(n) = self.nodes.get(i) else {
+                return 0.0;
+            };
+            if n.feature == LEAF {
+                return n.value;
+            }
+            let v = f.get(usize::from(n.feature)).copied().unwrap_or(0.0);
+            i = if v <= n.threshold { n.left } else { n.right } as usize;
+        }
+    }
+}
+
+/// How the trees are grown.
+#[derive(Debug, Clone, Copy)]
+pub struct Params {
+    /// Boosting rounds (trees).
+    pub trees: usize,
+    /// Depth of each tree.
+    pub depth: usize,
+    /// Shrinkage of each tree's contribution.
+    pub learning_rate: f32,
+    /// L2 regularisation of leaf values.
+    pub l2: f32,
+    /// Least samples in a leaf.
+    pub min_leaf: usize,
+    /// Share of the samples each tree sees (drawn by a fixed generator).
+    pub subsample: f64,
+    /// Candidate split points per feature (quantiles).
+    pub bins: usize,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Self {
+            trees: 200,
+            depth: 3,
+            learning_rate: 0.1,
+            l2: 1.0,
+            min_leaf: 20,
+            subsample: 0.8,
+            bins: 64,
+        }
+    }
+}
+
+/// A trained verifier: gradient-boosted regression trees on the log-odds, and its
+/// cross-validated curve.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Verifier {
     /// Feature names (must equal [`FEATURES`] to load).
     pub features: Vec<String>,
-    /// Per-feature mean.
-    pub mean: Vec<f32>,
-    /// Per-feature standard deviation.
-    pub scale: Vec<f32>,
-    /// Logistic weights.
-    pub weights: Vec<f32>,
-    /// Logistic bias.
-    pub bias: f32,
+    /// Log-odds before any tree (the training set's base rate).
+    pub base: f32,
+    /// Shrinkage applied to every tree.
+    pub learning_rate: f32,
+    /// The trees.
+    pub trees: Vec<Tree>,
     /// Held-out (cross-validated) precision/recall by threshold on the verifier's probability.
     pub curve: Vec<CurvePoint>,
     /// What it was trained on.
@@ -190,57 +265,179 @@ fn sigmoid(z: f32) -> f32 {
     1.0 / (1.0 + (-z).exp())
 }
 
-impl Verifier {
-    /// Fit logistic regression (full-batch gradient descent, L2) on `x` / `y`.
-    pub fn fit(x: &[Vec<f32>], y: &[bool], epochs: usize, l2: f32) -> Self {
-        let d = FEATURES.len();
-        let n = x.len().max(1) as f32;
-        let mut mean = vec![0.0f32; d];
-        for row in x {
-            for (m, v) in mean.iter_mut().zip(row) {
-                *m += v / n;
-            }
+/// A fixed xorshift generator (reproducible folds and subsamples).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Training data binned once: per feature, its candidate thresholds and each sample's bin (the
+/// first threshold at or above its value; `thresholds.len()` when above all).
+struct Binned {
+    thresholds: Vec<Vec<f32>>,
+    bins: Vec<Vec<u8>>,
+}
+
+impl Binned {
+    fn new(x: &[Vec<f32>], bins: usize) -> Self {
+        let d = x.first().map_or(0, Vec::len);
+        let bins = bins.clamp(2, 255);
+        let mut thresholds = Vec::with_capacity(d);
+        let mut assigned = Vec::with_capacity(d);
+        for j in 0..d {
+            let mut values: Vec<f32> = x.iter().map(|r| r[j]).collect();
+            values.sort_by(f32::total_cmp);
+            let mut t: Vec<f32> = (1..bins)
+                .map(|q| values[(q * values.len() / bins).min(values.len() - 1)])
+                .collect();
+            t.dedup();
+            let b = x
+                .iter()
+                .map(|r| u8::try_from(t.partition_point(|&c| c < r[j])).unwrap_or(u8::MAX))
+                .collect();
+            thresholds.push(t);
+            assigned.push(b);
         }
-        let mut scale = vec![0.0f32; d];
-        for row in x {
-            for ((s, v), m) in scale.iter_mut().zip(row).zip(&mean) {
-                *s += (v - m) * (v - m) / n;
-            }
+        Self {
+            thresholds,
+            bins: assigned,
         }
-        scale.iter_mut().for_each(|s| *s = s.sqrt().max(1e-6));
-        let z: Vec<Vec<f32>> = x
-            .iter()
-            .map(|r| {
-                r.iter()
-                    .zip(&mean)
-                    .zip(&scale)
-                    .map(|((v, m), s)| (v - m) / s)
-                    .collect()
-            })
-            .collect();
-        let (mut w, mut b) = (vec![0.0f32; d], 0.0f32);
-        let lr = 0.5f32;
-        for _ in 0..epochs {
-            let (mut gw, mut gb) = (vec![0.0f32; d], 0.0f32);
-            for (row, &label) in z.iter().zip(y) {
-                let p = sigmoid(row.iter().zip(&w).map(|(a, b)| a * b).sum::<f32>() + b);
-                let err = p - if label { 1.0 } else { 0.0 };
-                for (g, v) in gw.iter_mut().zip(row) {
-                    *g += err * v / n;
+    }
+}
+
+struct Grower<'a> {
+    data: &'a Binned,
+    g: &'a [f32],
+    h: &'a [f32],
+    p: Params,
+    nodes: Vec<Node>,
+}
+
+impl Grower<'_> {
+    fn leaf(&mut self, rows: &[usize]) -> u32 {
+        let (g, h) = rows.iter().fold((0.0f32, 0.0f32), |(g, h), &i| {
+            (g + self.g[i], h + self.h[i])
+        });
+        self.nodes.push(Node {
+            feature: LEAF,
+            threshold: 0.0,
+            left: 0,
+            right: 0,
+            value: -g / (h + self.p.l2),
+        });
+        (self.nodes.len() - 1) as u32
+    }
+
+    /// The best split of `rows`: (gain, feature, bin).
+    fn best_split(&self, rows: &[usize]) -> Option<(f32, usize, usize)> {
+        let (gt, ht) = rows.iter().fold((0.0f32, 0.0f32), |(g, h), &i| {
+            (g + self.g[i], h + self.h[i])
+        });
+        let score = |g: f32, h: f32| g * g / (h + self.p.l2);
+        let parent = score(gt, ht);
+        let mut best: Option<(f32, usize, usize)> = None;
+        for (j, t) in self.data.thresholds.iter().enumerate() {
+            let mut hist = vec![(0.0f32, 0.0f32, 0usize); t.len() + 1];
+            for &i in rows {
+                let e = &mut hist[usize::from(self.data.bins[j][i])];
+                e.0 += self.g[i];
+                e.1 += self.h[i];
+                e.2 += 1;
+            }
+            let (mut gl, mut hl, mut nl) = (0.0f32, 0.0f32, 0usize);
+            for (b, e) in hist.iter().enumerate().take(t.len()) {
+                gl += e.0;
+                hl += e.1;
+                nl += e.2;
+                let nr = rows.len() - nl;
+                if nl < self.p.min_leaf || nr < self.p.min_leaf {
+                    continue;
                 }
-                gb += err / n;
+                let gain = score(gl, hl) + score(gt - gl, ht - hl) - parent;
+                if gain > 1e-6 && best.is_none_or(|(bg, _, _)| gain > bg) {
+                    best = Some((gain, j, b));
+                }
             }
-            for (wi, g) in w.iter_mut().zip(&gw) {
-                *wi -= lr * (g + l2 * *wi);
+        }
+        best
+    }
+
+    fn grow(&mut self, rows: &[usize], depth: usize) -> u32 {
+        if depth >= self.p.depth || rows.len() < 2 * self.p.min_leaf {
+            return self.leaf(rows);
+        }
+        let Some((_, j, b)) = self.best_split(rows) else {
+            return self.leaf(rows);
+        };
+        let (left, right): (Vec<usize>, Vec<usize>) = rows
+            .iter()
+            .partition(|&&i| usize::from(self.data.bins[j][i]) <= b);
+        let at = self.nodes.len();
+        self.nodes.push(Node {
+            feature: u16::try_from(j).unwrap_or(LEAF),
+            threshold: self.data.thresholds[j][b],
+            left: 0,
+            right: 0,
+            value: 0.0,
+        });
+        let l = self.grow(&left, depth + 1);
+        let r = self.grow(&right, depth + 1);
+        self.nodes[at].left = l;
+        self.nodes[at].right = r;
+        at as u32
+    }
+}
+
+impl Verifier {
+    /// Fit gradient-boosted trees (logistic loss, Newton leaf values) on `x` / `y`.
+    pub fn fit(x: &[Vec<f32>], y: &[bool], p: Params) -> Self {
+        let n = x.len();
+        let positives = y.iter().filter(|&&l| l).count() as f32;
+        let rate = ((positives + 1.0) / (n as f32 + 2.0)).clamp(1e-4, 1.0 - 1e-4);
+        let base = (rate / (1.0 - rate)).ln();
+        let data = Binned::new(x, p.bins);
+        let mut score = vec![base; n];
+        let (mut g, mut h) = (vec![0.0f32; n], vec![0.0f32; n]);
+        let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+        let mut trees = Vec::with_capacity(p.trees);
+        for _ in 0..p.trees {
+            for i in 0..n {
+                let q = sigmoid(score[i]);
+                g[i] = q - if y[i] { 1.0 } else { 0.0 };
+                h[i] = (q * (1.0 - q)).max(1e-6);
             }
-            b -= lr * gb;
+            let rows: Vec<usize> = (0..n).filter(|_| rng.unit() < p.subsample).collect();
+            let mut grower = Grower {
+                data: &data,
+                g: &g,
+                h: &h,
+                p,
+                nodes: Vec::new(),
+            };
+            grower.grow(&rows, 0);
+            let tree = Tree {
+                nodes: grower.nodes,
+            };
+            for (s, row) in score.iter_mut().zip(x) {
+                *s += p.learning_rate * tree.predict(row);
+            }
+            trees.push(tree);
         }
         Self {
             features: FEATURES.iter().map(|s| (*s).to_owned()).collect(),
-            mean,
-            scale,
-            weights: w,
-            bias: b,
+            base,
+            learning_rate: p.learning_rate,
+            trees,
             curve: Vec::new(),
             trained_on: String::new(),
         }
@@ -248,14 +445,8 @@ impl Verifier {
 
     /// Probability that the pair with features `f` is a true duplicate.
     pub fn probability(&self, f: &[f32]) -> f32 {
-        let z: f32 = f
-            .iter()
-            .zip(&self.mean)
-            .zip(&self.scale)
-            .zip(&self.weights)
-            .map(|(((v, m), s), w)| (v - m) / s * w)
-            .sum();
-        sigmoid(z + self.bias)
+        let z: f32 = self.trees.iter().map(|t| t.predict(f)).sum();
+        sigmoid(self.base + self.learning_rate * z)
     }
 
     /// The lowest threshold whose held-out precision reaches `precision` (a tenant's setting),
@@ -271,26 +462,24 @@ impl Verifier {
 
 /// Held-out probabilities from `k`-fold cross-validation (folds by a fixed shuffle), in input
 /// order: each pair is scored by a model that never saw it.
-pub fn cross_validate(x: &[Vec<f32>], y: &[bool], k: usize, epochs: usize, l2: f32) -> Vec<f32> {
+pub fn cross_validate(x: &[Vec<f32>], y: &[bool], k: usize, params: Params) -> Vec<f32> {
     let n = x.len();
+    let k = k.max(2);
     let mut order: Vec<usize> = (0..n).collect();
-    // Fixed Fisher-Yates shuffle (xorshift), so folds are reproducible.
-    let mut s = 0x2545_F491_4F6C_DD1Du64;
+    // Fixed Fisher-Yates shuffle, so folds are reproducible.
+    let mut rng = Rng(0x2545_F491_4F6C_DD1D);
     for i in (1..n).rev() {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        order.swap(i, (s % (i as u64 + 1)) as usize);
+        order.swap(i, (rng.next() % (i as u64 + 1)) as usize);
     }
     let mut out = vec![0.0f32; n];
-    for fold in 0..k.max(2) {
-        let held: Vec<usize> = order.iter().copied().skip(fold).step_by(k.max(2)).collect();
+    for fold in 0..k {
+        let held: Vec<usize> = order.iter().copied().skip(fold).step_by(k).collect();
         let held_set: BTreeSet<usize> = held.iter().copied().collect();
         let (tx, ty): (Vec<Vec<f32>>, Vec<bool>) = (0..n)
             .filter(|i| !held_set.contains(i))
             .map(|i| (x[i].clone(), y[i]))
             .unzip();
-        let model = Verifier::fit(&tx, &ty, epochs, l2);
+        let model = Verifier::fit(&tx, &ty, params);
         for i in held {
             out[i] = model.probability(&x[i]);
         }
@@ -299,6 +488,7 @@ pub fn cross_validate(x: &[Vec<f32>], y: &[bool], k: usize, epochs: usize, l2: f
 }
 
 #[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "tests")]
 mod tests {
     use super::*;
 
@@ -319,22 +509,28 @@ mod tests {
     }
 
     #[test]
-    fn logistic_regression_separates_a_separable_set() {
+    fn boosted_trees_learn_an_interaction_a_linear_model_cannot() {
+        // Duplicate exactly when one of two signals is on, not both (XOR): no single weight
+        // per feature can say that; two levels of splits can.
         let d = FEATURES.len();
-        let x: Vec<Vec<f32>> = (0..200)
+        let x: Vec<Vec<f32>> = (0..400)
             .map(|i| {
                 let mut r = vec![0.0; d];
-                r[0] = if i % 2 == 0 { 0.9 } else { 0.2 } + (i % 7) as f32 * 0.01;
+                r[0] = if i % 2 == 0 { 0.9 } else { 0.3 } + (i % 7) as f32 * 0.01;
+                r[4] = if (i / 2) % 2 == 0 { 1.0 } else { 0.0 };
                 r
             })
             .collect();
-        let y: Vec<bool> = (0..200).map(|i| i % 2 == 0).collect();
-        let held = cross_validate(&x, &y, 5, 200, 1e-4);
+        let y: Vec<bool> = x.iter().map(|r| (r[0] > 0.5) != (r[4] > 0.5)).collect();
+        let held = cross_validate(&x, &y, 5, Params::default());
         let correct = held
             .iter()
             .zip(&y)
             .filter(|(p, l)| (**p > 0.5) == **l)
             .count();
-        assert_eq!(correct, 200);
+        assert_eq!(correct, 400);
+        let v = Verifier::fit(&x, &y, Params::default());
+        let back: Verifier = serde_json::from_str(&serde_json::to_string(&v).unwrap()).unwrap();
+        assert_eq!(back.probability(&x[0]), v.probability(&x[0]));
     }
 }

@@ -747,11 +747,12 @@ async fn cache(admin: &Admin, command: CacheCommand) -> anyhow::Result<(Value, S
             "semantic layer not loaded on this replica".to_owned()
         }
     } else {
+        let num = |f: &str| point[f].as_f64().map_or("-".into(), |v| format!("{v:.3}"));
         format!(
             "verifier threshold {} (held-out precision {}, recall {})",
-            s(point, "threshold"),
-            s(point, "precision"),
-            s(point, "recall")
+            num("threshold"),
+            num("precision"),
+            num("recall")
         )
     };
     let h = format!(

@@ -243,10 +243,14 @@ impl Metrics {
             Opts::new(names::CACHE_LOOKUPS, "Cache lookups by layer and result."),
             &["layer", "result"],
         )?;
-        for layer in ["exact", "semantic"] {
-            for result in ["hit", "miss", "skipped"] {
-                cache_lookups.with_label_values(&[layer, result]);
-            }
+        for (layer, result) in [
+            ("exact", "hit"),
+            ("exact", "miss"),
+            ("semantic", "hit"),
+            ("semantic", "miss"),
+            ("semantic", "skipped"),
+        ] {
+            cache_lookups.with_label_values(&[layer, result]);
         }
         let cache_saved = IntCounterVec::new(
             Opts::new(

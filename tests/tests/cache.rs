@@ -348,37 +348,30 @@ async fn paraphrases_hit_the_semantic_layer_and_near_misses_do_not() {
         "How can I learn to cook Italian food at home?",
         "How do I learn to cook Italian food at home?",
     );
-    // The tenant's precision target picks the verifier threshold: at 0.95 this paraphrase
-    // is not confident enough, at 0.9 it is.
-    set_precision("0.95").await;
-    assert_eq!(ask(None, a).await, "miss");
-    assert_eq!(ask(None, b).await, "miss");
     set_precision("0.9").await;
-    assert_eq!(ask(Some("Be brief."), a).await, "miss");
-    assert_eq!(ask(Some("Be brief."), b).await, "hit-semantic");
+    assert_eq!(ask(None, a).await, "miss");
+    assert_eq!(ask(None, b).await, "hit-semantic");
     // One differing number: the verifier refuses what cosine similarity alone (0.97) accepts.
-    assert_eq!(
-        ask(
-            None,
-            "What was the IIT JEE 2016 cutoff for general category?"
-        )
-        .await,
-        "miss"
+    let iit = |year: &str| format!("What was the IIT JEE {year} cutoff for general category?");
+    assert_eq!(ask(None, &iit("2016")).await, "miss");
+    assert_eq!(ask(None, &iit("2017")).await, "miss");
+    // The tenant's precision target picks the verifier threshold: this paraphrase is not
+    // confident enough at 0.9, and is at 0.8 (a new namespace, so nothing is stored yet).
+    let (c, d) = (
+        "How do I lose weight fast?",
+        "What is the fastest way to lose weight?",
     );
-    assert_eq!(
-        ask(
-            None,
-            "What was the IIT JEE 2017 cutoff for general category?"
-        )
-        .await,
-        "miss"
-    );
-    assert_eq!(sim.sim.requests(), 5);
+    assert_eq!(ask(None, c).await, "miss");
+    assert_eq!(ask(None, d).await, "miss");
+    set_precision("0.8").await;
+    assert_eq!(ask(Some("Be brief."), c).await, "miss");
+    assert_eq!(ask(Some("Be brief."), d).await, "hit-semantic");
+    assert_eq!(sim.sim.requests(), 6);
     let mut events = Vec::new();
-    for _ in 0..6 {
+    for _ in 0..8 {
         events.push(app.next_event().await);
     }
-    let hit = &events[3];
+    let hit = &events[1];
     assert_eq!(hit.cache_status, CacheStatus::HitSemantic);
     assert_eq!(hit.cost_micros, 0);
 
@@ -388,11 +381,11 @@ async fn paraphrases_hit_the_semantic_layer_and_near_misses_do_not() {
                                {"role": "user", "content": "How do I learn to cook Italian food at home?"}]);
     let r = app.chat(other).await;
     assert_eq!(cache_header(&r), "miss");
-    assert_eq!(sim.sim.requests(), 6);
+    assert_eq!(sim.sim.requests(), 7);
     let m = app.metrics().await;
     assert!(m.contains("gateway_cache_semantic_ready 1"), "{m}");
     assert!(
-        m.contains("gateway_cache_lookups_total{layer=\"semantic\",result=\"hit\"} 1"),
+        m.contains("gateway_cache_lookups_total{layer=\"semantic\",result=\"hit\"} 2"),
         "{m}"
     );
     app.stop().await;

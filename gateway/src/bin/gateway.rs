@@ -65,6 +65,10 @@ enum EmbedCommand {
         /// Also write every pair's features and label as JSON lines (for analysis).
         #[arg(long)]
         dump_features: Option<PathBuf>,
+        /// Train on features written by `--dump-features` instead of computing them (seconds
+        /// instead of minutes; `--pairs` then only names the source).
+        #[arg(long)]
+        from_features: Option<PathBuf>,
     },
 }
 
@@ -215,8 +219,17 @@ async fn main() -> anyhow::Result<()> {
                     folds,
                     limit,
                     dump_features,
+                    from_features,
                 },
-        } => train_verifier(&pairs, &model, out, folds, limit, dump_features),
+        } => train_verifier(
+            &pairs,
+            &model,
+            out,
+            folds,
+            limit,
+            dump_features,
+            from_features,
+        ),
         Command::Simulate {
             profile,
             port,
@@ -329,27 +342,24 @@ fn train_verifier(
     folds: usize,
     limit: Option<usize>,
     dump_features: Option<PathBuf>,
+    from_features: Option<PathBuf>,
 ) -> anyhow::Result<()> {
     use embedder::eval::{at, threshold_for_precision};
-    use embedder::static_embed::StaticEmbedder;
-    use embedder::verifier::{cross_validate, features, CurvePoint, Verifier};
-    let data = read_pairs(pairs, limit)?;
-    let bert = load_bert(model)?;
-    let table_path = model.join("static.bin");
-    anyhow::ensure!(
-        table_path.is_file(),
-        "no {}: run `gateway embed distill` first",
-        table_path.display()
-    );
-    let table = StaticEmbedder::load(&table_path, &model.join("tokenizer.json"))?;
-    let signals = transformer_signals(&bert, &data)?;
-    let cosines: Vec<f32> = signals.iter().map(|s| s.cosine).collect();
-    let x: Vec<Vec<f32>> = data
-        .iter()
-        .zip(&signals)
-        .map(|(p, &s)| features(&p.a, &p.b, s, &table))
-        .collect();
-    let y: Vec<bool> = data.iter().map(|p| p.duplicate).collect();
+    use embedder::verifier::{cross_validate, CurvePoint, Params, Verifier};
+    let (x, y, source) = match from_features {
+        Some(path) => {
+            let (x, y) = read_features(&path)?;
+            (
+                x,
+                y,
+                format!("{} (features of {})", path.display(), pairs.display()),
+            )
+        }
+        None => {
+            let (x, y) = pair_features(pairs, model, limit)?;
+            (x, y, pairs.display().to_string())
+        }
+    };
     if let Some(path) = dump_features {
         let mut lines = String::new();
         for (f, l) in x.iter().zip(&y) {
@@ -358,11 +368,13 @@ fn train_verifier(
         }
         std::fs::write(&path, lines).with_context(|| format!("writing {}", path.display()))?;
     }
-    let (epochs, l2) = (400, 1e-3);
-    let held = cross_validate(&x, &y, folds, epochs, l2);
+    // The first feature is the transformer cosine: the baseline column.
+    let cosines: Vec<f32> = x.iter().map(|f| f[0]).collect();
+    let params = Params::default();
+    let held = cross_validate(&x, &y, folds, params);
     println!(
         "{} pairs, {} duplicates, {folds}-fold cross-validation (held-out scores)",
-        data.len(),
+        x.len(),
         y.iter().filter(|&&l| l).count()
     );
     println!("  target precision  cosine alone: recall  verifier: recall (threshold)");
@@ -381,14 +393,72 @@ fn train_verifier(
         .map(|i| at(&held, &y, i as f32 / 100.0).into())
         .collect();
     curve.retain(|p| p.recall > 0.0);
-    let mut verifier = Verifier::fit(&x, &y, epochs, l2);
+    let mut verifier = Verifier::fit(&x, &y, params);
     verifier.curve = curve;
-    verifier.trained_on = format!("{} ({} pairs, {folds}-fold)", pairs.display(), data.len());
+    verifier.trained_on = format!("{source} ({} pairs, {folds}-fold)", x.len());
     let out = out.unwrap_or_else(|| model.join("verifier.json"));
     std::fs::write(&out, serde_json::to_vec_pretty(&verifier)?)
         .with_context(|| format!("writing {}", out.display()))?;
     println!("wrote {}", out.display());
     Ok(())
+}
+
+/// Every pair's verifier features and label (the transformer over every text: minutes).
+fn pair_features(
+    pairs: &std::path::Path,
+    model: &std::path::Path,
+    limit: Option<usize>,
+) -> anyhow::Result<(Vec<Vec<f32>>, Vec<bool>)> {
+    use embedder::static_embed::StaticEmbedder;
+    use embedder::verifier::features;
+    let data = read_pairs(pairs, limit)?;
+    let bert = load_bert(model)?;
+    let table_path = model.join("static.bin");
+    anyhow::ensure!(
+        table_path.is_file(),
+        "no {}: run `gateway embed distill` first",
+        table_path.display()
+    );
+    let table = StaticEmbedder::load(&table_path, &model.join("tokenizer.json"))?;
+    let signals = transformer_signals(&bert, &data)?;
+    let x = data
+        .iter()
+        .zip(&signals)
+        .map(|(p, &s)| features(&p.a, &p.b, s, &table))
+        .collect();
+    Ok((x, data.iter().map(|p| p.duplicate).collect()))
+}
+
+/// Features written by `train-verifier --dump-features` (JSON lines `{"features", "duplicate"}`).
+fn read_features(path: &std::path::Path) -> anyhow::Result<(Vec<Vec<f32>>, Vec<bool>)> {
+    #[derive(serde::Deserialize)]
+    struct Row {
+        features: Vec<f32>,
+        duplicate: bool,
+    }
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    for (n, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let row: Row = serde_json::from_str(line)
+            .with_context(|| format!("{}:{}: not a feature row", path.display(), n + 1))?;
+        anyhow::ensure!(
+            row.features.len() == embedder::verifier::FEATURES.len(),
+            "{}:{}: {} features, this build computes {}",
+            path.display(),
+            n + 1,
+            row.features.len(),
+            embedder::verifier::FEATURES.len()
+        );
+        x.push(row.features);
+        y.push(row.duplicate);
+    }
+    anyhow::ensure!(!x.is_empty(), "no rows in {}", path.display());
+    Ok((x, y))
 }
 
 fn embed_eval(

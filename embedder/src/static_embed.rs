@@ -1,5 +1,7 @@
 //! The fast static path: a table of one vector per vocabulary token, distilled from the
-//! transformer (the model2vec recipe, without its PCA): every token of the vocabulary goes
+//! transformer (the model2vec recipe without its PCA reduction and Zipf weighting: both were
+//! measured, see docs/benchmarks.md — they help the static path's own ranking a little but cost
+//! the cache verifier a third of its recall at precision 0.90): every token of the vocabulary goes
 //! through the model on its own (`[CLS] token [SEP]`, mean-pooled like a sentence), and a text's
 //! static embedding is the normalised mean of its tokens' vectors. No matrix products at query
 //! time: microseconds per text, for callers that cannot wait for the transformer (loop
@@ -76,6 +78,16 @@ impl StaticEmbedder {
         })
     }
 
+    /// Whether `path` holds a table this build can load (present, current version).
+    pub fn is_current(path: &Path) -> bool {
+        read_table(path).is_ok()
+    }
+
+    /// The table, `vocab × dim` row-major (row `i` is token id `i`).
+    pub fn table(&self) -> &[f32] {
+        &self.table
+    }
+
     /// Write the table (the tokenizer stays in the model directory).
     pub fn save(&self, path: &Path) -> Result<(), EmbedError> {
         let tmp = path.with_extension("part");
@@ -99,31 +111,7 @@ impl StaticEmbedder {
 
     /// Load a table written by [`StaticEmbedder::save`], with the model's `tokenizer.json`.
     pub fn load(table: &Path, tokenizer: &Path) -> Result<Self, EmbedError> {
-        let mut bytes = Vec::new();
-        std::fs::File::open(table)
-            .and_then(|mut f| f.read_to_end(&mut bytes))
-            .map_err(|e| io(table, e))?;
-        let bad = |m: &str| EmbedError::File {
-            path: table.to_owned(),
-            message: m.to_owned(),
-        };
-        if bytes.len() < 20 || &bytes[..8] != MAGIC {
-            return Err(bad("not a static embedding table"));
-        }
-        let word =
-            |i: usize| u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
-        if word(8) != VERSION {
-            return Err(bad("unsupported table version"));
-        }
-        let (vocab, dim) = (word(12) as usize, word(16) as usize);
-        let body = &bytes[20..];
-        if dim == 0 || body.len() != vocab * dim * 4 {
-            return Err(bad("truncated table"));
-        }
-        let table = body
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let (table, dim) = read_table(table)?;
         let tok =
             Tokenizer::from_file(tokenizer).map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
         Ok(Self {
@@ -178,6 +166,38 @@ impl StaticEmbedder {
         }
         out
     }
+}
+
+/// Read a table file written by [`StaticEmbedder::save`]: (`vocab × dim` rows, `dim`).
+pub fn read_table(path: &Path) -> Result<(Vec<f32>, usize), EmbedError> {
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_to_end(&mut bytes))
+        .map_err(|e| io(path, e))?;
+    let bad = |m: String| EmbedError::File {
+        path: path.to_owned(),
+        message: m,
+    };
+    if bytes.len() < 20 || &bytes[..8] != MAGIC {
+        return Err(bad("not a static embedding table".into()));
+    }
+    let word = |i: usize| u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
+    if word(8) != VERSION {
+        return Err(bad(format!(
+            "static table version {}, this build needs {VERSION}: run `gateway embed distill`",
+            word(8)
+        )));
+    }
+    let (vocab, dim) = (word(12) as usize, word(16) as usize);
+    let body = &bytes[20..];
+    if dim == 0 || body.len() != vocab * dim * 4 {
+        return Err(bad("truncated table".into()));
+    }
+    let table = body
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    Ok((table, dim))
 }
 
 /// Static embeddings read whole texts: no truncation, no padding.

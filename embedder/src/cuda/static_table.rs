@@ -13,10 +13,6 @@ use super::bert::KERNELS;
 use super::{device_err, function, grid, guard, int, Gpu};
 use crate::bert::EmbedError;
 
-/// The table file written by `StaticEmbedder::save`: magic, then version, vocabulary size and
-/// dimension (u32, little-endian), then the f32 rows.
-const MAGIC: &[u8; 8] = b"GWSTATIC";
-const VERSION: u32 = 1;
 /// Threads per block of `static_pool` (one block per text).
 const POOL_BLOCK: u32 = 128;
 
@@ -81,14 +77,7 @@ impl GpuStatic {
     /// [`StaticEmbedder::save`](crate::static_embed::StaticEmbedder::save) onto device
     /// `ordinal`.
     pub fn load(path: &Path, ordinal: usize) -> Result<Self, EmbedError> {
-        let bytes = std::fs::read(path).map_err(|e| EmbedError::File {
-            path: path.to_owned(),
-            message: e.to_string(),
-        })?;
-        let (table, dim) = parse_table(&bytes).map_err(|m| EmbedError::File {
-            path: path.to_owned(),
-            message: m.to_owned(),
-        })?;
+        let (table, dim) = crate::static_embed::read_table(path)?;
         Self::new(&table, dim, ordinal)
     }
 
@@ -174,48 +163,5 @@ impl GpuStatic {
                 .map_err(device_err("running static_pool"))?;
             Ok(flat.chunks_exact(self.dim).map(<[f32]>::to_vec).collect())
         })
-    }
-}
-
-/// Parse a `StaticEmbedder::save` file: the rows and the dimension.
-fn parse_table(bytes: &[u8]) -> Result<(Vec<f32>, usize), &'static str> {
-    if bytes.len() < 20 || &bytes[..8] != MAGIC {
-        return Err("not a static embedding table");
-    }
-    let word = |i: usize| u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
-    if word(8) != VERSION {
-        return Err("unsupported table version");
-    }
-    let (vocab, dim) = (word(12) as usize, word(16) as usize);
-    let body = &bytes[20..];
-    if dim == 0 || body.len() != vocab * dim * 4 {
-        return Err("truncated table");
-    }
-    let table = body
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    Ok((table, dim))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_the_format_static_embedder_saves() {
-        let mut bytes = MAGIC.to_vec();
-        for v in [VERSION, 2, 3] {
-            bytes.extend_from_slice(&v.to_le_bytes());
-        }
-        for x in [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0] {
-            bytes.extend_from_slice(&x.to_le_bytes());
-        }
-        assert_eq!(
-            parse_table(&bytes),
-            Ok((vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 3))
-        );
-        assert!(parse_table(&bytes[..bytes.len() - 1]).is_err());
-        assert!(parse_table(b"GWSTATIX\x01\0\0\0\0\0\0\0\0\0\0\0").is_err());
     }
 }

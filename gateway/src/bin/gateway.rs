@@ -24,6 +24,9 @@ enum EmbedCommand {
         /// Output file (default: static.bin in the model directory).
         #[arg(long)]
         out: Option<PathBuf>,
+        /// Do nothing when the output already holds a table of this build's version.
+        #[arg(long)]
+        if_stale: bool,
     },
     /// Precision, recall and hit rate of the similarity threshold on labelled pairs
     /// (JSON lines `{"a", "b", "duplicate"}`), for the transformer and the static path.
@@ -172,10 +175,20 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Embed {
-            command: EmbedCommand::Distill { model, out },
+            command:
+                EmbedCommand::Distill {
+                    model,
+                    out,
+                    if_stale,
+                },
         } => {
             use embedder::bert::BertEmbedder;
             use embedder::static_embed::StaticEmbedder;
+            let out = out.unwrap_or_else(|| model.join("static.bin"));
+            if if_stale && StaticEmbedder::is_current(&out) {
+                println!("{} is up to date", out.display());
+                return Ok(());
+            }
             anyhow::ensure!(
                 BertEmbedder::present(&model),
                 "no model in {}: run scripts/fetch-model.sh",
@@ -190,7 +203,6 @@ async fn main() -> anyhow::Result<()> {
                     eprintln!("distilling: {done}/{total} tokens");
                 }
             })?;
-            let out = out.unwrap_or_else(|| model.join("static.bin"));
             table.save(&out)?;
             println!(
                 "wrote {} ({} dimensions) in {:.1} s",

@@ -213,9 +213,10 @@ struct Worker {
 fn static_table(dir: &Path) -> Result<StaticEmbedder, String> {
     let table = dir.join("static.bin");
     let tokenizer = dir.join("tokenizer.json");
-    if table.exists() {
+    if StaticEmbedder::is_current(&table) {
         return StaticEmbedder::load(&table, &tokenizer).map_err(|e| e.to_string());
     }
+    // Missing, or written by an older build (a different recipe): distill it again.
     tracing::info!(path = %table.display(), "distilling the static embedding table (once)");
     let bert = BertEmbedder::load(dir).map_err(|e| e.to_string())?;
     let distilled = StaticEmbedder::distill(&bert, |_, _| {}).map_err(|e| e.to_string())?;

@@ -87,6 +87,11 @@ pub struct CacheConfig {
     pub ttl_secs: u64,
     /// Default point on the verifier's held-out curve: the precision a semantic hit must have.
     pub min_precision: f64,
+    /// Also share exact answers through Redis (one URL, or several cluster seed nodes), so a
+    /// repeat hits on every replica. Empty: each replica caches on its own.
+    pub redis_urls: Vec<String>,
+    /// Longest wait for the shared layer before a lookup counts as a miss, ms.
+    pub redis_timeout_ms: u64,
     /// The semantic layer's model and limits.
     pub semantic: SemanticConfig,
 }
@@ -99,6 +104,8 @@ impl Default for CacheConfig {
             max_entry_bytes: 1 << 20,
             ttl_secs: 3600,
             min_precision: 0.9,
+            redis_urls: Vec::new(),
+            redis_timeout_ms: 50,
             semantic: SemanticConfig::default(),
         }
     }

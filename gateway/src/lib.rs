@@ -25,6 +25,7 @@ pub mod middleware;
 pub mod openai;
 pub mod pipeline;
 pub mod pricing;
+pub mod redis_conn;
 pub mod routes;
 pub mod simulator;
 pub mod store;

@@ -48,7 +48,7 @@ pub mod names {
     /// Budget commits waiting for the shared store to come back.
     pub const BUDGET_BACKLOG: &str = "gateway_budget_commit_backlog";
 
-    /// Cache lookups by layer (exact, semantic) and result (hit, miss, skipped).
+    /// Cache lookups by layer (exact, shared, semantic) and result (hit, miss, skipped, error).
     pub const CACHE_LOOKUPS: &str = "gateway_cache_lookups_total";
     /// USD micro-dollars cache hits saved, by tenant.
     pub const CACHE_SAVED: &str = "gateway_cache_saved_micros_total";

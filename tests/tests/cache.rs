@@ -480,3 +480,70 @@ async fn a_saturated_semantic_layer_is_skipped_not_waited_for() {
     );
     app.stop().await;
 }
+
+#[tokio::test]
+async fn with_redis_a_repeat_hits_on_every_replica() {
+    let sim = Sim::zero("sim-small").await;
+    let mut c = config(
+        vec![replica("s1", &sim.url, "sim-small")],
+        vec![replica("l1", &sim.url, "sim-small")],
+    );
+    c.cache.semantic.model_dir = "/nonexistent/model".into();
+    c.cache.redis_urls = vec![e2e::redis_url()];
+    let store = e2e::TestStore::new(StoreKind::Sqlite).await.unwrap();
+    let a = TestApp::spawn_on(c.clone(), store, true).await;
+    let b = TestApp::spawn_on(c.clone(), a.store.reopen().await.unwrap(), false).await;
+    // Unique per run: the shared Redis outlives test runs.
+    let text = format!("Shared across replicas? {}", uuid::Uuid::new_v4());
+    let r = a.chat(deterministic(&text)).await;
+    assert_eq!(cache_header(&r), "miss");
+    let first: Value = r.json().await.unwrap();
+    // The shared copy is written in the background.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let second = loop {
+        let r = b
+            .http
+            .post(format!("{}/v1/chat/completions", b.base))
+            .bearer_auth(&a.api_key)
+            .json(&deterministic(&text))
+            .send()
+            .await
+            .unwrap();
+        if cache_header(&r) == "hit-exact" || std::time::Instant::now() > deadline {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        cache_header(&second),
+        "hit-exact",
+        "replica b sees a's answer"
+    );
+    let second: Value = second.json().await.unwrap();
+    assert_eq!(first, second);
+    let m = b.metrics().await;
+    assert!(
+        m.contains("gateway_cache_lookups_total{layer=\"shared\",result=\"hit\"} 1"),
+        "{m}"
+    );
+
+    // Redis unreachable: a miss within the timeout, and the request is served.
+    let mut down = c.clone();
+    down.cache.redis_urls = vec!["redis://127.0.0.1:1".into()];
+    let d = TestApp::spawn_on(down, a.store.reopen().await.unwrap(), false).await;
+    let started = std::time::Instant::now();
+    let r = d
+        .http
+        .post(format!("{}/v1/chat/completions", d.base))
+        .bearer_auth(&a.api_key)
+        .json(&deterministic("Redis is down"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(cache_header(&r), "miss");
+    assert!(started.elapsed() < Duration::from_secs(2));
+    for app in [a, b, d] {
+        app.stop().await;
+    }
+}

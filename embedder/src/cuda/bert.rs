@@ -169,6 +169,15 @@ pub struct GpuEmbedder {
     ordinal: usize,
 }
 
+impl Drop for GpuEmbedder {
+    fn drop(&mut self) {
+        // Runs before the fields drop: cudarc destroys the cuBLAS handle without binding the
+        // context, so make this device's context current for it (matters for ordinal > 0, or a
+        // thread with another context current).
+        let _ = self.gpu.ctx.bind_to_thread();
+    }
+}
+
 impl std::fmt::Debug for GpuEmbedder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuEmbedder")

@@ -48,14 +48,21 @@ __device__ __forceinline__ float dot8(const uint4 v, const float* q, float acc) 
     return acc;
 }
 
-// Offer (score, row) to a group's sorted (descending) list of `count` entries, at most k kept.
-// Equal scores keep the earlier entry first, and a full list rejects a score equal to its last,
-// as CpuIndex does.
+// (score, row) ordering: higher score first, and on equal scores the lower row. Within a group
+// rows arrive in increasing order, so this keeps the earlier entry on a tie, as CpuIndex does;
+// in the block merge (groups offered in group order, which stops being row order once the
+// grid-stride loop wraps) it keeps the merge consistent with the host's ordering by row.
+__device__ __forceinline__ bool ahead(float s, unsigned int r, float t, unsigned int q) {
+    return s > t || (s == t && r < q);
+}
+
+// Offer (score, row) to a group's sorted list of `count` entries, at most k kept. A full list
+// rejects an entry that is not ahead of its last.
 __device__ __forceinline__ void offer(float* s_score, unsigned int* s_row, int& count, int k,
                                       float score, unsigned int row) {
-    if (count == k && score <= s_score[k - 1]) return;
+    if (count == k && !ahead(score, row, s_score[k - 1], s_row[k - 1])) return;
     int at = count < k ? count : k - 1;
-    while (at > 0 && s_score[at - 1] < score) {
+    while (at > 0 && ahead(score, row, s_score[at - 1], s_row[at - 1])) {
         s_score[at] = s_score[at - 1];
         s_row[at] = s_row[at - 1];
         --at;

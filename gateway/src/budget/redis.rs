@@ -5,10 +5,9 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::cluster_async::ClusterConnection;
 use redis::{Script, ScriptInvocation, Value};
-use tokio::sync::Mutex;
+
+use crate::redis_conn::RedisConn;
 
 use super::{
     BudgetError, BudgetStore, CommitRequest, CounterState, Mode, Outcome, RateKind, ReserveRequest,
@@ -20,17 +19,9 @@ fn script(body: &str) -> Script {
     Script::new(&format!("{COMMON}\n{body}"))
 }
 
-#[derive(Clone)]
-enum Conn {
-    Single(ConnectionManager),
-    Cluster(ClusterConnection),
-}
-
 /// Counters in Redis (a single node, or a cluster when several URLs are given).
 pub struct RedisStore {
-    urls: Vec<String>,
-    timeout: Duration,
-    conn: Mutex<Option<Conn>>,
+    redis: RedisConn,
     reserve: Script,
     commit: Script,
     peek: Script,
@@ -40,7 +31,7 @@ pub struct RedisStore {
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStore")
-            .field("nodes", &self.urls.len())
+            .field("redis", &self.redis)
             .finish_non_exhaustive()
     }
 }
@@ -49,13 +40,8 @@ impl RedisStore {
     /// A store for `urls` (one URL: a single node; several: cluster seed nodes). Connects
     /// lazily, so a gateway starts while Redis is down; every call is bounded by `timeout`.
     pub fn new(urls: Vec<String>, timeout: Duration) -> Result<Self, BudgetError> {
-        for url in &urls {
-            redis::Client::open(url.as_str())?;
-        }
         Ok(Self {
-            urls,
-            timeout,
-            conn: Mutex::new(None),
+            redis: RedisConn::new(urls, timeout)?,
             reserve: script(include_str!("lua/reserve.lua")),
             commit: script(include_str!("lua/commit.lua")),
             peek: script(include_str!("lua/peek.lua")),
@@ -63,47 +49,16 @@ impl RedisStore {
         })
     }
 
-    async fn connect(&self) -> Result<Conn, BudgetError> {
-        let mut slot = self.conn.lock().await;
-        if let Some(c) = slot.as_ref() {
-            return Ok(c.clone());
-        }
-        let conn = if self.urls.len() == 1 {
-            let client = redis::Client::open(self.urls[0].as_str())?;
-            let config = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(self.timeout))
-                .set_response_timeout(Some(self.timeout))
-                .set_number_of_retries(1)
-                .set_max_delay(Duration::from_millis(500));
-            Conn::Single(ConnectionManager::new_with_config(client, config).await?)
-        } else {
-            let client = redis::cluster::ClusterClient::builder(self.urls.clone())
-                .connection_timeout(self.timeout)
-                .response_timeout(self.timeout)
-                .build()?;
-            Conn::Cluster(client.get_async_connection().await?)
-        };
-        *slot = Some(conn.clone());
-        Ok(conn)
-    }
-
     async fn invoke(&self, inv: ScriptInvocation<'_>) -> Result<Value, BudgetError> {
         let call = async {
-            let conn = self.connect().await?;
-            let v: Value = match conn {
-                Conn::Single(mut c) => run(&inv, &mut c).await?,
-                Conn::Cluster(mut c) => run(&inv, &mut c).await?,
-            };
+            let mut conn = self.redis.get().await?;
+            let v: Value = inv.invoke_async(&mut conn).await?;
             Ok::<_, BudgetError>(v)
         };
-        tokio::time::timeout(self.timeout, call)
+        tokio::time::timeout(self.redis.timeout(), call)
             .await
             .map_err(|_| BudgetError::Timeout)?
     }
-}
-
-async fn run(inv: &ScriptInvocation<'_>, c: &mut impl ConnectionLike) -> redis::RedisResult<Value> {
-    inv.invoke_async(c).await
 }
 
 fn ints(v: Value) -> Result<Vec<i64>, BudgetError> {

@@ -9,6 +9,8 @@
 //!   every parameter but the last user message (so system prompt, tools, sampling parameters and
 //!   the earlier conversation must be identical), and answers only above the verifier threshold
 //!   for the tenant's precision target.
+//! - With `cache.redis_urls`, answers are also shared through Redis ([`shared`]), so a repeat
+//!   hits on every replica.
 //! - Responses live in the exact layer (bounded in bytes, per-entry time to live); the semantic
 //!   index points at exact-layer keys, so an expired answer is gone for both layers.
 //!
@@ -16,6 +18,7 @@
 //! [`Cache::fill`] when a fresh answer completed.
 
 pub mod semantic;
+pub mod shared;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -138,6 +141,8 @@ pub struct SemanticQuery {
 /// A request's cache plan, from [`Cache::plan`] to [`Cache::fill`].
 #[derive(Debug, Clone)]
 pub struct Lookup {
+    /// The tenant (the shared layer's keys carry it as their hash tag).
+    pub tenant_id: String,
     /// Exact-layer key (tenant + canonical request).
     pub key: u128,
     /// Answer from the cache (not with `no-cache`).
@@ -168,6 +173,7 @@ pub struct Cache {
     policies: ArcSwap<HashMap<String, CachePolicy>>,
     store: Arc<dyn Store>,
     exact: moka::sync::Cache<u128, Arc<Entry>>,
+    shared: Option<shared::Shared>,
     semantic: Option<semantic::Semantic>,
     metrics: Metrics,
 }
@@ -279,11 +285,21 @@ impl Cache {
             .build();
         let semantic = semantic::Semantic::start(&config.semantic, metrics.clone())
             .map_err(anyhow::Error::msg)?;
+        let shared = if config.redis_urls.is_empty() {
+            None
+        } else {
+            Some(shared::Shared::new(
+                config.redis_urls.clone(),
+                Duration::from_millis(config.redis_timeout_ms),
+                metrics.clone(),
+            )?)
+        };
         let cache = Self {
             config,
             policies: ArcSwap::from_pointee(HashMap::new()),
             store,
             exact,
+            shared,
             semantic,
             metrics,
         };
@@ -383,6 +399,7 @@ impl Cache {
             _ => None,
         };
         Some(Lookup {
+            tenant_id: tenant_id.to_owned(),
             key,
             read,
             write: true,
@@ -407,6 +424,19 @@ impl Cache {
             });
         }
         lookups.with_label_values(&["exact", "miss"]).inc();
+        if let Some(shared) = &self.shared {
+            if let Some(entry) = shared.get(&lookup.tenant_id, lookup.key).await {
+                lookups.with_label_values(&["shared", "hit"]).inc();
+                let entry = Arc::new(entry);
+                self.exact.insert(lookup.key, Arc::clone(&entry));
+                return Some(Found {
+                    entry,
+                    status: CacheStatus::HitExact,
+                    similarity: None,
+                });
+            }
+            lookups.with_label_values(&["shared", "miss"]).inc();
+        }
         let (Some(s), Some(q)) = (&self.semantic, lookup.semantic.as_mut()) else {
             return None;
         };
@@ -435,6 +465,9 @@ impl Cache {
     pub fn fill(&self, lookup: Lookup, entry: Entry) {
         if !lookup.write || entry.body.len() as u64 > self.config.max_entry_bytes {
             return;
+        }
+        if let Some(shared) = &self.shared {
+            shared.put(&lookup.tenant_id, lookup.key, &entry);
         }
         self.exact.insert(lookup.key, Arc::new(entry));
         if let (Some(s), Some(q)) = (&self.semantic, lookup.semantic) {

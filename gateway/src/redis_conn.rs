@@ -1,0 +1,107 @@
+//! One lazily connected Redis — a single node, or a cluster when several seed URLs are given —
+//! shared by the budget store and the response cache. The connection is made on first use, so a
+//! gateway starts while Redis is down, and every call made through it is bounded by `timeout`.
+
+use std::time::Duration;
+
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisError, RedisFuture, Value};
+use tokio::sync::Mutex;
+
+/// A connection to one node or to a cluster; cheap to clone (both multiplex).
+#[derive(Clone)]
+pub enum Conn {
+    /// A single node (reconnects on its own).
+    Single(ConnectionManager),
+    /// A Redis Cluster (routes each key to its slot's node).
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Single(c) => c.req_packed_command(cmd),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Single(c) => c.get_db(),
+            Self::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// Redis at `urls`, connected on first use.
+pub struct RedisConn {
+    urls: Vec<String>,
+    timeout: Duration,
+    conn: Mutex<Option<Conn>>,
+}
+
+impl std::fmt::Debug for RedisConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisConn")
+            .field("nodes", &self.urls.len())
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisConn {
+    /// Check the URLs (one: a single node; several: cluster seed nodes); connects later.
+    pub fn new(urls: Vec<String>, timeout: Duration) -> Result<Self, RedisError> {
+        for url in &urls {
+            redis::Client::open(url.as_str())?;
+        }
+        Ok(Self {
+            urls,
+            timeout,
+            conn: Mutex::new(None),
+        })
+    }
+
+    /// The bound on every call.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The connection, made on first use.
+    pub async fn get(&self) -> Result<Conn, RedisError> {
+        let mut slot = self.conn.lock().await;
+        if let Some(c) = slot.as_ref() {
+            return Ok(c.clone());
+        }
+        let conn = if self.urls.len() == 1 {
+            let client = redis::Client::open(self.urls[0].as_str())?;
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(self.timeout))
+                .set_response_timeout(Some(self.timeout))
+                .set_number_of_retries(1)
+                .set_max_delay(Duration::from_millis(500));
+            Conn::Single(ConnectionManager::new_with_config(client, config).await?)
+        } else {
+            let client = redis::cluster::ClusterClient::builder(self.urls.clone())
+                .connection_timeout(self.timeout)
+                .response_timeout(self.timeout)
+                .build()?;
+            Conn::Cluster(client.get_async_connection().await?)
+        };
+        *slot = Some(conn.clone());
+        Ok(conn)
+    }
+}

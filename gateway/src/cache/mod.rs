@@ -440,6 +440,11 @@ impl Cache {
         let (Some(s), Some(q)) = (&self.semantic, lookup.semantic.as_mut()) else {
             return None;
         };
+        if !s.maybe_populated(q.ns) {
+            // Nothing stored in this namespace: a certain miss, not worth an embedding now.
+            lookups.with_label_values(&["semantic", "miss"]).inc();
+            return None;
+        }
         let started = Instant::now();
         let Some(result) = s.lookup(q.ns, &q.text, q.threshold).await else {
             lookups.with_label_values(&["semantic", "skipped"]).inc();
@@ -471,9 +476,7 @@ impl Cache {
         }
         self.exact.insert(lookup.key, Arc::new(entry));
         if let (Some(s), Some(q)) = (&self.semantic, lookup.semantic) {
-            if let Some(vectors) = q.vectors {
-                s.insert(q.ns, q.text, vectors, lookup.key);
-            }
+            s.insert(q.ns, q.text, q.vectors, lookup.key);
         }
     }
 }

@@ -5,9 +5,14 @@
 //!
 //! Overload never slows the gateway down: when more than `max_queue` lookups are waiting, or a
 //! reply takes longer than `lookup_timeout_ms`, the request goes on as a miss.
+//!
+//! A question whose namespace holds nothing yet (a new system prompt, new sampling parameters)
+//! cannot hit, so it is not embedded on the request's path: [`Semantic::maybe_populated`] says
+//! so without asking the thread, and the answer's question is embedded afterwards, off the
+//! request path, when it is indexed.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -42,16 +47,47 @@ enum Job {
     Insert {
         ns: u64,
         text: String,
-        vectors: Arc<TextVectors>,
+        /// The question's vectors when its lookup computed them; else embedded by the worker.
+        vectors: Option<Arc<TextVectors>>,
         key: u128,
         at: Instant,
     },
+}
+
+/// Namespaces that may hold entries: a fixed bitset indexed by the namespace hash, set when an
+/// entry is indexed and never cleared (a stale bit only costs a lookup that finds nothing; a
+/// clear bit is always right).
+#[derive(Debug)]
+struct Populated(Vec<AtomicU64>);
+
+impl Populated {
+    const BITS: u64 = 1 << 20;
+
+    fn new() -> Self {
+        Self((0..Self::BITS / 64).map(|_| AtomicU64::new(0)).collect())
+    }
+
+    fn slot(ns: u64) -> (usize, u64) {
+        let bit = ns % Self::BITS;
+        ((bit / 64) as usize, 1 << (bit % 64))
+    }
+
+    fn mark(&self, ns: u64) {
+        let (word, mask) = Self::slot(ns);
+        self.0[word].fetch_or(mask, Ordering::Relaxed);
+    }
+
+    fn may_hold(&self, ns: u64) -> bool {
+        let (word, mask) = Self::slot(ns);
+        self.0[word].load(Ordering::Relaxed) & mask != 0
+    }
 }
 
 /// Handle to the worker thread.
 #[derive(Debug)]
 pub struct Semantic {
     tx: mpsc::Sender<Job>,
+    populated: Populated,
     queued: Arc<AtomicUsize>,
     verifier: Arc<OnceLock<Verifier>>,
     max_queue: usize,
@@ -99,6 +135,7 @@ impl Semantic {
         }
         Ok(Some(Self {
             tx,
+            populated: Populated::new(),
             queued,
             verifier,
             max_queue: config.max_queue,
@@ -143,8 +180,14 @@ impl Semantic {
         tokio::time::timeout(self.timeout, rx).await.ok()?.ok()
     }
 
-    /// Index a fresh answer's question.
-    pub fn insert(&self, ns: u64, text: String, vectors: Arc<TextVectors>, key: u128) {
+    /// Whether namespace `ns` may hold entries (`false`: a lookup cannot hit, skip it).
+    pub fn maybe_populated(&self, ns: u64) -> bool {
+        self.populated.may_hold(ns)
+    }
+
+    /// Index a fresh answer's question (embedded by the worker when `vectors` is `None`).
+    pub fn insert(&self, ns: u64, text: String, vectors: Option<Arc<TextVectors>>, key: u128) {
+        self.populated.mark(ns);
         let _ = self.tx.send(Job::Insert {
             ns,
             text,
@@ -268,18 +311,26 @@ impl Worker {
                 }
             }
             let mut lookups = Vec::new();
+            let mut unembedded = Vec::new();
             for job in jobs {
                 match job {
                     Job::Insert {
                         ns,
                         text,
-                        vectors,
+                        vectors: Some(vectors),
                         key,
                         at,
                     } => {
                         let vectors = Arc::unwrap_or_clone(vectors);
                         index.insert(ns, text, vectors, key, now_ms(at));
                     }
+                    Job::Insert {
+                        ns,
+                        text,
+                        vectors: None,
+                        key,
+                        at,
+                    } => unembedded.push((ns, text, key, at)),
                     Job::Lookup {
                         ns,
                         text,
@@ -294,17 +345,26 @@ impl Worker {
                     }
                 }
             }
-            if lookups.is_empty() {
+            if lookups.is_empty() && unembedded.is_empty() {
                 continue;
             }
-            let texts: Vec<&str> = lookups.iter().map(|(_, t, _, _)| t.as_str()).collect();
-            let embedded = match bert.embed_with_tokens(&texts) {
-                Ok(v) => v,
+            // One batch for both: questions to index first (a lookup queued after them must
+            // see them), then the lookups.
+            let texts: Vec<&str> = unembedded
+                .iter()
+                .map(|(_, t, _, _)| t.as_str())
+                .chain(lookups.iter().map(|(_, t, _, _)| t.as_str()))
+                .collect();
+            let mut embedded = match bert.embed_with_tokens(&texts) {
+                Ok(v) => v.into_iter(),
                 Err(e) => {
                     tracing::warn!(error = %e, "semantic cache: embedding failed; treated as misses");
                     continue;
                 }
             };
+            for ((ns, text, key, at), vectors) in unembedded.into_iter().zip(embedded.by_ref()) {
+                index.insert(ns, text, vectors, key, now_ms(at));
+            }
             let now = now_ms(Instant::now());
             for ((ns, text, threshold, reply), vectors) in lookups.into_iter().zip(embedded) {
                 let verdict = index.best(

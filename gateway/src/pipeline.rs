@@ -125,9 +125,12 @@ pub async fn run(
     } else {
         target
     };
-    let mut cache = state
-        .cache
-        .plan(&ctx.key.tenant_id, &req, ctx.cache_control);
+    let mut cache = state.cache.plan(
+        &ctx.key.tenant_id,
+        &req,
+        &event.fingerprint,
+        ctx.cache_control,
+    );
     if let Some(lookup) = cache.as_mut() {
         event.cache_status = CacheStatus::Miss;
         if let Some(found) = state.cache.lookup(lookup).await {

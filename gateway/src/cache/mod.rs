@@ -350,10 +350,13 @@ impl Cache {
     }
 
     /// Decide whether (and how) `req` of `tenant_id` uses the cache. `None`: bypass.
+    /// `fingerprint` is the request's canonical hash ([`ParsedRequest::fingerprint`]), computed
+    /// once by the pipeline.
     pub fn plan(
         &self,
         tenant_id: &str,
         req: &ParsedRequest,
+        fingerprint: &str,
         directives: Directives,
     ) -> Option<Lookup> {
         let policy = self.policy(tenant_id);
@@ -370,7 +373,7 @@ impl Cache {
                 return None;
             }
         }
-        let key = sha128(&[tenant_id.as_bytes(), req.fingerprint().as_bytes()]);
+        let key = sha128(&[tenant_id.as_bytes(), fingerprint.as_bytes()]);
         let read = !directives.no_cache;
         let semantic = match (&self.semantic, mode) {
             (Some(s), CacheMode::Semantic) if read && !tools && req.choices() == 1 => {

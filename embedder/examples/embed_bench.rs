@@ -7,9 +7,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "benchmark")]
 
+mod common;
+
 use std::path::PathBuf;
 use std::time::Instant;
 
+use common::unit;
 use embedder::bert::{BertEmbedder, DIM};
 use embedder::index::{CpuIndex, VectorIndex};
 use embedder::static_embed::StaticEmbedder;
@@ -49,21 +52,6 @@ fn text_of(bert: &BertEmbedder, tokens: usize) -> String {
     }
 }
 
-fn unit(seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut v: Vec<f32> = (0..DIM)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        })
-        .collect();
-    let n = v.iter().map(|a| a * a).sum::<f32>().sqrt();
-    v.iter_mut().for_each(|a| *a /= n);
-    v
-}
-
 fn main() {
     let dir = std::env::args()
         .nth(1)
@@ -96,9 +84,9 @@ fn main() {
     for n in [10_000u64, 100_000] {
         let mut idx = CpuIndex::new(DIM, n as usize, i64::MAX / 2);
         for i in 0..n {
-            idx.insert(1, i, &unit(i), 0);
+            idx.insert(1, i, &unit(i, DIM), 0);
         }
-        let q = unit(n + 7);
+        let q = unit(n + 7, DIM);
         let (p50, p99) = time(200, || {
             idx.search(1, &q, 5, 0.9, 1);
         });

@@ -10,9 +10,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "benchmark")]
 
+mod common;
+
 use std::path::PathBuf;
 use std::time::Instant;
 
+use common::unit;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaContext;
 use embedder::bert::{BertEmbedder, Embed, DIM};
@@ -41,22 +44,6 @@ fn text_of(bert: &BertEmbedder, tokens: usize) -> String {
         }
     }
     unreachable!()
-}
-
-/// Deterministic pseudo-random unit vectors.
-fn unit(seed: u64, dim: usize) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut v: Vec<f32> = (0..dim)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        })
-        .collect();
-    let n = v.iter().map(|a| a * a).sum::<f32>().sqrt();
-    v.iter_mut().for_each(|a| *a /= n);
-    v
 }
 
 /// Texts per second of `f` over `texts` texts: one warm-up call, then calls until at least

@@ -83,11 +83,6 @@ impl StaticEmbedder {
         read_table(path).is_ok()
     }
 
-    /// The table, `vocab × dim` row-major (row `i` is token id `i`).
-    pub fn table(&self) -> &[f32] {
-        &self.table
-    }
-
     /// Write the table (the tokenizer stays in the model directory).
     pub fn save(&self, path: &Path) -> Result<(), EmbedError> {
         let tmp = path.with_extension("part");

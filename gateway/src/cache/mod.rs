@@ -51,18 +51,6 @@ pub enum CacheMode {
     Semantic,
 }
 
-impl CacheMode {
-    /// Parse `off`, `exact` or `semantic`.
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "off" => Some(Self::Off),
-            "exact" => Some(Self::Exact),
-            "semantic" => Some(Self::Semantic),
-            _ => None,
-        }
-    }
-}
-
 /// A tenant's cache policy; fields left out take the config's defaults.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

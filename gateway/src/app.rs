@@ -148,6 +148,7 @@ impl AppState {
             .context("starting budgets")?,
         );
         tokio::spawn(Arc::clone(&budgets).run_commits());
+        tokio::spawn(Arc::clone(&budgets).run_leases());
         let shutdown = CancellationToken::new();
         let every = Duration::from_millis(config.store.key_refresh_ms);
         let b = Arc::clone(&budgets);

@@ -201,6 +201,14 @@ pub struct BudgetConfig {
     pub fail_mode: crate::budget::FailMode,
     /// Share of each limit one replica may use on its own while failing open (0 < share ≤ 1).
     pub fail_open_share: f64,
+    /// Redis store: a replica reserves room for up to this many requests at once (a lease) and
+    /// admits them locally, taking Redis off the per-request path. A lease never holds more
+    /// than an eighth of what is left of a limit, so near a limit requests are reserved one by
+    /// one again. 0 turns leasing off.
+    pub lease_requests: u64,
+    /// How long a lease admits requests before what it did not use goes back, ms. Also how
+    /// often leases settle their spend with Redis (a quarter of it).
+    pub lease_ms: u64,
 }
 
 impl Default for BudgetConfig {
@@ -214,6 +222,8 @@ impl Default for BudgetConfig {
             min_tokens: 16,
             fail_mode: crate::budget::FailMode::Closed,
             fail_open_share: 0.1,
+            lease_requests: 64,
+            lease_ms: 200,
         }
     }
 }

@@ -4,8 +4,8 @@
 use std::time::Instant;
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::upstream::Upstreams;
@@ -47,6 +47,10 @@ pub mod names {
     pub const BUDGET_STORE_SECONDS: &str = "gateway_budget_store_seconds";
     /// Budget commits waiting for the shared store to come back.
     pub const BUDGET_BACKLOG: &str = "gateway_budget_commit_backlog";
+    /// Leases taken in the shared budget store (each admits many requests locally).
+    pub const BUDGET_LEASES: &str = "gateway_budget_leases_total";
+    /// Leases of this replica not yet closed.
+    pub const BUDGET_LEASES_LIVE: &str = "gateway_budget_leases_live";
 
     /// Cache lookups by layer (exact, shared, semantic) and result (hit, miss, skipped, error).
     pub const CACHE_LOOKUPS: &str = "gateway_cache_lookups_total";
@@ -79,6 +83,8 @@ pub mod names {
         BUDGET_STORE_ERRORS,
         BUDGET_STORE_SECONDS,
         BUDGET_BACKLOG,
+        BUDGET_LEASES,
+        BUDGET_LEASES_LIVE,
         CACHE_LOOKUPS,
         CACHE_SAVED,
         CACHE_ENTRIES,
@@ -124,6 +130,10 @@ pub struct Metrics {
     pub budget_store_seconds: HistogramVec,
     /// See [`names::BUDGET_BACKLOG`].
     pub budget_backlog: IntGauge,
+    /// See [`names::BUDGET_LEASES`].
+    pub budget_leases: IntCounter,
+    /// See [`names::BUDGET_LEASES_LIVE`].
+    pub budget_leases_live: IntGauge,
     /// See [`names::CACHE_LOOKUPS`].
     pub cache_lookups: IntCounterVec,
     /// See [`names::CACHE_SAVED`].
@@ -239,6 +249,14 @@ impl Metrics {
             names::BUDGET_BACKLOG,
             "Budget commits waiting for the shared store.",
         )?;
+        let budget_leases = IntCounter::new(
+            names::BUDGET_LEASES,
+            "Leases taken in the shared budget store (each admits many requests locally).",
+        )?;
+        let budget_leases_live = IntGauge::new(
+            names::BUDGET_LEASES_LIVE,
+            "Budget leases of this replica not yet closed.",
+        )?;
         let cache_lookups = IntCounterVec::new(
             Opts::new(names::CACHE_LOOKUPS, "Cache lookups by layer and result."),
             &["layer", "result"],
@@ -280,6 +298,8 @@ impl Metrics {
         registry.register(Box::new(budget_store_errors.clone()))?;
         registry.register(Box::new(budget_store_seconds.clone()))?;
         registry.register(Box::new(budget_backlog.clone()))?;
+        registry.register(Box::new(budget_leases.clone()))?;
+        registry.register(Box::new(budget_leases_live.clone()))?;
         registry.register(Box::new(ledger_queue.clone()))?;
         registry.register(Box::new(ledger_spooled.clone()))?;
         registry.register(Box::new(ledger_rows.clone()))?;
@@ -310,6 +330,8 @@ impl Metrics {
             budget_store_errors,
             budget_store_seconds,
             budget_backlog,
+            budget_leases,
+            budget_leases_live,
             cache_lookups,
             cache_saved,
             cache_entries,

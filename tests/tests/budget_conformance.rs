@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use e2e::{BudgetKind, BUDGET_STORES};
 use gateway::budget::{
-    BudgetStore, CommitRequest, CounterSpec, CounterState, Limit, Mode, Outcome, RateKind,
-    RateSpec, ReserveRequest,
+    BudgetStore, CommitRequest, CounterSpec, CounterState, LeaseSync, Limit, Mode, Outcome,
+    RateKind, RateSpec, ReserveRequest,
 };
 
 const DAY: i64 = 86_400_000;
@@ -66,6 +66,8 @@ impl Case {
             max_tokens,
             min_tokens: 16,
             downgraded: false,
+            units: 1,
+            lease: false,
             counters,
             rates: vec![],
         }
@@ -86,7 +88,31 @@ impl Case {
                 .map(|c| (c.key.clone(), c.expire_at_ms))
                 .collect(),
             refunds: vec![],
+            lease: None,
         }
+    }
+
+    /// A lease of `tokens` on `counters`, and a settlement of it.
+    fn lease(&self, rid: &str, tokens: u64, counters: Vec<CounterSpec>) -> ReserveRequest {
+        let mut r = self.request(rid, tokens, 0, counters);
+        r.min_tokens = 0;
+        r.lease = true;
+        r
+    }
+
+    fn settle(&self, lease: &ReserveRequest, sync: LeaseSync) -> CommitRequest {
+        let mut c = self.commit(&lease.rid, lease, 0, 0);
+        c.lease = Some(sync);
+        c
+    }
+
+    /// Apply settlements in order; whether each changed anything.
+    async fn settles(&self, lease: &ReserveRequest, syncs: &[LeaseSync]) -> Vec<bool> {
+        let mut out = Vec::new();
+        for s in syncs {
+            out.push(self.store.commit(&self.settle(lease, *s)).await.unwrap());
+        }
+        out
     }
 
     async fn peek(&self, c: &CounterSpec, now: i64) -> CounterState {
@@ -401,6 +427,141 @@ async fn seeding_only_fills_missing_counters(kind: BudgetKind) {
     );
 }
 
+async fn leases_settle_in_running_totals_once(kind: BudgetKind) {
+    let c = Case::new(kind);
+    let budget = c.counter("b", Mode::Enforce, Some(10_000), Some(1_000_000));
+    let lease = c.lease("lease:a", 4_000, vec![budget.clone()]);
+    granted(&c.store.reserve(&lease).await.unwrap());
+    let s = c.peek(&budget, *NOW_MS).await;
+    assert_eq!(
+        (s.reserved_tokens, s.leased_tokens),
+        (4_000, 4_000),
+        "{kind:?}"
+    );
+    // A request of its own still sees the lease's hold as taken.
+    let r = c.request("r", 100, 9_000, vec![budget.clone()]);
+    assert_eq!(
+        granted(&c.store.reserve(&r).await.unwrap()),
+        5_900,
+        "{kind:?}"
+    );
+    assert!(c.store.commit(&c.commit("r", &r, 6_000, 0)).await.unwrap());
+    // Spent 1,000 so far: it moves from the hold to spent.
+    let first = LeaseSync {
+        spent_tokens: 1_000,
+        spent_micros: 10,
+        released_tokens: 1_000,
+        released_micros: 0,
+        close: false,
+    };
+    assert_eq!(c.settles(&lease, &[first]).await, [true], "{kind:?}");
+    assert_eq!(
+        lease_view(&c, &budget).await,
+        (7_000, 10, 3_000, 3_000),
+        "{kind:?}"
+    );
+    // Replayed, or arriving after a later one: nothing changes.
+    assert_eq!(c.settles(&lease, &[first]).await, [false], "{kind:?}");
+    let second = LeaseSync {
+        spent_tokens: 2_500,
+        released_tokens: 3_500,
+        ..first
+    };
+    assert_eq!(
+        c.settles(&lease, &[second, first]).await,
+        [true, false],
+        "{kind:?}"
+    );
+    let s = c.peek(&budget, *NOW_MS).await;
+    assert_eq!(
+        (s.spent_tokens, s.reserved_tokens, s.leased_tokens),
+        (8_500, 500, 500),
+        "{kind:?}"
+    );
+    // Closing releases what is left, once.
+    let close = LeaseSync {
+        spent_tokens: 2_800,
+        close: true,
+        ..second
+    };
+    assert_eq!(
+        c.settles(&lease, &[close, close, second]).await,
+        [true, false, false],
+        "{kind:?}"
+    );
+    assert_eq!(lease_view(&c, &budget).await, (8_800, 10, 0, 0), "{kind:?}");
+}
+
+/// Spent tokens and micro-dollars, reserved and lease-held tokens of a counter, now.
+async fn lease_view(c: &Case, counter: &CounterSpec) -> (u64, i64, u64, u64) {
+    let s = c.peek(counter, *NOW_MS).await;
+    (
+        s.spent_tokens,
+        s.spent_micros,
+        s.reserved_tokens,
+        s.leased_tokens,
+    )
+}
+
+/// Reserve `req` (under fresh ids) until a rate limiter refuses it; how many were admitted.
+async fn admitted_in_a_row(c: &Case, req: &mut ReserveRequest, prefix: &str) -> usize {
+    for i in 0..1000 {
+        req.rid = format!("{prefix}{i}");
+        match c.store.reserve(req).await.unwrap() {
+            Outcome::Admitted { .. } => {}
+            Outcome::RateLimited { .. } => return i,
+            other => panic!("{other:?}"),
+        }
+    }
+    1000
+}
+
+async fn expired_leases_release_and_still_count_their_spend(kind: BudgetKind) {
+    let c = Case::new(kind);
+    let budget = c.counter("b", Mode::Enforce, Some(10_000), None);
+    let rpm = RateSpec {
+        key: format!("gw:{{{}}}:rl:tenant:rpm", c.tenant),
+        per_minute: 60,
+        kind: RateKind::Requests,
+    };
+    let mut lease = c.lease("lease:b", 2_000, vec![budget.clone()]);
+    lease.units = 30;
+    lease.rates = vec![rpm.clone()];
+    granted(&c.store.reserve(&lease).await.unwrap());
+    // Thirty requests' worth of a 60-per-minute limiter are taken: only thirty more now.
+    let mut one = c.request("one", 0, 0, vec![]);
+    one.rates = vec![rpm.clone()];
+    one.min_tokens = 0;
+    assert_eq!(admitted_in_a_row(&c, &mut one, "r").await, 30, "{kind:?}");
+    let s = c.peek(&budget, *NOW_MS + 10_000).await;
+    assert_eq!(
+        (s.reserved_tokens, s.leased_tokens),
+        (0, 0),
+        "{kind:?}: expired"
+    );
+    let sync = LeaseSync {
+        spent_tokens: 700,
+        released_tokens: 700,
+        ..Default::default()
+    };
+    let mut late = c.settle(&lease, sync);
+    late.now_ms = *NOW_MS + 10_000;
+    assert!(c.store.commit(&late).await.unwrap(), "{kind:?}");
+    // The close gives back the 25 request units the lease did not use.
+    let mut close = c.settle(
+        &lease,
+        LeaseSync {
+            close: true,
+            ..sync
+        },
+    );
+    close.refunds = vec![(rpm.key.clone(), 60, 25)];
+    assert!(c.store.commit(&close).await.unwrap(), "{kind:?}");
+    let s = c.peek(&budget, *NOW_MS + 10_000).await;
+    assert_eq!((s.spent_tokens, s.reserved_tokens), (700, 0), "{kind:?}");
+    assert_eq!(admitted_in_a_row(&c, &mut one, "s").await, 25, "{kind:?}");
+}
+
 macro_rules! both {
     ($($name:ident),* $(,)?) => {
         $(
@@ -425,5 +586,7 @@ mod conformance {
         rate_limits_are_smooth,
         seeding_only_fills_missing_counters,
         unreserved_commits_apply_once,
+        leases_settle_in_running_totals_once,
+        expired_leases_release_and_still_count_their_spend,
     );
 }

@@ -303,6 +303,70 @@ async fn usd_budgets_and_tag_scopes_apply() {
     assert!(u[0]["state"]["spent_micros"].as_i64().unwrap() <= 200);
 }
 
+/// A sample of the `/metrics` text: the value of the first line starting with `prefix`.
+fn metric(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_take_redis_off_the_request_path_and_settle_exactly() {
+    let mut s = setup(BudgetKind::Redis, Deps::default(), |_| {}).await;
+    set_budget(
+        &s.app,
+        json!({"tenant": "acme", "window": "day", "limit_tokens": 1_000_000, "limit_usd": 100.0}),
+    )
+    .await;
+    let r = s
+        .app
+        .admin(
+            Method::PUT,
+            "rate-limits",
+            Some(json!({"tenant": "acme", "rpm": 10_000, "tpm": 10_000_000})),
+        )
+        .await;
+    assert!(r.status().is_success());
+    let before = s.app.metrics().await;
+    let reserves = |m: &str| metric(m, "gateway_budget_store_seconds_count{op=\"reserve\"}");
+    let mut remaining = Vec::new();
+    for _ in 0..120 {
+        let r = s.app.chat(body_with_max("fast", "hello there", 20)).await;
+        assert_eq!(r.status(), 200);
+        remaining.push(
+            r.headers()["x-gateway-budget-remaining-tokens"]
+                .to_str()
+                .unwrap()
+                .parse::<u64>()
+                .unwrap(),
+        );
+    }
+    let after = s.app.metrics().await;
+    let calls = reserves(&after) - reserves(&before);
+    let leases = metric(&after, "gateway_budget_leases_total");
+    eprintln!("120 requests: {calls} reserve calls, {leases} leases");
+    assert!(leases >= 1.0, "no lease taken");
+    assert!(calls <= 12.0, "{calls} reserve calls for 120 requests");
+    // What the client is told stays within the budget and goes down.
+    assert!(
+        remaining.windows(2).filter(|w| w[1] > w[0]).count() < 10,
+        "{remaining:?}"
+    );
+    let settled = events(&mut s.app, 120).await;
+    let spent: u64 = settled
+        .iter()
+        .map(|e| e.prompt_tokens + e.completion_tokens)
+        .sum();
+    let micros: i64 = settled.iter().map(|e| e.cost_micros).sum();
+    // Within a lease period what the leases did not use goes back, and the spend is exact.
+    let u = wait_reserved_zero(&s.app).await;
+    assert_eq!(u[0]["state"]["spent_tokens"], spent);
+    assert_eq!(u[0]["state"]["spent_micros"], micros);
+    assert_eq!(u[0]["state"]["leased_tokens"], 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_limits_answer_429_with_retry_after() {
     let s = setup(BudgetKind::Redis, Deps::default(), |_| {}).await;

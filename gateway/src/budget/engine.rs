@@ -19,6 +19,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use serde::Serialize;
 use tokio::sync::mpsc;
 
+use super::lease::{Lease, Leases, Need};
 use super::memory::MemoryStore;
 use super::{
     counter_key, rate_key, Action, BudgetError, BudgetPolicy, BudgetStore, Clock, CommitRequest,
@@ -107,6 +108,16 @@ pub struct Reservation {
     reserved_tokens: u64,
     /// Made in the local fail-open store (the shared one was unreachable).
     local: bool,
+    /// Admitted from this replica's lease (settled with it, not committed on its own).
+    lease: Option<(Arc<Lease>, Need)>,
+}
+
+/// How the shared store admitted (or did not admit) a request.
+enum Shared {
+    /// From a lease of this replica.
+    Leased(Admission),
+    /// By a reservation of its own (or not: see the outcome), and whether it was downgraded.
+    Reserved(ReserveRequest, Outcome, bool),
 }
 
 /// The budget step's answer for an admitted request.
@@ -164,6 +175,8 @@ pub struct Budgets {
     pending: AtomicUsize,
     /// Serialises [`Budgets::refresh`].
     refreshing: tokio::sync::Mutex<()>,
+    /// Leases in the shared store (`None`: every request reserves on its own).
+    leases: Option<Leases>,
 }
 
 impl std::fmt::Debug for Budgets {
@@ -221,7 +234,10 @@ impl Budgets {
             |s| i64::try_from(s).unwrap_or(i64::MAX / 2_000) * 1000,
         );
         let (commits, commits_rx) = mpsc::unbounded_channel();
+        let leases = (shared && config.lease_requests > 0)
+            .then(|| Leases::new(config.lease_requests, config.lease_ms));
         let budgets = Self {
+            leases,
             commits,
             commits_rx: Mutex::new(Some(commits_rx)),
             pending: AtomicUsize::new(0),
@@ -426,6 +442,8 @@ impl Budgets {
             max_tokens,
             min_tokens: self.config.min_tokens * choices,
             downgraded: downgraded || input.primary_is_small,
+            units: 1,
+            lease: false,
             counters,
             rates,
         }
@@ -464,6 +482,136 @@ impl Budgets {
         Ok((req, outcome, false))
     }
 
+    /// Admit through the shared store: from a lease when one has room (or can be taken),
+    /// otherwise by a reservation of its own.
+    async fn shared_admit(
+        &self,
+        plan: &Plan,
+        input: &AdmitInput,
+        now: DateTime<Utc>,
+    ) -> Result<Shared, BudgetError> {
+        let Some(leases) = &self.leases else {
+            let (req, outcome, downgraded) = self
+                .reserve_with(&*self.store, plan, input, now, 1.0)
+                .await?;
+            return Ok(Shared::Reserved(req, outcome, downgraded));
+        };
+        let now_ms = ms(now);
+        let req = self.request(plan, input, now, false, 1.0);
+        let need = Need::of(&req);
+        let slot = leases.slot(&req);
+        if let Some(taken) = slot.take(need, now_ms) {
+            return Ok(Shared::Leased(self.leased(plan, input, &req, taken, now)));
+        }
+        {
+            // One lease at a time per slot: the others wait for it, then take from it.
+            let _one = slot.acquire.lock().await;
+            if let Some(taken) = slot.take(need, now_ms) {
+                return Ok(Shared::Leased(self.leased(plan, input, &req, taken, now)));
+            }
+            if let Some(lease_req) = leases.lease_request(&slot, &req, need, self.ttl_ms) {
+                let outcome = self.reserve_in(&*self.store, &lease_req).await?;
+                slot.observe(&lease_req, &outcome);
+                if let Outcome::Admitted { counters, .. } = outcome {
+                    self.metrics.budget_leases.inc();
+                    leases.install(&slot, &lease_req, counters);
+                    if let Some(taken) = slot.take(need, now_ms) {
+                        return Ok(Shared::Leased(self.leased(plan, input, &req, taken, now)));
+                    }
+                } else {
+                    slot.refused(now_ms, leases.open_ms());
+                }
+            }
+        }
+        let (req, outcome, downgraded) = self
+            .reserve_with(&*self.store, plan, input, now, 1.0)
+            .await?;
+        if !downgraded {
+            slot.observe(&req, &outcome);
+        }
+        let held_by_leases = match &outcome {
+            Outcome::Rejected { index, counters } => counters
+                .get(*index)
+                .is_some_and(|c| c.leased_tokens > 0 || c.leased_micros > 0),
+            _ => false,
+        };
+        if held_by_leases {
+            // Part of what is left is held by leases (this replica's or others'), which give
+            // back what they do not use within one lease period: ask once more after it.
+            slot.close();
+            let wait = leases.open_ms() + 2 * i64::try_from(leases.tick_ms()).unwrap_or(0);
+            tokio::time::sleep(Duration::from_millis(u64::try_from(wait).unwrap_or(0))).await;
+            let (req, outcome, downgraded) = self
+                .reserve_with(&*self.store, plan, input, self.clock.now(), 1.0)
+                .await?;
+            if !downgraded {
+                slot.observe(&req, &outcome);
+            }
+            return Ok(Shared::Reserved(req, outcome, downgraded));
+        }
+        Ok(Shared::Reserved(req, outcome, downgraded))
+    }
+
+    /// The admission of a request taken from a lease.
+    fn leased(
+        &self,
+        plan: &Plan,
+        input: &AdmitInput,
+        req: &ReserveRequest,
+        (lease, counters): (Arc<Lease>, Vec<CounterState>),
+        now: DateTime<Utc>,
+    ) -> Admission {
+        let mut admission = self.admitted(
+            plan,
+            input,
+            req,
+            req.max_tokens,
+            &counters,
+            false,
+            false,
+            now,
+        );
+        if let Some(r) = admission.reservation.as_mut() {
+            r.lease = Some((lease, Need::of(req)));
+        }
+        admission
+    }
+
+    /// Settle leases with the shared store every quarter lease period: what their requests
+    /// spent, and what they give back. Runs for the life of the process.
+    pub async fn run_leases(self: Arc<Self>) {
+        let Some(leases) = &self.leases else {
+            return;
+        };
+        let mut tick = tokio::time::interval(Duration::from_millis(leases.tick_ms()));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            self.settle_leases(false).await;
+        }
+    }
+
+    async fn settle_leases(&self, all: bool) {
+        let Some(leases) = &self.leases else {
+            return;
+        };
+        let now_ms = ms(self.clock.now());
+        let due = leases.settlements(now_ms, all);
+        self.metrics.budget_leases_live.set(leases.live() as i64);
+        if due.is_empty() {
+            return;
+        }
+        if self.store_available(now_ms) {
+            for batch in due.chunks(COMMIT_BATCH) {
+                self.commit_now(batch.to_vec()).await;
+            }
+        } else {
+            for req in due {
+                self.enqueue(req);
+            }
+        }
+    }
+
     fn store_available(&self, now_ms: i64) -> bool {
         self.down_until_ms.load(Ordering::Relaxed) <= now_ms
     }
@@ -484,11 +632,9 @@ impl Budgets {
         let now = self.clock.now();
         let now_ms = ms(now);
         let shared = if !self.shared || self.store_available(now_ms) {
-            match self
-                .reserve_with(&*self.store, plan, &input, now, 1.0)
-                .await
-            {
-                Ok(r) => Some(r),
+            match self.shared_admit(plan, &input, now).await {
+                Ok(Shared::Leased(admission)) => return Ok(admission),
+                Ok(Shared::Reserved(req, outcome, downgraded)) => Some((req, outcome, downgraded)),
                 Err(e) => {
                     self.store_failed(plan, &e, now_ms);
                     None
@@ -689,6 +835,7 @@ impl Budgets {
                 token_rates,
                 reserved_tokens: req.prompt_tokens + reserved_output,
                 local,
+                lease: None,
             }),
         }
     }
@@ -744,6 +891,11 @@ impl Budgets {
     /// Commit actual usage and release the rest of the reservation. Never fails: a commit the
     /// shared store cannot take now is queued for replay.
     pub async fn commit(&self, reservation: Reservation, tokens: u64, micros: i64) {
+        if let Some((lease, need)) = &reservation.lease {
+            // Settled with the lease.
+            lease.finish(*need, tokens, micros);
+            return;
+        }
         let now_ms = ms(self.clock.now());
         let refund = reservation.reserved_tokens.saturating_sub(tokens);
         let req = CommitRequest {
@@ -755,6 +907,7 @@ impl Budgets {
             tokens,
             micros,
             counters: reservation.counters,
+            lease: None,
             refunds: reservation
                 .token_rates
                 .into_iter()
@@ -834,6 +987,7 @@ impl Budgets {
     /// shutdown leaves no reservation to expire.
     pub async fn flush(&self, grace: Duration) {
         let deadline = Instant::now() + grace;
+        self.settle_leases(true).await;
         while self.pending.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }

@@ -8,8 +8,8 @@ use std::sync::Mutex;
 use async_trait::async_trait;
 
 use super::{
-    emission_us, fits, BudgetError, BudgetStore, CommitRequest, CounterState, Mode, Outcome,
-    RateKind, ReserveRequest,
+    emission_us, fits, BudgetError, BudgetStore, CommitRequest, CounterState, LeaseSync, Mode,
+    Outcome, RateKind, ReserveRequest,
 };
 
 /// Burst of a GCRA limiter: one minute's worth of units, µs.
@@ -24,7 +24,14 @@ struct Counter {
     reservations: HashMap<String, (u64, i64, i64)>,
     /// Expired reservations not yet committed (a late commit still counts, once).
     expired: HashSet<String>,
+    /// Per lease: the running totals of its settlements applied so far.
+    settled: HashMap<String, LeaseSync>,
     expire_at_ms: i64,
+}
+
+/// Whether a reservation id names a replica's lease (as `lua/common.lua` decides).
+pub fn is_lease(rid: &str) -> bool {
+    rid.starts_with("lease:")
 }
 
 impl Counter {
@@ -37,9 +44,63 @@ impl Counter {
             }
             state.reserved_tokens = state.reserved_tokens.saturating_sub(*tokens);
             state.reserved_micros -= *micros;
+            if is_lease(rid) {
+                state.leased_tokens = state.leased_tokens.saturating_sub(*tokens);
+                state.leased_micros -= *micros;
+            }
             expired.insert(rid.clone());
             false
         });
+    }
+
+    /// Apply a lease settlement's growth over what was applied before; see [`LeaseSync`].
+    fn settle_lease(&mut self, rid: &str, sync: &LeaseSync) -> bool {
+        let live = self.reservations.contains_key(rid);
+        if !live && !self.expired.contains(rid) {
+            return false;
+        }
+        let prev = self.settled.get(rid).copied().unwrap_or_default();
+        let now = LeaseSync {
+            spent_tokens: prev.spent_tokens.max(sync.spent_tokens),
+            spent_micros: prev.spent_micros.max(sync.spent_micros),
+            released_tokens: prev.released_tokens.max(sync.released_tokens),
+            released_micros: prev.released_micros.max(sync.released_micros),
+            close: sync.close,
+        };
+        let grew = now.spent_tokens > prev.spent_tokens
+            || now.spent_micros > prev.spent_micros
+            || now.released_tokens > prev.released_tokens
+            || now.released_micros > prev.released_micros;
+        if !grew && !sync.close {
+            return false;
+        }
+        self.state.spent_tokens += now.spent_tokens - prev.spent_tokens;
+        self.state.spent_micros += now.spent_micros - prev.spent_micros;
+        if let Some((held_t, held_m, _)) = self.reservations.get_mut(rid) {
+            let (give_t, give_m) = if sync.close {
+                (*held_t, *held_m)
+            } else {
+                (
+                    (*held_t).min(now.released_tokens - prev.released_tokens),
+                    (*held_m).min(now.released_micros - prev.released_micros),
+                )
+            };
+            *held_t -= give_t;
+            *held_m -= give_m;
+            let st = &mut self.state;
+            st.reserved_tokens = st.reserved_tokens.saturating_sub(give_t);
+            st.leased_tokens = st.leased_tokens.saturating_sub(give_t);
+            st.reserved_micros -= give_m;
+            st.leased_micros -= give_m;
+        }
+        if sync.close {
+            self.reservations.remove(rid);
+            self.expired.remove(rid);
+            self.settled.remove(rid);
+        } else {
+            self.settled.insert(rid.to_owned(), now);
+        }
+        true
     }
 
     fn spend(&mut self, req: &CommitRequest, expire_at_ms: i64) {
@@ -150,7 +211,7 @@ impl MemoryStore {
         let mut new_tats = Vec::with_capacity(req.rates.len());
         for (index, rate) in req.rates.iter().enumerate() {
             let cost = match rate.kind {
-                RateKind::Requests => 1,
+                RateKind::Requests => req.units,
                 RateKind::Tokens => req.prompt_tokens + granted,
             };
             let tat = inner
@@ -178,6 +239,10 @@ impl MemoryStore {
             c.expire_at_ms = c.expire_at_ms.max(spec.expire_at_ms);
             c.state.reserved_tokens += tokens;
             c.state.reserved_micros += micros;
+            if req.lease {
+                c.state.leased_tokens += tokens;
+                c.state.leased_micros += micros;
+            }
             c.reservations
                 .insert(req.rid.clone(), (tokens, micros, req.now_ms + req.ttl_ms));
             after.push(c.state);
@@ -206,11 +271,15 @@ impl MemoryStore {
             }
             return true;
         }
-        let mut applied = req.counters.is_empty();
+        let mut applied = req.counters.is_empty() && req.lease.is_none();
         for (key, expire_at_ms) in &req.counters {
             let Some(c) = inner.counters.get_mut(key) else {
                 continue;
             };
+            if let Some(sync) = &req.lease {
+                applied |= c.settle_lease(&req.rid, sync);
+                continue;
+            }
             let live = match c.reservations.remove(&req.rid) {
                 Some((tokens, micros, _)) => {
                     c.state.reserved_tokens = c.state.reserved_tokens.saturating_sub(tokens);
@@ -226,6 +295,9 @@ impl MemoryStore {
         }
         if !applied {
             return false;
+        }
+        if req.lease.is_some_and(|l| !l.close) {
+            return true;
         }
         for (key, per_minute, refund) in &req.refunds {
             if let Some((tat, _)) = inner.rates.get_mut(key) {
@@ -278,6 +350,7 @@ impl BudgetStore for MemoryStore {
                 },
                 reservations: HashMap::new(),
                 expired: HashSet::new(),
+                settled: HashMap::new(),
                 expire_at_ms,
             },
         );

@@ -15,6 +15,7 @@
 //! runs out.
 
 pub mod engine;
+pub mod lease;
 pub mod memory;
 pub mod redis;
 
@@ -375,6 +376,12 @@ pub struct ReserveRequest {
     pub min_tokens: u64,
     /// The request was already sent to the small tier by a `downgrade` budget.
     pub downgraded: bool,
+    /// What a requests-per-minute limiter is charged: 1 for a request, more for a lease.
+    pub units: u64,
+    /// This reservation is a replica's lease (see [`CommitRequest::lease`]): counters also track
+    /// it as lease-held (`CounterState::leased_*`), so a refusal can tell capacity that a lease
+    /// will soon give back from capacity that is spent.
+    pub lease: bool,
     /// Budget counters, all of which must admit.
     pub counters: Vec<CounterSpec>,
     /// Rate limiters, all of which must admit.
@@ -399,6 +406,10 @@ pub struct CounterState {
     pub reserved_tokens: u64,
     /// Micro-dollars held by live reservations.
     pub reserved_micros: i64,
+    /// Of `reserved_tokens`, what replicas' leases hold (admitted locally or given back soon).
+    pub leased_tokens: u64,
+    /// Of `reserved_micros`, what replicas' leases hold.
+    pub leased_micros: i64,
 }
 
 /// The result of a check-and-reserve.
@@ -455,8 +466,30 @@ pub struct CommitRequest {
     pub micros: i64,
     /// The counters reserved on (key, expire_at_ms).
     pub counters: Vec<(String, i64)>,
-    /// The token rate limiters charged (key, per_minute, tokens to give back).
+    /// The rate limiters charged (key, per_minute, units to give back).
     pub refunds: Vec<(String, u64, u64)>,
+    /// Set for a lease's settlement: `tokens`/`micros` are ignored and the totals here apply
+    /// instead (see [`LeaseSync`]).
+    pub lease: Option<LeaseSync>,
+}
+
+/// A lease's settlement with the shared store, in running totals since the lease began, so a
+/// settlement replayed late or out of order changes nothing: the store keeps the totals it has
+/// applied per lease and adds only what is new. `close` ends the lease: whatever it still
+/// holds is released, the rate-limiter refunds apply, and later settlements of it are no-ops.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LeaseSync {
+    /// Tokens actually spent by requests the lease admitted (running total).
+    pub spent_tokens: u64,
+    /// Micro-dollars actually spent (running total).
+    pub spent_micros: i64,
+    /// Tokens of the hold given back: spent ones move to `spent`, unused ones return (running
+    /// total).
+    pub released_tokens: u64,
+    /// Micro-dollars of the hold given back (running total).
+    pub released_micros: i64,
+    /// The lease is over.
+    pub close: bool,
 }
 
 /// Budget store failures (the store is unreachable, slow, or answered nonsense).
@@ -663,6 +696,8 @@ mod tests {
             max_tokens: 1000,
             min_tokens: 1,
             downgraded: false,
+            units: 1,
+            lease: false,
             counters: vec![],
             rates: vec![],
         };

@@ -10,7 +10,8 @@ use redis::{Script, ScriptInvocation, Value};
 use crate::redis_conn::RedisConn;
 
 use super::{
-    BudgetError, BudgetStore, CommitRequest, CounterState, Mode, Outcome, RateKind, ReserveRequest,
+    BudgetError, BudgetStore, CommitRequest, CounterState, LeaseSync, Mode, Outcome, RateKind,
+    ReserveRequest,
 };
 
 const COMMON: &str = include_str!("lua/common.lua");
@@ -82,12 +83,14 @@ fn ints(v: Value) -> Result<Vec<i64>, BudgetError> {
 }
 
 fn states(flat: &[i64]) -> Vec<CounterState> {
-    flat.chunks_exact(4)
+    flat.chunks_exact(6)
         .map(|c| CounterState {
             spent_tokens: u64::try_from(c[0]).unwrap_or(0),
             spent_micros: c[1],
             reserved_tokens: u64::try_from(c[2]).unwrap_or(0),
             reserved_micros: c[3],
+            leased_tokens: u64::try_from(c[4]).unwrap_or(0),
+            leased_micros: c[5],
         })
         .collect()
 }
@@ -127,6 +130,8 @@ impl BudgetStore for RedisStore {
             .arg(req.max_tokens)
             .arg(req.min_tokens)
             .arg(u8::from(req.downgraded))
+            .arg(req.units)
+            .arg(u8::from(req.lease))
             .arg(req.counters.len());
         for c in &req.counters {
             let mode = match c.mode {
@@ -199,12 +204,28 @@ impl BudgetStore for RedisStore {
                 for (key, _, _) in &req.refunds {
                     inv.key(key);
                 }
+                let (mode, tokens, micros, lease) = match req.lease {
+                    Some(l) => (
+                        if l.close { 3 } else { 2 },
+                        l.spent_tokens,
+                        l.spent_micros,
+                        l,
+                    ),
+                    None => (
+                        u8::from(req.unreserved),
+                        req.tokens,
+                        req.micros,
+                        LeaseSync::default(),
+                    ),
+                };
                 inv.arg(&req.rid)
                     .arg(req.now_ms)
                     .arg(req.dedupe_ms.max(1))
-                    .arg(req.tokens)
-                    .arg(req.micros)
-                    .arg(u8::from(req.unreserved))
+                    .arg(tokens)
+                    .arg(micros)
+                    .arg(mode)
+                    .arg(lease.released_tokens)
+                    .arg(lease.released_micros)
                     .arg(req.counters.len());
                 for (_, expire) in &req.counters {
                     inv.arg(*expire);

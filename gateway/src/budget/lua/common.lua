@@ -1,7 +1,9 @@
 -- Shared helpers, prepended to every budget script (see redis.rs). Counters are hashes with
 -- fields st/sm (spent tokens/micro-dollars), rt/rm (reserved), r:<rid> = "<tokens>:<micros>" per
 -- live reservation and x:<rid> per expired one not yet committed; a sorted set next to each
--- counter holds live reservation ids by expiry.
+-- counter holds live reservation ids by expiry. Leases (rids starting with `lease:`) are also
+-- totalled in lt/lm, and a:<rid> = "<spent t>:<spent m>:<released t>:<released m>" holds the
+-- running totals of a lease's settlements applied so far.
 -- Numbers go to Redis as integer strings (Lua would print 1000 as 1e+03, and -0 as "-0").
 local function fmt(x)
   if x == 0 then return '0' end
@@ -13,8 +15,13 @@ local function release(h, rid)
   local v = redis.call('HGET', h, 'r:' .. rid)
   if v then
     local sep = string.find(v, ':', 1, true)
-    redis.call('HINCRBY', h, 'rt', fmt(-tonumber(string.sub(v, 1, sep - 1))))
-    redis.call('HINCRBY', h, 'rm', fmt(-tonumber(string.sub(v, sep + 1))))
+    local t, m = fmt(-tonumber(string.sub(v, 1, sep - 1))), fmt(-tonumber(string.sub(v, sep + 1)))
+    redis.call('HINCRBY', h, 'rt', t)
+    redis.call('HINCRBY', h, 'rm', m)
+    if string.sub(rid, 1, 6) == 'lease:' then
+      redis.call('HINCRBY', h, 'lt', t)
+      redis.call('HINCRBY', h, 'lm', m)
+    end
     redis.call('HDEL', h, 'r:' .. rid)
   end
 end
@@ -31,9 +38,9 @@ local function purge(h, z, now)
   end
 end
 
--- A counter's totals, and whether it exists.
+-- A counter's totals (spent, reserved, of which lease-held), and whether it exists.
 local function state(h)
-  local v = redis.call('HMGET', h, 'st', 'sm', 'rt', 'rm')
+  local v = redis.call('HMGET', h, 'st', 'sm', 'rt', 'rm', 'lt', 'lm')
   return tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0, tonumber(v[4]) or 0,
-    (v[1] or v[2] or v[3] or v[4]) ~= false
+    tonumber(v[5]) or 0, tonumber(v[6]) or 0, (v[1] or v[2] or v[3] or v[4]) ~= false
 end

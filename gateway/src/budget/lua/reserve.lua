@@ -1,10 +1,12 @@
 -- Check-and-reserve, atomically. KEYS: (counter hash, reservation zset) per counter, then one key
 -- per rate limiter. ARGV: now_ms, ttl_ms, rid, prompt_tokens, prompt_micros,
--- output_micros_per_token, max_tokens, min_tokens, downgraded, n_counters, then per counter
+-- output_micros_per_token, max_tokens, min_tokens, downgraded, units (what a requests limiter is
+-- charged), lease (1: also count it as lease-held), n_counters, then per counter
 -- mode (0 enforce, 1 downgrade, 2 count), limit_tokens, limit_micros, hard_tokens, hard_micros,
 -- expire_at_ms (-1 = no limit), then n_rates, then per limiter per_minute, kind (0 requests,
 -- 1 tokens). Reply: {0, granted, 0, states...} admitted; {1, index, 0, states...} rejected;
--- {2, index, 0} downgrade; {3, index, retry_after_ms} rate limited (indexes 0-based).
+-- {2, index, 0} downgrade; {3, index, retry_after_ms} rate limited (indexes 0-based). States are
+-- six numbers per counter: spent t/m, reserved t/m, lease-held t/m.
 local now = tonumber(ARGV[1])
 local ttl = tonumber(ARGV[2])
 local rid = ARGV[3]
@@ -14,8 +16,10 @@ local opt = tonumber(ARGV[6])
 local M = tonumber(ARGV[7])
 local min = math.min(tonumber(ARGV[8]), M)
 local downgraded = ARGV[9] == '1'
-local nc = tonumber(ARGV[10])
-local base = 10
+local units = tonumber(ARGV[10])
+local lease = ARGV[11] == '1'
+local nc = tonumber(ARGV[12])
+local base = 12
 
 local function fits(st, sm, rt, rm, ltok, lmic)
   local m = M
@@ -42,13 +46,13 @@ local granted = M
 for i = 1, nc do
   local h, z = KEYS[2 * i - 1], KEYS[2 * i]
   purge(h, z, now)
-  local st, sm, rt, rm, exists = state(h)
-  states[i] = {st, sm, rt, rm}
+  local st, sm, rt, rm, lt, lm, exists = state(h)
+  states[i] = {st, sm, rt, rm, lt, lm}
   fresh[i] = not exists
 end
 local function flat(head)
   for i = 1, nc do
-    for j = 1, 4 do head[#head + 1] = states[i][j] end
+    for j = 1, 6 do head[#head + 1] = states[i][j] end
   end
   return head
 end
@@ -92,7 +96,7 @@ local tats = {}
 for j = 1, nr do
   local per_minute = tonumber(ARGV[rbase + 2 * j])
   local kind = ARGV[rbase + 2 * j + 1]
-  local cost = 1
+  local cost = units
   if kind == '1' then cost = P + granted end
   local tat = tonumber(redis.call('GET', KEYS[2 * nc + j])) or now_us
   if tat < now_us then tat = now_us end
@@ -117,6 +121,11 @@ for i = 1, nc do
   s[4] = s[4] + micros
   -- Absolute values: the state was read in this same atomic script.
   redis.call('HSET', h, 'rt', fmt(s[3]), 'rm', fmt(s[4]), 'r:' .. rid, fmt(tokens) .. ':' .. fmt(micros))
+  if lease then
+    s[5] = s[5] + tokens
+    s[6] = s[6] + micros
+    redis.call('HSET', h, 'lt', fmt(s[5]), 'lm', fmt(s[6]))
+  end
   redis.call('ZADD', z, fmt(now + ttl), rid)
   local expire = ARGV[a + 6]
   if fresh[i] then

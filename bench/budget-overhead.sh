@@ -25,6 +25,7 @@ P_OFF=${P_OFF:-19202}
 P_MEM=${P_MEM:-19203}
 P_REDIS=${P_REDIS:-19204}
 P_RDB=${P_RDB:-19205}
+P_RPR=${P_RPR:-19206}
 
 command -v wrk >/dev/null || { echo "needs wrk: apt-get install wrk" >&2; exit 1; }
 command -v redis-server >/dev/null || { echo "needs redis-server" >&2; exit 1; }
@@ -47,9 +48,14 @@ store = "memory"'
 start_gateway redis "$P_REDIS" "$P_UP" "[budgets]
 store = \"redis\"
 redis_urls = [\"redis://127.0.0.1:$P_RDB\"]"
+# The same without leases: every request reserves in Redis on its own.
+start_gateway redis-no-lease "$P_RPR" "$P_UP" "[budgets]
+store = \"redis\"
+redis_urls = [\"redis://127.0.0.1:$P_RDB\"]
+lease_requests = 0"
 # A day budget (tokens and USD) and a per-minute rate limit, far above what the run uses, so
 # every request does the full reserve + commit and none is refused.
-for g in memory:$P_MEM redis:$P_REDIS; do
+for g in memory:$P_MEM redis:$P_REDIS redis-no-lease:$P_RPR; do
   export GATEWAY_URL="http://127.0.0.1:${g#*:}"
   "$BIN/gatewayctl" budgets set --tenant bench --window day --tokens 1000000000000 --usd 1000000 >/dev/null
   "$BIN/gatewayctl" limits set --tenant bench --rpm 1000000000 --tpm 1000000000000 >/dev/null
@@ -76,7 +82,7 @@ for line in sys.stdin:
 print(n)'; }
 
 : >"$WORK/results"
-for name in off memory redis; do
+for name in off memory redis redis-no-lease; do
   port=$(awk -F'"' '/^listen/ {split($2, a, ":"); print a[2]}' "$WORK/$name.toml")
   url="http://127.0.0.1:$port/v1/chat/completions"
   export KEY=$(cat "$WORK/$name.key")
@@ -102,11 +108,11 @@ for line in open(sys.argv[1]):
 off_lat, off_sat, _ = rows["off"]
 off_rps = off_sat["n"] / off_sat["secs"]
 print(f"latency at {sys.argv[2]} connections, throughput at {sys.argv[3]} connections")
-print(f"{'budgets':<10}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}{'req/s':>10}{'vs off':>8}{'errors':>8}{'redis calls/req':>17}")
-for name in ["off", "memory", "redis"]:
+print(f"{'budgets':<15}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}{'req/s':>10}{'vs off':>8}{'errors':>8}{'redis calls/req':>17}")
+for name in ["off", "memory", "redis", "redis-no-lease"]:
     lat, sat, evals = rows[name]
     rps = sat["n"] / sat["secs"]
-    calls = evals / (lat["n"] + sat["n"]) if name == "redis" else 0.0
-    print(f"{name:<10}{lat['p50']:>9.3f}{lat['p99']:>9.3f}{lat['p50'] - off_lat['p50']:>9.3f}"
+    calls = evals / (lat["n"] + sat["n"]) if name.startswith("redis") else 0.0
+    print(f"{name:<15}{lat['p50']:>9.3f}{lat['p99']:>9.3f}{lat['p50'] - off_lat['p50']:>9.3f}"
           f"{lat['p99'] - off_lat['p99']:>9.3f}{rps:>10.0f}{rps / off_rps:>8.1%}{lat['err'] + sat['err']:>8}{calls:>17.2f}")
 PY

@@ -13,6 +13,9 @@
 //! and release the rest. Reservations carry a TTL, so those of a gateway that died expire. The
 //! overspend bound is the prompt-token estimation error of the requests in flight when a budget
 //! runs out.
+//!
+//! With the shared store a replica leases room for many requests in one call and admits them
+//! locally ([`lease`]), so Redis is off the per-request path except near a limit.
 
 pub mod engine;
 pub mod lease;

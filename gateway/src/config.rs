@@ -601,6 +601,12 @@ impl Config {
                 ));
             }
         }
+        if b.lease_requests > 0 && !(20..=60_000).contains(&b.lease_ms) {
+            return Err(invalid(
+                "budgets.lease_ms",
+                "must be between 20 and 60000 (or set budgets.lease_requests = 0)",
+            ));
+        }
         if !(b.fail_open_share > 0.0 && b.fail_open_share <= 1.0) {
             return Err(invalid("budgets.fail_open_share", "must be in (0, 1]"));
         }

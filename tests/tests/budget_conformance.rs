@@ -68,6 +68,7 @@ impl Case {
             downgraded: false,
             units: 1,
             lease: false,
+            lease_quiet_ms: 0,
             counters,
             rates: vec![],
         }
@@ -562,6 +563,104 @@ async fn expired_leases_release_and_still_count_their_spend(kind: BudgetKind) {
     assert_eq!(admitted_in_a_row(&c, &mut one, "s").await, 25, "{kind:?}");
 }
 
+async fn rate_limit_leases_give_units_back_once(kind: BudgetKind) {
+    let c = Case::new(kind);
+    let rpm = RateSpec {
+        key: format!("gw:{{{}}}:rl:tenant:rpm", c.tenant),
+        per_minute: 60,
+        kind: RateKind::Requests,
+    };
+    let mut one = c.request("one", 0, 0, vec![]);
+    one.rates = vec![rpm.clone()];
+    one.min_tokens = 0;
+    match c.store.reserve(&one).await.unwrap() {
+        Outcome::Admitted { rate_room, .. } => assert_eq!(rate_room, [59], "{kind:?}"),
+        other => panic!("{other:?}"),
+    }
+    // A lease of rate limits alone (no budget counter) takes 40 units.
+    let mut lease = c.lease("lease:r", 0, vec![]);
+    lease.units = 40;
+    lease.rates = vec![rpm.clone()];
+    match c.store.reserve(&lease).await.unwrap() {
+        Outcome::Admitted { rate_room, .. } => assert_eq!(rate_room, [19], "{kind:?}"),
+        other => panic!("{other:?}"),
+    }
+    // A close for a lease that was never made (its grant timed out before it ran) is a no-op.
+    let mut ghost = c.settle(
+        &c.lease("lease:ghost", 0, vec![]),
+        LeaseSync {
+            close: true,
+            ..LeaseSync::default()
+        },
+    );
+    ghost.refunds = vec![(rpm.key.clone(), 60, 40)];
+    assert!(!c.store.commit(&ghost).await.unwrap(), "{kind:?}");
+    // The real close gives its 39 unused units back, once.
+    let mut close = c.settle(
+        &lease,
+        LeaseSync {
+            close: true,
+            ..LeaseSync::default()
+        },
+    );
+    close.refunds = vec![(rpm.key.clone(), 60, 39)];
+    assert!(c.store.commit(&close).await.unwrap(), "{kind:?}");
+    assert!(!c.store.commit(&close).await.unwrap(), "{kind:?}");
+    assert_eq!(admitted_in_a_row(&c, &mut one, "q").await, 58, "{kind:?}");
+}
+
+async fn a_refusal_while_leases_hold_room_stops_new_leases(kind: BudgetKind) {
+    let c = Case::new(kind);
+    let budget = c.counter("b", Mode::Enforce, Some(1_000), None);
+    let lease = c.lease("lease:q", 600, vec![budget.clone()]);
+    granted(&c.store.reserve(&lease).await.unwrap());
+    let mut big = c.request("big", 100, 500, vec![budget.clone()]);
+    big.min_tokens = 400;
+    big.lease_quiet_ms = 500;
+    match c.store.reserve(&big).await.unwrap() {
+        Outcome::Rejected { counters, .. } => assert_eq!(counters[0].leased_tokens, 600),
+        other => panic!("{kind:?}: {other:?}"),
+    }
+    // While quiet, no lease; a request of its own still fits what is free.
+    let second = c.lease("lease:q2", 100, vec![budget.clone()]);
+    assert!(
+        matches!(
+            c.store.reserve(&second).await.unwrap(),
+            Outcome::Rejected { .. }
+        ),
+        "{kind:?}"
+    );
+    granted(
+        &c.store
+            .reserve(&c.request("small", 50, 50, vec![budget.clone()]))
+            .await
+            .unwrap(),
+    );
+    // The lease closes and gives its room back; the big request then fits.
+    assert_eq!(
+        c.settles(
+            &lease,
+            &[LeaseSync {
+                close: true,
+                ..LeaseSync::default()
+            }]
+        )
+        .await,
+        [true],
+        "{kind:?}"
+    );
+    big.rid = "big2".into();
+    assert_eq!(
+        granted(&c.store.reserve(&big).await.unwrap()),
+        500,
+        "{kind:?}"
+    );
+    // After the quiet period leases are granted again.
+    let mut later = c.lease("lease:q3", 100, vec![budget.clone()]);
+    later.now_ms = *NOW_MS + 501;
+    granted(&c.store.reserve(&later).await.unwrap());
+}
+
 macro_rules! both {
     ($($name:ident),* $(,)?) => {
         $(
@@ -588,5 +687,7 @@ mod conformance {
         unreserved_commits_apply_once,
         leases_settle_in_running_totals_once,
         expired_leases_release_and_still_count_their_spend,
+        rate_limit_leases_give_units_back_once,
+        a_refusal_while_leases_hold_room_stops_new_leases,
     );
 }

@@ -444,6 +444,7 @@ impl Budgets {
             downgraded: downgraded || input.primary_is_small,
             units: 1,
             lease: false,
+            lease_quiet_ms: self.leases.as_ref().map_or(0, |l| 2 * l.drain_ms()),
             counters,
             rates,
         }
@@ -509,8 +510,21 @@ impl Budgets {
             if let Some(taken) = slot.take(need, now_ms) {
                 return Ok(Shared::Leased(self.leased(plan, input, &req, taken, now)));
             }
+            if !self.store_available(ms(self.clock.now())) {
+                // It failed while this request waited: do not queue up behind it.
+                return Err(BudgetError::Unavailable);
+            }
             if let Some(lease_req) = leases.lease_request(&slot, &req, need, self.ttl_ms) {
-                let outcome = self.reserve_in(&*self.store, &lease_req).await?;
+                let outcome = match self.reserve_in(&*self.store, &lease_req).await {
+                    Ok(o) => o,
+                    Err(e) => {
+                        // The lease may have been made with its answer lost: close it once
+                        // the store is back (a no-op if it was never made).
+                        slot.refused(now_ms, leases.drain_ms());
+                        self.enqueue(Leases::orphan_close(&lease_req));
+                        return Err(e);
+                    }
+                };
                 slot.observe(&lease_req, &outcome);
                 if let Outcome::Admitted { counters, .. } = outcome {
                     self.metrics.budget_leases.inc();
@@ -519,7 +533,7 @@ impl Budgets {
                         return Ok(Shared::Leased(self.leased(plan, input, &req, taken, now)));
                     }
                 } else {
-                    slot.refused(now_ms, leases.open_ms());
+                    slot.refused(now_ms, leases.drain_ms());
                 }
             }
         }
@@ -536,11 +550,12 @@ impl Budgets {
             _ => false,
         };
         if held_by_leases {
-            // Part of what is left is held by leases (this replica's or others'), which give
-            // back what they do not use within one lease period: ask once more after it.
+            // Part of what is left is held by leases (this replica's or others'). The refusal
+            // made that counter take no new lease for a while (`lease_quiet_ms`), so the open
+            // ones close and give back what they do not use: ask once more after that.
             slot.close();
-            let wait = leases.open_ms() + 2 * i64::try_from(leases.tick_ms()).unwrap_or(0);
-            tokio::time::sleep(Duration::from_millis(u64::try_from(wait).unwrap_or(0))).await;
+            let wait = u64::try_from(leases.drain_ms()).unwrap_or(0);
+            tokio::time::sleep(Duration::from_millis(wait)).await;
             let (req, outcome, downgraded) = self
                 .reserve_with(&*self.store, plan, input, self.clock.now(), 1.0)
                 .await?;
@@ -635,6 +650,13 @@ impl Budgets {
             match self.shared_admit(plan, &input, now).await {
                 Ok(Shared::Leased(admission)) => return Ok(admission),
                 Ok(Shared::Reserved(req, outcome, downgraded)) => Some((req, outcome, downgraded)),
+                Err(BudgetError::Unavailable) => {
+                    self.metrics
+                        .budget_store_errors
+                        .with_label_values(&[plan.fail_mode.as_str()])
+                        .inc();
+                    None
+                }
                 Err(e) => {
                     self.store_failed(plan, &e, now_ms);
                     None
@@ -672,6 +694,7 @@ impl Budgets {
             Outcome::Admitted {
                 max_tokens,
                 counters,
+                ..
             } => Ok(self.admitted(
                 plan, &input, &req, max_tokens, &counters, downgraded, local, now,
             )),

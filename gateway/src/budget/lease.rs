@@ -31,15 +31,20 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Room left under the limits of one reservation's counters (the least over them; `None`:
 /// unlimited), as last seen in a reply of the shared store.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct Room {
     tokens: Option<u64>,
     micros: Option<i64>,
+    /// Each rate limiter's room (units), when an admission showed it.
+    rates: Option<Vec<u64>>,
 }
 
 impl Room {
-    fn of(req: &ReserveRequest, states: &[CounterState]) -> Self {
-        let mut room = Self::default();
+    fn of(req: &ReserveRequest, states: &[CounterState], rates: Option<&[u64]>) -> Self {
+        let mut room = Self {
+            rates: rates.map(<[u64]>::to_vec),
+            ..Self::default()
+        };
         for (spec, s) in req.counters.iter().zip(states) {
             let limit = match spec.mode {
                 Mode::Count => continue,
@@ -105,6 +110,8 @@ pub struct Lease {
     hold_tokens: u64,
     hold_micros: i64,
     units: u64,
+    /// When the shared store forgets the lease (and its requests must have ended), ms.
+    expires_ms: i64,
     st: Mutex<LeaseState>,
 }
 
@@ -120,15 +127,17 @@ impl Lease {
             .hold_tokens
             .saturating_sub(st.inflight_tokens + st.spent_tokens);
         let free_m = self.hold_micros - st.inflight_micros - st.spent_micros;
-        if now_ms >= self.open_until_ms
-            || st.admitted >= self.units
-            || free_t < need.tokens
-            || free_m < need.micros
-        {
+        if now_ms >= self.open_until_ms || st.admitted >= self.units {
             st.closed = true;
             return None;
         }
+        if free_t < need.tokens || free_m < need.micros {
+            // Too big for what is left (a larger request, or the lease is used up): the caller
+            // takes a new lease or reserves on its own; smaller requests may still fit here.
+            return None;
+        }
         st.admitted += 1;
+        st.closed = st.admitted >= self.units;
         st.inflight += 1;
         st.inflight_tokens += need.tokens;
         st.inflight_micros += need.micros;
@@ -166,7 +175,9 @@ impl Lease {
         if now_ms >= self.open_until_ms {
             st.closed = true;
         }
-        let close = st.closed && st.inflight == 0;
+        // Past its expiry the store has let the lease go; a request still counted in flight
+        // (one whose settlement never came) must not keep it open for ever.
+        let close = st.closed && (st.inflight == 0 || now_ms >= self.expires_ms);
         // Spent room leaves the hold; once closed, so does everything not held by a request in
         // flight.
         let (released_tokens, released_micros) = if st.closed {
@@ -210,7 +221,7 @@ impl Lease {
                 tenant_id: self.tenant_id.clone(),
                 rid: self.rid.clone(),
                 now_ms,
-                dedupe_ms: 1,
+                dedupe_ms: (self.expires_ms - now_ms).max(1),
                 unreserved: false,
                 tokens: 0,
                 micros: 0,
@@ -248,18 +259,27 @@ impl Slot {
 
     /// Remember the room a reply of the shared store showed (sizes the next lease).
     pub fn observe(&self, req: &ReserveRequest, outcome: &Outcome) {
-        let states = match outcome {
-            Outcome::Admitted { counters, .. } | Outcome::Rejected { counters, .. } => counters,
-            _ => return,
+        let room = match outcome {
+            Outcome::Admitted {
+                counters,
+                rate_room,
+                ..
+            } => Room::of(req, counters, Some(rate_room)),
+            Outcome::Rejected { counters, .. } => Room::of(req, counters, None),
+            Outcome::Downgrade { .. } | Outcome::RateLimited { .. } => {
+                self.refused(req.now_ms, 0);
+                return;
+            }
         };
-        *lock(&self.room) = Some(Room::of(req, states));
+        *lock(&self.room) = Some(room);
     }
 
     /// The shared store refused a lease (a limiter or a `downgrade` budget is near its limit):
     /// ask for none for a while; requests reserve one by one meanwhile.
     pub fn refused(&self, now_ms: i64, for_ms: i64) {
         self.quiet_until_ms
-            .store(now_ms + for_ms, Ordering::Relaxed);
+            .fetch_max(now_ms + for_ms, Ordering::Relaxed);
+        *lock(&self.room) = None;
     }
 
     /// Stop admitting from the current lease (its unused room goes back at the next settlement).
@@ -295,22 +315,27 @@ impl Leases {
         u64::try_from(self.open_ms / 4).unwrap_or(0).max(5)
     }
 
-    /// How long a lease admits, ms.
-    pub fn open_ms(&self) -> i64 {
-        self.open_ms
+    /// How long a request refused while leases held room waits before asking again: every
+    /// lease then open has closed and given its unused room back, ms.
+    pub fn drain_ms(&self) -> i64 {
+        self.open_ms + 2 * i64::try_from(self.tick_ms()).unwrap_or(0)
     }
 
     /// The slot of the counters and limiters `req` touches.
     pub fn slot(&self, req: &ReserveRequest) -> Arc<Slot> {
-        let mut id = String::with_capacity(96);
+        use std::fmt::Write as _;
+        // The limits are part of the identity: a changed policy starts new leases.
+        let mut id = String::with_capacity(128);
         id.push_str(if req.downgraded { "d" } else { "p" });
         for c in &req.counters {
-            id.push('|');
-            id.push_str(&c.key);
+            let _ = write!(
+                id,
+                "|{}:{:?}:{:?}:{:?}",
+                c.key, c.mode, c.limit.tokens, c.limit.micros
+            );
         }
         for r in &req.rates {
-            id.push('|');
-            id.push_str(&r.key);
+            let _ = write!(id, "|{}:{}", r.key, r.per_minute);
         }
         Arc::clone(lock(&self.slots).entry(id).or_default())
     }
@@ -327,7 +352,7 @@ impl Leases {
         if req.now_ms < slot.quiet_until_ms.load(Ordering::Relaxed) {
             return None;
         }
-        let room = (*lock(&slot.room))?;
+        let room = lock(&slot.room).clone()?;
         let mut n = self.per_lease;
         if let Some(t) = room.tokens {
             n = n.min((t / ROOM_SHARE).checked_div(need.tokens).unwrap_or(n));
@@ -337,12 +362,17 @@ impl Leases {
             let share = u64::try_from(m).unwrap_or(0) / ROOM_SHARE;
             n = n.min(share.checked_div(per).unwrap_or(n));
         }
-        for r in &req.rates {
-            let share = r.per_minute / ROOM_SHARE;
-            n = n.min(match r.kind {
-                RateKind::Requests => share,
-                RateKind::Tokens => share.checked_div(need.tokens).unwrap_or(n),
-            });
+        if !req.rates.is_empty() {
+            // Units a limiter would still admit now, as last seen: a lease takes an eighth at
+            // most, so it can only make another replica wait when the limit is nearly reached.
+            let rooms = room.rates.as_ref()?;
+            for (r, left) in req.rates.iter().zip(rooms) {
+                let share = left / ROOM_SHARE;
+                n = n.min(match r.kind {
+                    RateKind::Requests => share,
+                    RateKind::Tokens => share.checked_div(need.tokens).unwrap_or(n),
+                });
+            }
         }
         if n < MIN_REQUESTS {
             return None;
@@ -357,6 +387,7 @@ impl Leases {
             min_tokens: 0,
             units: n,
             lease: true,
+            lease_quiet_ms: 0,
             ..req.clone()
         })
     }
@@ -381,11 +412,46 @@ impl Leases {
             hold_tokens: lease_req.prompt_tokens,
             hold_micros: lease_req.prompt_micros,
             units: lease_req.units,
+            expires_ms: lease_req.now_ms + lease_req.ttl_ms,
             st: Mutex::new(LeaseState::default()),
         });
         lock(&self.live).push(Arc::clone(&lease));
         if let Some(old) = lock(&slot.current).replace(lease) {
             old.close();
+        }
+    }
+
+    /// The close of a lease whose grant was never answered (the call failed or timed out; it
+    /// may have been made): gives back all it would hold, a no-op if it was never made.
+    pub fn orphan_close(lease_req: &ReserveRequest) -> CommitRequest {
+        CommitRequest {
+            tenant_id: lease_req.tenant_id.clone(),
+            rid: lease_req.rid.clone(),
+            now_ms: lease_req.now_ms,
+            dedupe_ms: lease_req.ttl_ms.max(1),
+            unreserved: false,
+            tokens: 0,
+            micros: 0,
+            counters: lease_req
+                .counters
+                .iter()
+                .map(|c| (c.key.clone(), c.expire_at_ms))
+                .collect(),
+            refunds: lease_req
+                .rates
+                .iter()
+                .map(|r| {
+                    let units = match r.kind {
+                        RateKind::Requests => lease_req.units,
+                        RateKind::Tokens => lease_req.prompt_tokens,
+                    };
+                    (r.key.clone(), r.per_minute, units)
+                })
+                .collect(),
+            lease: Some(LeaseSync {
+                close: true,
+                ..LeaseSync::default()
+            }),
         }
     }
 
@@ -441,6 +507,7 @@ mod tests {
             downgraded: false,
             units: 1,
             lease: false,
+            lease_quiet_ms: 0,
             counters: vec![CounterSpec {
                 key: "gw:{t}:bud:b:0".into(),
                 mode: Mode::Enforce,
@@ -462,6 +529,7 @@ mod tests {
                 spent_tokens: spent,
                 ..Default::default()
             }],
+            rate_room: vec![],
         }
     }
 
@@ -527,5 +595,44 @@ mod tests {
         let s = sync[0].lease.unwrap();
         assert_eq!((s.spent_tokens, s.close), (160, true));
         assert_eq!(leases.live(), 0);
+    }
+
+    #[test]
+    fn a_big_request_leaves_the_lease_to_small_ones_and_a_lost_request_cannot_hold_it_open() {
+        let leases = Leases::new(2, 200);
+        let req = request(100_000);
+        let need = Need::of(&req);
+        let slot = leases.slot(&req);
+        slot.observe(&req, &admitted(0));
+        let lr = leases.lease_request(&slot, &req, need, 5_000).unwrap();
+        leases.install(&slot, &lr, vec![CounterState::default()]);
+        let big = Need {
+            tokens: 10_000,
+            micros: 10,
+        };
+        assert!(slot.take(big, 1_001).is_none());
+        let (a, _) = slot.take(need, 1_002).unwrap();
+        // The second request uses the last unit: the lease closes without waiting for time.
+        let (_b, _) = slot.take(need, 1_003).unwrap();
+        assert!(slot.take(need, 1_004).is_none());
+        a.finish(need, 50, 50);
+        let open: Vec<_> = leases.settlements(1_010, false);
+        assert!(
+            open.iter().all(|c| !c.lease.unwrap().close),
+            "b is in flight"
+        );
+        // b never reports back; once the store has let the lease go, it closes anyway.
+        let late = leases.settlements(1_000 + 200 + 5_000, false);
+        assert!(late[0].lease.unwrap().close);
+        assert_eq!(leases.live(), 0);
+    }
+
+    #[test]
+    fn a_changed_limit_is_a_new_slot() {
+        let leases = Leases::new(64, 200);
+        let a = leases.slot(&request(100_000));
+        let b = leases.slot(&request(50_000));
+        assert!(!Arc::ptr_eq(&a, &b));
+        assert!(Arc::ptr_eq(&a, &leases.slot(&request(100_000))));
     }
 }

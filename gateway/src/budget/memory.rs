@@ -26,6 +26,8 @@ struct Counter {
     expired: HashSet<String>,
     /// Per lease: the running totals of its settlements applied so far.
     settled: HashMap<String, LeaseSync>,
+    /// No new lease before this time (a request was refused while leases held room), ms.
+    lease_quiet_until_ms: i64,
     expire_at_ms: i64,
 }
 
@@ -172,6 +174,20 @@ impl MemoryStore {
             .collect();
         let min = req.min_tokens.min(req.max_tokens);
         let mut granted = req.max_tokens;
+        if req.lease {
+            let quiet = req.counters.iter().position(|c| {
+                inner
+                    .counters
+                    .get(&c.key)
+                    .is_some_and(|c| c.lease_quiet_until_ms > req.now_ms)
+            });
+            if let Some(index) = quiet {
+                return Outcome::Rejected {
+                    index,
+                    counters: states,
+                };
+            }
+        }
         for (index, (spec, state)) in req.counters.iter().zip(&states).enumerate() {
             let allowed = match spec.mode {
                 Mode::Count => continue,
@@ -187,10 +203,16 @@ impl MemoryStore {
             match allowed {
                 Some(m) if m >= min => granted = granted.min(m),
                 _ => {
+                    let leased = state.leased_tokens > 0 || state.leased_micros > 0;
+                    if !req.lease && req.lease_quiet_ms > 0 && leased {
+                        if let Some(c) = inner.counters.get_mut(&spec.key) {
+                            c.lease_quiet_until_ms = req.now_ms + req.lease_quiet_ms;
+                        }
+                    }
                     return Outcome::Rejected {
                         index,
                         counters: states,
-                    }
+                    };
                 }
             }
         }
@@ -227,9 +249,18 @@ impl MemoryStore {
             }
             new_tats.push(new_tat);
         }
+        let mut rate_room = Vec::with_capacity(req.rates.len());
         for (rate, tat) in req.rates.iter().zip(new_tats) {
             let expire = (tat / 1000.0).ceil() as i64 + 1000;
             inner.rates.insert(rate.key.clone(), (tat, expire));
+            rate_room
+                .push(((BURST_US - (tat - now_us)) / emission_us(rate.per_minute)).floor() as u64);
+        }
+        if req.lease {
+            inner.done.insert(
+                super::marker_key(&req.tenant_id, &req.rid),
+                req.now_ms + req.ttl_ms,
+            );
         }
         let tokens = req.prompt_tokens + granted;
         let micros = req.micros_for(granted);
@@ -250,6 +281,7 @@ impl MemoryStore {
         Outcome::Admitted {
             max_tokens: granted,
             counters: after,
+            rate_room,
         }
     }
 
@@ -271,7 +303,14 @@ impl MemoryStore {
             }
             return true;
         }
-        let mut applied = req.counters.is_empty() && req.lease.is_none();
+        // Only the first close of a lease that existed finds its marker: its rate limiter units
+        // come back once (also for a lease of rate limits alone, which has no counter).
+        let lease_refund = req.lease.is_some_and(|l| l.close)
+            && inner
+                .done
+                .remove(&super::marker_key(&req.tenant_id, &req.rid))
+                .is_some_and(|until| until > req.now_ms);
+        let mut applied = (req.counters.is_empty() && req.lease.is_none()) || lease_refund;
         for (key, expire_at_ms) in &req.counters {
             let Some(c) = inner.counters.get_mut(key) else {
                 continue;
@@ -296,7 +335,7 @@ impl MemoryStore {
         if !applied {
             return false;
         }
-        if req.lease.is_some_and(|l| !l.close) {
+        if req.lease.is_some() && !lease_refund {
             return true;
         }
         for (key, per_minute, refund) in &req.refunds {
@@ -351,6 +390,7 @@ impl BudgetStore for MemoryStore {
                 reservations: HashMap::new(),
                 expired: HashSet::new(),
                 settled: HashMap::new(),
+                lease_quiet_until_ms: 0,
                 expire_at_ms,
             },
         );

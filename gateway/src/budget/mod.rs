@@ -385,6 +385,10 @@ pub struct ReserveRequest {
     /// it as lease-held (`CounterState::leased_*`), so a refusal can tell capacity that a lease
     /// will soon give back from capacity that is spent.
     pub lease: bool,
+    /// For a request (not a lease): when a counter refuses it while leases hold part of its
+    /// room, that counter takes no new lease for this long, ms (so the leases drain and a retry
+    /// can fit). 0: never.
+    pub lease_quiet_ms: i64,
     /// Budget counters, all of which must admit.
     pub counters: Vec<CounterSpec>,
     /// Rate limiters, all of which must admit.
@@ -424,6 +428,9 @@ pub enum Outcome {
         max_tokens: u64,
         /// Each counter's state after the reservation, in request order.
         counters: Vec<CounterState>,
+        /// Each rate limiter's room after the reservation (units it would still admit now), in
+        /// request order.
+        rate_room: Vec<u64>,
     },
     /// Counter `index` (an enforce counter, or a downgrade counter past its hard cap) cannot
     /// cover even `min_tokens`. Nothing was reserved.
@@ -504,6 +511,9 @@ pub enum BudgetError {
     /// The store did not answer within `budgets.store_timeout_ms`.
     #[error("budget store timed out")]
     Timeout,
+    /// The store failed moments ago and is skipped until its backoff ends.
+    #[error("budget store unavailable (backing off after a failure)")]
+    Unavailable,
     /// A reply could not be decoded.
     #[error("budget store protocol error: {0}")]
     Protocol(String),
@@ -554,6 +564,11 @@ pub fn counter_key(tenant_id: &str, policy_id: &str, window_start: DateTime<Utc>
         "gw:{{{tenant_id}}}:bud:{policy_id}:{}",
         window_start.timestamp()
     )
+}
+
+/// The key marking a commit applied (an unreserved one) or a lease not yet closed.
+pub fn marker_key(tenant_id: &str, rid: &str) -> String {
+    format!("gw:{{{tenant_id}}}:done:{rid}")
 }
 
 /// The key of a rate limiter (`scope` is `tenant` or a key id).
@@ -701,6 +716,7 @@ mod tests {
             downgraded: false,
             units: 1,
             lease: false,
+            lease_quiet_ms: 0,
             counters: vec![],
             rates: vec![],
         };

@@ -10,8 +10,8 @@ use redis::{Script, ScriptInvocation, Value};
 use crate::redis_conn::RedisConn;
 
 use super::{
-    BudgetError, BudgetStore, CommitRequest, CounterState, LeaseSync, Mode, Outcome, RateKind,
-    ReserveRequest,
+    marker_key, BudgetError, BudgetStore, CommitRequest, CounterState, LeaseSync, Mode, Outcome,
+    RateKind, ReserveRequest,
 };
 
 const COMMON: &str = include_str!("lua/common.lua");
@@ -121,6 +121,9 @@ impl BudgetStore for RedisStore {
         for r in &req.rates {
             inv.key(&r.key);
         }
+        if req.lease {
+            inv.key(marker_key(&req.tenant_id, &req.rid));
+        }
         inv.arg(req.now_ms)
             .arg(req.ttl_ms)
             .arg(&req.rid)
@@ -132,6 +135,7 @@ impl BudgetStore for RedisStore {
             .arg(u8::from(req.downgraded))
             .arg(req.units)
             .arg(u8::from(req.lease))
+            .arg(req.lease_quiet_ms)
             .arg(req.counters.len());
         for c in &req.counters {
             let mode = match c.mode {
@@ -161,10 +165,17 @@ impl BudgetStore for RedisStore {
             )));
         };
         Ok(match status {
-            0 => Outcome::Admitted {
-                max_tokens: u64::try_from(*a).unwrap_or(0),
-                counters: states(rest),
-            },
+            0 => {
+                let (counters, rooms) = rest.split_at((6 * req.counters.len()).min(rest.len()));
+                Outcome::Admitted {
+                    max_tokens: u64::try_from(*a).unwrap_or(0),
+                    counters: states(counters),
+                    rate_room: rooms
+                        .iter()
+                        .map(|&r| u64::try_from(r).unwrap_or(0))
+                        .collect(),
+                }
+            }
             1 => Outcome::Rejected {
                 index: index(*a),
                 counters: states(rest),
@@ -197,7 +208,7 @@ impl BudgetStore for RedisStore {
             inv.arg(idx.len());
             for &i in idx {
                 let req = &reqs[i];
-                inv.key(format!("gw:{{{}}}:done:{}", req.tenant_id, req.rid));
+                inv.key(marker_key(&req.tenant_id, &req.rid));
                 for (key, _) in &req.counters {
                     inv.key(key).key(zset(key));
                 }

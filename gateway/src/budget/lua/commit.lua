@@ -3,8 +3,9 @@
 --   ARGV: rid, now_ms, dedupe_ms, tokens, micros, mode (0 reserved, 1 unreserved, 2 lease
 --         settlement, 3 lease close), released_tokens, released_micros, n_counters,
 --         expire_at_ms per counter, n_rates, then per rate limiter per_minute, units to give back;
---   KEYS: the commit marker (used only when unreserved), (counter hash, reservation zset) per
---         counter, one key per rate limiter.
+--   KEYS: the commit marker (an unreserved commit sets it; a lease's reservation set it, and
+--         its close removes it), (counter hash, reservation zset) per counter, one key per rate
+--         limiter.
 -- Reply: per commit 1 applied, 0 already committed (or nothing new).
 --
 -- A reserved commit is idempotent through the reservation itself: it applies to a counter that
@@ -69,7 +70,10 @@ for c = 1, tonumber(ARGV[1]) do
     end
   else
     local close = mode == '3'
-    refund = close
+    -- Only the first close of a lease that existed finds its marker: its rate limiter units come
+    -- back once (also for a lease of rate limits alone, which has no counter to show it).
+    refund = close and redis.call('DEL', KEYS[ka + 1]) == 1
+    applied = refund
     for i = 1, nc do
       local h, z = KEYS[ka + 2 * i], KEYS[ka + 2 * i + 1]
       local v = redis.call('HMGET', h, 'r:' .. rid, 'x:' .. rid, 'a:' .. rid)
@@ -102,7 +106,7 @@ for c = 1, tonumber(ARGV[1]) do
             redis.call('HSET', h, 'a:' .. rid, fmt(now[1]) .. ':' .. fmt(now[2]) .. ':' ..
               fmt(now[3]) .. ':' .. fmt(now[4]))
           end
-          applied = true
+          applied = applied or grew
         end
       end
     end

@@ -1,12 +1,15 @@
 -- Check-and-reserve, atomically. KEYS: (counter hash, reservation zset) per counter, then one key
 -- per rate limiter. ARGV: now_ms, ttl_ms, rid, prompt_tokens, prompt_micros,
 -- output_micros_per_token, max_tokens, min_tokens, downgraded, units (what a requests limiter is
--- charged), lease (1: also count it as lease-held), n_counters, then per counter
+-- charged), lease (1: a replica's lease: counted as lease-held, refused while a counter is quiet,
+-- and marked by the extra last key), quiet_ms (a refusal by a counter that leases hold room of
+-- makes it take no new lease for this long), n_counters, then per counter
 -- mode (0 enforce, 1 downgrade, 2 count), limit_tokens, limit_micros, hard_tokens, hard_micros,
 -- expire_at_ms (-1 = no limit), then n_rates, then per limiter per_minute, kind (0 requests,
 -- 1 tokens). Reply: {0, granted, 0, states...} admitted; {1, index, 0, states...} rejected;
 -- {2, index, 0} downgrade; {3, index, retry_after_ms} rate limited (indexes 0-based). States are
--- six numbers per counter: spent t/m, reserved t/m, lease-held t/m.
+-- six numbers per counter: spent t/m, reserved t/m, lease-held t/m; an admission then also gives
+-- each limiter's room left (units it would still admit now).
 local now = tonumber(ARGV[1])
 local ttl = tonumber(ARGV[2])
 local rid = ARGV[3]
@@ -18,8 +21,9 @@ local min = math.min(tonumber(ARGV[8]), M)
 local downgraded = ARGV[9] == '1'
 local units = tonumber(ARGV[10])
 local lease = ARGV[11] == '1'
-local nc = tonumber(ARGV[12])
-local base = 12
+local quiet = tonumber(ARGV[12])
+local nc = tonumber(ARGV[13])
+local base = 13
 
 local function fits(st, sm, rt, rm, ltok, lmic)
   local m = M
@@ -46,8 +50,8 @@ local granted = M
 for i = 1, nc do
   local h, z = KEYS[2 * i - 1], KEYS[2 * i]
   purge(h, z, now)
-  local st, sm, rt, rm, lt, lm, exists = state(h)
-  states[i] = {st, sm, rt, rm, lt, lm}
+  local st, sm, rt, rm, lt, lm, lq, exists = state(h)
+  states[i] = {st, sm, rt, rm, lt, lm, lq}
   fresh[i] = not exists
 end
 local function flat(head)
@@ -55,6 +59,11 @@ local function flat(head)
     for j = 1, 6 do head[#head + 1] = states[i][j] end
   end
   return head
+end
+if lease then
+  for i = 1, nc do
+    if states[i][7] > now then return flat({1, i - 1, 0}) end
+  end
 end
 for i = 1, nc do
   local a = base + 6 * (i - 1)
@@ -72,6 +81,9 @@ for i = 1, nc do
   end
   if allowed ~= 'skip' then
     if allowed == nil or allowed < min then
+      if not lease and quiet > 0 and (s[5] > 0 or s[6] > 0) then
+        redis.call('HSET', KEYS[2 * i - 1], 'lq', fmt(now + quiet))
+      end
       return flat({1, i - 1, 0})
     end
     if allowed < granted then granted = allowed end
@@ -106,9 +118,15 @@ for j = 1, nr do
   end
   tats[j] = new_tat
 end
+local rooms = {}
 for j = 1, nr do
   local expire = math.ceil(tats[j] / 1000) + 1000
   redis.call('SET', KEYS[2 * nc + j], fmt(tats[j]), 'PXAT', fmt(expire))
+  local per_minute = tonumber(ARGV[rbase + 2 * j])
+  rooms[j] = math.floor((burst - (tats[j] - now_us)) / (60000000 / math.max(per_minute, 1)))
+end
+if lease then
+  redis.call('SET', KEYS[2 * nc + nr + 1], 'lease', 'PX', fmt(ttl))
 end
 
 local tokens = P + granted
@@ -133,4 +151,6 @@ for i = 1, nc do
   end
   redis.call('PEXPIREAT', z, expire)
 end
-return flat({0, granted, 0})
+local out = flat({0, granted, 0})
+for j = 1, nr do out[#out + 1] = rooms[j] end
+return out

@@ -7,8 +7,12 @@
 #
 # Upstream: `gateway simulate --profile zero` (no model latency), so what is measured is the
 # proxies' own cost. Load: oha, open loop at RATE with latency correction (no coordinated
-# omission), then closed loop at CONNS connections for saturation throughput.
-# Needs: nginx (apt-get install nginx), oha (cargo install oha --locked), python3.
+# omission), then closed loop at CONNS connections for saturation throughput, measured twice:
+# with oha and with wrk. On 2 cores the load generator shares the CPU with the proxy and the
+# upstream; oha (Rust, tokio) spends several times more CPU per request than wrk (C), so its
+# saturation numbers mostly measure oha. Both are printed.
+# Needs: nginx (apt-get install nginx), oha (cargo install oha --locked), wrk (apt-get install
+# wrk), python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +28,7 @@ P_GW_NOLEDGER=${P_GW_NOLEDGER:-19104}
 
 command -v nginx >/dev/null || { echo "needs nginx: apt-get install nginx" >&2; exit 1; }
 command -v oha >/dev/null || { echo "needs oha: cargo install oha --locked" >&2; exit 1; }
+command -v wrk >/dev/null || { echo "needs wrk: apt-get install wrk" >&2; exit 1; }
 
 . bench/common.sh
 
@@ -125,6 +130,17 @@ for name in direct nginx gateway gateway-noledger; do
   fi
   run "sat-$name" "$url" "$body" -z "$SAT_DURATION" -c "$CONNS"
   [ "$name" = gateway ] && kill "$SAMPLER" 2>/dev/null || true
+  cat >"$WORK/wrk-$name.lua" <<EOF
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer $KEY"
+wrk.body = '$body'
+done = function(summary, latency, requests)
+  io.write(string.format("WRK %d %.3f %d\\n", summary.requests, summary.duration / 1e6,
+    summary.errors.status + summary.errors.connect + summary.errors.timeout))
+end
+EOF
+  wrk -t2 -c"$CONNS" -d"$SAT_DURATION" -s "$WORK/wrk-$name.lua" "$url" | grep '^WRK' >"$WORK/wrk-$name.txt"
 done
 RSS_LOAD=$(cat "$WORK/rss_peak" 2>/dev/null || echo 0)
 
@@ -141,19 +157,24 @@ def ok(d):
     total = sum(codes.values())
     return codes.get("200", 0), total
 rows = []
+wrk = {}
 for n in ["direct", "nginx", "gateway", "gateway-noledger"]:
     o, s = load("open-" + n), load("sat-" + n)
     rows.append((n, pct(o, "p50"), pct(o, "p99"), o["summary"]["requestsPerSec"], ok(o), s["summary"]["requestsPerSec"], ok(s)))
+    with open(os.path.join(work, "wrk-" + n + ".txt")) as f:
+        _, reqs, secs, errs = f.read().split()
+        wrk[n] = (int(reqs) / float(secs), int(errs))
 print(f"\nopen loop at {rate} req/s (latency in ms), then saturation with {conns} connections\n")
-print("| path | p50 ms | p99 ms | achieved req/s | 200s/total | saturation req/s | 200s/total |")
-print("|---|---|---|---|---|---|---|")
+print("| path | p50 ms | p99 ms | achieved req/s | 200s/total | saturation req/s (oha) | 200s/total | saturation req/s (wrk) | errors (wrk) |")
+print("|---|---|---|---|---|---|---|---|---|")
 for n, p50, p99, rps, (o2, ot), sat, (s2, st) in rows:
-    print(f"| {n} | {p50:.3f} | {p99:.3f} | {rps:.0f} | {o2}/{ot} | {sat:.0f} | {s2}/{st} |")
+    print(f"| {n} | {p50:.3f} | {p99:.3f} | {rps:.0f} | {o2}/{ot} | {sat:.0f} | {s2}/{st} | {wrk[n][0]:.0f} | {wrk[n][1]} |")
 d, ng, g, gn = rows
 print()
 print(f"gateway added latency vs direct: p50 {g[1]-d[1]:+.3f} ms, p99 {g[2]-d[2]:+.3f} ms")
 print(f"nginx added latency vs direct:   p50 {ng[1]-d[1]:+.3f} ms, p99 {ng[2]-d[2]:+.3f} ms")
-print(f"gateway saturation throughput = {100*g[5]/ng[5]:.0f}% of nginx, {100*g[5]/d[5]:.0f}% of direct")
+print(f"gateway saturation throughput (oha) = {100*g[5]/ng[5]:.0f}% of nginx, {100*g[5]/d[5]:.0f}% of direct")
+print(f"gateway saturation throughput (wrk) = {100*wrk['gateway'][0]/wrk['nginx'][0]:.0f}% of nginx, {100*wrk['gateway'][0]/wrk['direct'][0]:.0f}% of direct")
 print(f"cost ledger (SQLite) adds vs the same gateway without it: p50 {g[1]-gn[1]:+.3f} ms, p99 {g[2]-gn[2]:+.3f} ms, saturation {100*g[5]/gn[5]:.0f}% of no-ledger")
 print(f"gateway resident memory: idle {rss_idle/1024:.1f} MiB, peak under load {rss_load/1024:.1f} MiB")
 PY

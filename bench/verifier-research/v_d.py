@@ -1,0 +1,6 @@
+B = bil()
+cv_multi('d1 GBM[F15 + LR(BIL) + LR(PV)]', F, [('lrBIL', B, 'lr'), ('lrPV', PV, 'lr')])
+cv_multi('d2 GBM[F15 + extra21 + LR(BIL) + LR(PV)]', FE, [('lrBIL', B, 'lr'), ('lrPV', PV, 'lr')])
+cv_multi('d3 GBM[F15 + LR(BIL,PV,PVM,DC)]', F, [('lrBIL', B, 'lr'), ('lrPV', PV, 'lr'), ('lrPVM', pv('maxpool'), 'lr'), ('lrDC', np.concatenate([sym3('unm_ctx'), CNT], 1), 'lr')])
+cv_multi('c6b LR(bilinear PCA32) -> GBM', F, [('lrBIL32', bil(32), 'lr')])
+cv_multi('c6c LR(bilinear PCA96) -> GBM', F, [('lrBIL96', bil(96), 'lr')])

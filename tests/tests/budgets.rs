@@ -368,6 +368,45 @@ async fn leases_take_redis_off_the_request_path_and_settle_exactly() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_fits_only_once_leases_give_back_waits_instead_of_429() {
+    let s = setup(BudgetKind::Redis, Deps::default(), |_| {}).await;
+    let limit = 10_000u64;
+    set_budget(
+        &s.app,
+        json!({"tenant": "acme", "window": "day", "limit_tokens": limit}),
+    )
+    .await;
+    // The first request reserves on its own and shows the room; the next ones take a lease.
+    for _ in 0..3 {
+        let r = s.app.chat(body_with_max("fast", "hello there", 20)).await;
+        assert_eq!(r.status(), 200);
+    }
+    let state = usage(&s.app).await[0]["state"].clone();
+    let leased = state["leased_tokens"].as_u64().unwrap();
+    assert!(leased > 0, "no lease: {state}");
+    let used = state["spent_tokens"].as_u64().unwrap() + state["reserved_tokens"].as_u64().unwrap();
+    let free = limit - used;
+    // A prompt that fits in what is left only with the lease's unused room given back.
+    let words = usize::try_from(free + leased / 2 - 16 - 10).unwrap();
+    let mut big = body_with_max("fast", &"word ".repeat(words), 16);
+    big["max_tokens"] = json!(16);
+    let t = Instant::now();
+    let r = s.app.chat(big).await;
+    let waited = t.elapsed();
+    let status = r.status();
+    let v: Value = r.json().await.unwrap_or(Value::Null);
+    assert_eq!(status, 200, "{v}");
+    assert!(
+        waited >= Duration::from_millis(200),
+        "answered in {waited:?}: it should have waited for the lease to give back"
+    );
+    let u = wait_reserved_zero(&s.app).await;
+    let spent = u[0]["state"]["spent_tokens"].as_u64().unwrap();
+    assert!(spent <= limit, "spent {spent} of {limit}");
+    assert!(spent > free, "the big request was served: spent {spent}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_limits_answer_429_with_retry_after() {
     let s = setup(BudgetKind::Redis, Deps::default(), |_| {}).await;
     let r = s

@@ -83,11 +83,7 @@ impl Case {
             unreserved: false,
             tokens,
             micros,
-            counters: req
-                .counters
-                .iter()
-                .map(|c| (c.key.clone(), c.expire_at_ms))
-                .collect(),
+            counters: req.counter_keys(),
             refunds: vec![],
             lease: None,
         }

@@ -782,10 +782,7 @@ impl Budgets {
             } else {
                 p.limit
             };
-            let used_tokens = state.spent_tokens + state.reserved_tokens;
-            let used_micros = state.spent_micros + state.reserved_micros;
-            let rem_t = limit.tokens.map(|l| l.saturating_sub(used_tokens));
-            let rem_m = limit.micros.map(|l| (l - used_micros).max(0));
+            let (rem_t, rem_m) = state.remaining(&limit);
             let frac_t = limit
                 .tokens
                 .map(|l| rem_t.unwrap_or(0) as f64 / l.max(1) as f64);
@@ -850,11 +847,7 @@ impl Budgets {
             reservation: Some(Reservation {
                 tenant_id: plan.tenant_id.clone(),
                 rid: req.rid.clone(),
-                counters: req
-                    .counters
-                    .iter()
-                    .map(|c| (c.key.clone(), c.expire_at_ms))
-                    .collect(),
+                counters: req.counter_keys(),
                 token_rates,
                 reserved_tokens: req.prompt_tokens + reserved_output,
                 local,
@@ -1079,13 +1072,12 @@ impl Budgets {
             .zip(states)
             .map(|(policy, state)| {
                 let window_start = policy.window.start(now);
-                let used_t = state.spent_tokens + state.reserved_tokens;
-                let used_m = state.spent_micros + state.reserved_micros;
+                let (remaining_tokens, remaining_micros) = state.remaining(&policy.limit);
                 UsageRow {
                     window_start,
                     resets_at: policy.window.end(window_start),
-                    remaining_tokens: policy.limit.tokens.map(|l| l.saturating_sub(used_t)),
-                    remaining_micros: policy.limit.micros.map(|l| (l - used_m).max(0)),
+                    remaining_tokens,
+                    remaining_micros,
                     state,
                     policy,
                 }

@@ -52,12 +52,11 @@ impl Room {
                 Mode::Downgrade if req.downgraded => spec.hard,
                 Mode::Downgrade => spec.limit,
             };
-            if let Some(l) = limit.tokens {
-                let left = l.saturating_sub(s.spent_tokens + s.reserved_tokens);
+            let (tokens, micros) = s.remaining(&limit);
+            if let Some(left) = tokens {
                 room.tokens = Some(room.tokens.map_or(left, |r| r.min(left)));
             }
-            if let Some(l) = limit.micros {
-                let left = (l - s.spent_micros - s.reserved_micros).max(0);
+            if let Some(left) = micros {
                 room.micros = Some(room.micros.map_or(left, |r| r.min(left)));
             }
         }
@@ -397,11 +396,7 @@ impl Leases {
         let lease = Arc::new(Lease {
             rid: lease_req.rid.clone(),
             tenant_id: lease_req.tenant_id.clone(),
-            counters: lease_req
-                .counters
-                .iter()
-                .map(|c| (c.key.clone(), c.expire_at_ms))
-                .collect(),
+            counters: lease_req.counter_keys(),
             rates: lease_req
                 .rates
                 .iter()
@@ -432,11 +427,7 @@ impl Leases {
             unreserved: false,
             tokens: 0,
             micros: 0,
-            counters: lease_req
-                .counters
-                .iter()
-                .map(|c| (c.key.clone(), c.expire_at_ms))
-                .collect(),
+            counters: lease_req.counter_keys(),
             refunds: lease_req
                 .rates
                 .iter()

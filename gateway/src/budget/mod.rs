@@ -396,6 +396,14 @@ pub struct ReserveRequest {
 }
 
 impl ReserveRequest {
+    /// The counters it reserves on, as a commit names them: (key, expire_at_ms).
+    pub fn counter_keys(&self) -> Vec<(String, i64)> {
+        self.counters
+            .iter()
+            .map(|c| (c.key.clone(), c.expire_at_ms))
+            .collect()
+    }
+
     /// Micro-dollars reserved for a request granted `max_tokens` output tokens.
     pub fn micros_for(&self, max_tokens: u64) -> i64 {
         self.prompt_micros + (max_tokens as f64 * self.output_micros_per_token).ceil() as i64
@@ -417,6 +425,21 @@ pub struct CounterState {
     pub leased_tokens: u64,
     /// Of `reserved_micros`, what replicas' leases hold.
     pub leased_micros: i64,
+}
+
+impl CounterState {
+    /// Tokens and micro-dollars `limit` has left after what is spent and reserved (`None` where
+    /// that limit is not set).
+    pub fn remaining(&self, limit: &Limit) -> (Option<u64>, Option<i64>) {
+        (
+            limit
+                .tokens
+                .map(|l| l.saturating_sub(self.spent_tokens + self.reserved_tokens)),
+            limit
+                .micros
+                .map(|l| (l - self.spent_micros - self.reserved_micros).max(0)),
+        )
+    }
 }
 
 /// The result of a check-and-reserve.

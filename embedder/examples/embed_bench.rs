@@ -1,5 +1,6 @@
 //! CPU benchmark of the embedder: transformer and static embedding latency for a 32- and a
-//! 256-token text, transformer batch throughput, and index search time at 10k and 100k entries.
+//! 256-token text, the verifier on one candidate pair, transformer batch throughput, and index
+//! search time at 10k and 100k entries.
 //!
 //!   cargo run --release -p embedder --example embed_bench [-- MODEL_DIR]
 //!
@@ -72,6 +73,24 @@ fn main() {
         });
         println!("| static, {tokens} tokens | {p50:.4} | {p99:.4} |");
     }
+    // The verifier judging one candidate pair (what a semantic lookup pays per candidate after
+    // embedding the question; the stored side's vectors are kept with the entry).
+    let verifier = embedder::semantic::load_verifier(embedder::semantic::SHIPPED_VERIFIER)
+        .expect("shipped verifier");
+    let (qa, qb) = (
+        "What was the IIT JEE 2016 cutoff for general category?",
+        "What was the IIT JEE 2017 cutoff marks for the general category students?",
+    );
+    let v = bert.embed_with_tokens(&[qa, qb]).unwrap();
+    let view = |text, i: usize| embedder::verifier::Text {
+        text,
+        sentence: &v[i].0,
+        tokens: &v[i].1,
+    };
+    let (p50, p99) = time(500, || {
+        verifier.probability(&view(qa, 0), &view(qb, 1), &table);
+    });
+    println!("| verifier, one candidate pair (12 and 15 tokens) | {p50:.4} | {p99:.4} |");
     let text = text_of(&bert, 32);
     let batch: Vec<&str> = vec![text.as_str(); 32];
     let t = Instant::now();

@@ -5,8 +5,9 @@
 //!   NVIDIA GPU (CUDA libraries loaded at run time; NVRTC kernels, cuBLAS products).
 //! - [`eval`]: precision / recall / hit rate of a similarity threshold on labelled pairs.
 //! - [`index`]: the semantic cache's vector index (namespaced, LRU + TTL, brute-force scan).
-//! - [`verifier`]: the second-stage verifier of cache hits (pair features, logistic regression,
-//!   k-fold cross-validation).
+//! - [`verifier`]: the second-stage verifier of cache hits (pair features, linear models stacked
+//!   under gradient-boosted trees, grouped cross-validation).
+//! - [`learn`]: the learners it is built from (trees, logistic regression, PCA, grouped folds).
 //! - [`semantic`]: the semantic cache's decision (nearest stored questions, then the verifier).
 //! - [`static_embed`]: the static embedding table distilled from the transformer (microseconds).
 //! - [`prefix`]: prefix block hashing. The gateway cannot see a model server's KV cache, but it
@@ -21,6 +22,7 @@ pub mod bert;
 pub mod cuda;
 pub mod eval;
 pub mod index;
+pub mod learn;
 pub mod prefix;
 pub mod semantic;
 pub mod static_embed;

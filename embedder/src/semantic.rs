@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use crate::bert::TextVectors;
 use crate::index::{EntryId, VectorIndex};
 use crate::static_embed::StaticEmbedder;
-use crate::verifier::{alignment, features, TransformerSignals, Verifier};
+use crate::verifier::{Text, Verifier};
 
 /// The verifier artefact trained on the dev set (`gateway embed train-verifier`), shipped with
 /// the crate.
@@ -61,6 +61,7 @@ impl Quantised {
 #[derive(Debug)]
 struct Stored {
     text: String,
+    sentence: Vec<f32>,
     tokens: Quantised,
     /// The caller's key for the cached answer.
     key: u128,
@@ -96,24 +97,7 @@ impl std::fmt::Debug for SemanticIndex {
 
 /// Load a verifier artefact, checking that it was trained on this build's features.
 pub fn load_verifier(json: &str) -> Result<Verifier, String> {
-    let v: Verifier =
-        serde_json::from_str(json).map_err(|e| format!("unreadable verifier: {e}"))?;
-    let expected: Vec<&str> = crate::verifier::FEATURES.to_vec();
-    if v.features
-        .iter()
-        .map(String::as_str)
-        .ne(expected.iter().copied())
-    {
-        return Err(format!(
-            "the verifier was trained on features {:?}, this build computes {expected:?}; \
-             retrain it with `gateway embed train-verifier`",
-            v.features
-        ));
-    }
-    if v.curve.is_empty() {
-        return Err("the verifier has no held-out curve".into());
-    }
-    Ok(v)
+    Verifier::from_json(json)
 }
 
 impl SemanticIndex {
@@ -162,14 +146,20 @@ impl SemanticIndex {
             let Some(stored) = self.entries.get(&hit.id) else {
                 continue;
             };
-            let (align_min, align_mean) = alignment(&query.1, &stored.tokens.vectors());
-            let signals = TransformerSignals {
-                cosine: hit.score,
-                align_min,
-                align_mean,
-            };
-            let f = features(text, &stored.text, signals, &self.table);
-            let probability = self.verifier.probability(&f);
+            let tokens = stored.tokens.vectors();
+            let probability = self.verifier.probability(
+                &Text {
+                    text,
+                    sentence: &query.0,
+                    tokens: &query.1,
+                },
+                &Text {
+                    text: &stored.text,
+                    sentence: &stored.sentence,
+                    tokens: &tokens,
+                },
+                &self.table,
+            );
             if probability >= threshold && best.is_none_or(|b| probability > b.probability) {
                 best = Some(Verdict {
                     key: stored.key,
@@ -190,6 +180,7 @@ impl SemanticIndex {
             id,
             Stored {
                 text,
+                sentence: vectors.0.clone(),
                 tokens: Quantised::new(&vectors.1),
                 key,
             },

@@ -131,27 +131,30 @@ impl StaticEmbedder {
         Ok(self.embed_ids(enc.get_ids()))
     }
 
-    /// Each token's unit vector, in order (for token-level alignment of two texts).
-    pub fn token_vectors(&self, text: &str) -> Result<Vec<Vec<f32>>, EmbedError> {
+    /// The token ids of `text` (whole text, no special tokens).
+    pub fn ids(&self, text: &str) -> Result<Vec<u32>, EmbedError> {
         let enc = self
             .tokenizer
             .encode(text, false)
             .map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
-        Ok(enc
-            .get_ids()
-            .iter()
-            .map(|&id| self.embed_ids(&[id]))
-            .collect())
+        Ok(enc.get_ids().to_vec())
     }
 
     /// The static embedding of a token id sequence.
     pub fn embed_ids(&self, ids: &[u32]) -> Vec<f32> {
+        self.embed_weighted(ids, |_| 1.0)
+    }
+
+    /// The L2-normalised sum of the tokens' rows, each scaled by `weight(id)` (with rarity
+    /// weights: the SIF-style sentence vector).
+    pub fn embed_weighted(&self, ids: &[u32], weight: impl Fn(u32) -> f32) -> Vec<f32> {
         let mut out = vec![0.0f32; self.dim];
         for &id in ids {
             let at = id as usize * self.dim;
             if let Some(row) = self.table.get(at..at + self.dim) {
+                let w = weight(id);
                 for (o, x) in out.iter_mut().zip(row) {
-                    *o += x;
+                    *o += w * x;
                 }
             }
         }

@@ -18,6 +18,7 @@ pub fn model_dir() -> PathBuf {
 }
 
 /// The transformer, or a failure telling how to get the model.
+#[allow(dead_code, reason = "not every test binary needs the transformer")]
 pub fn load() -> BertEmbedder {
     let dir = model_dir();
     assert!(

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
+use embedder::verifier::{Embedded, TrainOptions};
 use gateway::config::Config;
 use gateway::simulator::{SimOptions, SimProfile};
 
@@ -47,6 +48,21 @@ enum EmbedCommand {
         #[arg(long, default_value_t = 20)]
         steps: usize,
     },
+    /// Judge one pair as the semantic cache would: the cosine of the two questions, the
+    /// verifier's probability that they ask the same thing, and which precision settings
+    /// (`gatewayctl cache set --min-precision`) would answer one with the other's answer.
+    Verify {
+        /// The first question.
+        a: String,
+        /// The second question.
+        b: String,
+        /// Model directory (needs static.bin: `gateway embed distill`).
+        #[arg(long, default_value = "models/all-MiniLM-L6-v2")]
+        model: PathBuf,
+        /// A verifier artefact (default: the shipped one).
+        #[arg(long)]
+        verifier: Option<PathBuf>,
+    },
     /// Train the cache-hit verifier on labelled pairs with k-fold cross-validation; prints the
     /// held-out precision/recall and writes the model with its held-out curve.
     TrainVerifier {
@@ -65,13 +81,13 @@ enum EmbedCommand {
         /// Only the first N pairs.
         #[arg(long)]
         limit: Option<usize>,
-        /// Also write every pair's features and label as JSON lines (for analysis).
+        /// Keep the embedded texts in this file and reuse them when it matches `--pairs` (the
+        /// transformer pass takes minutes; training alone, a few).
         #[arg(long)]
-        dump_features: Option<PathBuf>,
-        /// Train on features written by `--dump-features` instead of computing them (seconds
-        /// instead of minutes; `--pairs` then only names the source).
-        #[arg(long)]
-        from_features: Option<PathBuf>,
+        cache: Option<PathBuf>,
+        /// Seed of the fold assignment (to see how much the held-out figures move with it).
+        #[arg(long, default_value_t = TrainOptions::default().seed)]
+        seed: u64,
     },
 }
 
@@ -224,23 +240,35 @@ async fn main() -> anyhow::Result<()> {
         } => embed_eval(&pairs, &model, threshold, limit, steps),
         Command::Embed {
             command:
+                EmbedCommand::Verify {
+                    a,
+                    b,
+                    model,
+                    verifier,
+                },
+        } => verify_pair(&a, &b, &model, verifier.as_deref()),
+        Command::Embed {
+            command:
                 EmbedCommand::TrainVerifier {
                     pairs,
                     model,
                     out,
                     folds,
                     limit,
-                    dump_features,
-                    from_features,
+                    cache,
+                    seed,
                 },
         } => train_verifier(
             &pairs,
             &model,
             out,
-            folds,
             limit,
-            dump_features,
-            from_features,
+            cache,
+            TrainOptions {
+                folds,
+                seed,
+                ..TrainOptions::default()
+            },
         ),
         Command::Simulate {
             profile,
@@ -310,30 +338,143 @@ fn read_pairs(
     Ok(data)
 }
 
-/// Sentence cosine and contextual token alignment of each pair (batches of 32 pairs).
-fn transformer_signals(
+/// Sentence vectors and contextual token vectors of every text of `data`, as training pairs.
+/// Texts are embedded in batches of 32 sorted by length, so batches pad little.
+fn embed_pairs(
     bert: &embedder::bert::BertEmbedder,
     data: &[embedder::eval::Pair],
-) -> anyhow::Result<Vec<embedder::verifier::TransformerSignals>> {
-    use embedder::verifier::{alignment, TransformerSignals};
-    let mut out = Vec::with_capacity(data.len());
-    for (n, chunk) in data.chunks(32).enumerate() {
-        let texts: Vec<&str> = chunk
-            .iter()
-            .flat_map(|p| [p.a.as_str(), p.b.as_str()])
-            .collect();
-        let v = bert.embed_with_tokens(&texts)?;
-        for ab in v.chunks(2) {
-            let (align_min, align_mean) = alignment(&ab[0].1, &ab[1].1);
-            out.push(TransformerSignals {
-                cosine: embedder::bert::cosine(&ab[0].0, &ab[1].0),
-                align_min,
-                align_mean,
-            });
+) -> anyhow::Result<Vec<(Embedded, Embedded, bool)>> {
+    let texts: Vec<&str> = data
+        .iter()
+        .flat_map(|p| [p.a.as_str(), p.b.as_str()])
+        .collect();
+    let mut order: Vec<usize> = (0..texts.len()).collect();
+    order.sort_by_key(|&i| texts[i].len());
+    let mut out: Vec<Option<embedder::bert::TextVectors>> = vec![None; texts.len()];
+    let started = std::time::Instant::now();
+    for (n, chunk) in order.chunks(32).enumerate() {
+        let batch: Vec<&str> = chunk.iter().map(|&i| texts[i]).collect();
+        for (&i, v) in chunk.iter().zip(bert.embed_with_tokens(&batch)?) {
+            out[i] = Some(v);
         }
-        if (n + 1) % 50 == 0 {
-            eprintln!("embedded {} of {} pairs", out.len(), data.len());
+        if (n + 1) % 100 == 0 {
+            eprintln!(
+                "embedded {} of {} texts ({:.0} s)",
+                (n + 1) * 32,
+                texts.len(),
+                started.elapsed().as_secs_f64()
+            );
         }
+    }
+    let mut vectors = out.into_iter();
+    let mut next = |text: &str| -> anyhow::Result<Embedded> {
+        let (sentence, tokens) = vectors
+            .next()
+            .flatten()
+            .context("a text was not embedded")?;
+        Ok(Embedded {
+            text: text.to_owned(),
+            sentence,
+            tokens,
+        })
+    };
+    data.iter()
+        .map(|p| Ok((next(&p.a)?, next(&p.b)?, p.duplicate)))
+        .collect()
+}
+
+/// The embedded pairs of `data`, from `cache` when it holds exactly these texts.
+fn cached_pairs(
+    bert: &embedder::bert::BertEmbedder,
+    data: &[embedder::eval::Pair],
+    cache: Option<&std::path::Path>,
+) -> anyhow::Result<Vec<(Embedded, Embedded, bool)>> {
+    if let Some(path) = cache.filter(|p| p.is_file()) {
+        let texts = read_embedded(path)?;
+        let matches = texts.len() == 2 * data.len()
+            && data
+                .iter()
+                .zip(texts.chunks(2))
+                .all(|(p, t)| p.a == t[0].text && p.b == t[1].text);
+        if matches {
+            eprintln!("embedded texts from {}", path.display());
+            let mut it = texts.into_iter();
+            return Ok(data
+                .iter()
+                .filter_map(|p| Some((it.next()?, it.next()?, p.duplicate)))
+                .collect());
+        }
+        eprintln!("{} holds other texts: embedding again", path.display());
+    }
+    let pairs = embed_pairs(bert, data)?;
+    if let Some(path) = cache {
+        write_embedded(path, pairs.iter().flat_map(|(a, b, _)| [a, b]))?;
+    }
+    Ok(pairs)
+}
+
+/// Cache format: per text, its UTF-8 length, bytes, token count, then the sentence vector and
+/// the token vectors as little-endian f32 (384 each).
+fn write_embedded<'a>(
+    path: &std::path::Path,
+    texts: impl Iterator<Item = &'a Embedded>,
+) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut f = std::io::BufWriter::new(
+        std::fs::File::create(path).with_context(|| format!("writing {}", path.display()))?,
+    );
+    let word = |n: usize| u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes();
+    for t in texts {
+        f.write_all(&word(t.text.len()))?;
+        f.write_all(t.text.as_bytes())?;
+        f.write_all(&word(t.tokens.len()))?;
+        for v in std::iter::once(&t.sentence).chain(&t.tokens) {
+            anyhow::ensure!(
+                v.len() == embedder::bert::DIM,
+                "vector of {} dimensions",
+                v.len()
+            );
+            for x in v {
+                f.write_all(&x.to_le_bytes())?;
+            }
+        }
+    }
+    f.flush()?;
+    Ok(())
+}
+
+fn read_embedded(path: &std::path::Path) -> anyhow::Result<Vec<Embedded>> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut rest: &[u8] = &bytes;
+    let mut take = |n: usize| -> anyhow::Result<&[u8]> {
+        anyhow::ensure!(rest.len() >= n, "{} is truncated", path.display());
+        let (head, tail) = rest.split_at(n);
+        rest = tail;
+        Ok(head)
+    };
+    let mut out = Vec::new();
+    let dim = embedder::bert::DIM;
+    let floats = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    let word = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
+    let mut left = bytes.len();
+    while left > 0 {
+        let len = word(take(4)?);
+        let text = String::from_utf8(take(len)?.to_vec())?;
+        let tokens = word(take(4)?);
+        let sentence = floats(take(4 * dim)?);
+        let tokens = (0..tokens)
+            .map(|_| take(4 * dim).map(floats))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        left -= 4 + len + 4 + 4 * dim * (1 + tokens.len());
+        out.push(Embedded {
+            text,
+            sentence,
+            tokens,
+        });
     }
     Ok(out)
 }
@@ -347,130 +488,160 @@ fn load_bert(model: &std::path::Path) -> anyhow::Result<embedder::bert::BertEmbe
     Ok(embedder::bert::BertEmbedder::load(model)?)
 }
 
-fn train_verifier(
-    pairs: &std::path::Path,
-    model: &std::path::Path,
-    out: Option<PathBuf>,
-    folds: usize,
-    limit: Option<usize>,
-    dump_features: Option<PathBuf>,
-    from_features: Option<PathBuf>,
-) -> anyhow::Result<()> {
-    use embedder::eval::{at, threshold_for_precision};
-    use embedder::verifier::{cross_validate, CurvePoint, Params, Verifier};
-    let (x, y, source) = match from_features {
-        Some(path) => {
-            let (x, y) = read_features(&path)?;
-            (
-                x,
-                y,
-                format!("{} (features of {})", path.display(), pairs.display()),
-            )
-        }
-        None => {
-            let (x, y) = pair_features(pairs, model, limit)?;
-            (x, y, pairs.display().to_string())
-        }
-    };
-    if let Some(path) = dump_features {
-        let mut lines = String::new();
-        for (f, l) in x.iter().zip(&y) {
-            lines.push_str(&serde_json::json!({"features": f, "duplicate": l}).to_string());
-            lines.push('\n');
-        }
-        std::fs::write(&path, lines).with_context(|| format!("writing {}", path.display()))?;
-    }
-    // The first feature is the transformer cosine: the baseline column.
-    let cosines: Vec<f32> = x.iter().map(|f| f[0]).collect();
-    let params = Params::default();
-    let held = cross_validate(&x, &y, folds, params);
-    println!(
-        "{} pairs, {} duplicates, {folds}-fold cross-validation (held-out scores)",
-        x.len(),
-        y.iter().filter(|&&l| l).count()
-    );
-    println!("  target precision  cosine alone: recall  verifier: recall (threshold)");
-    for target in [0.80, 0.85, 0.90, 0.95] {
-        let plain = threshold_for_precision(&cosines, &y, target).map_or(0.0, |p| p.recall);
-        let v = threshold_for_precision(&held, &y, target);
-        println!(
-            "  {target:16.2}  {plain:20.3}  {}",
-            v.map_or("not reached".to_owned(), |p| format!(
-                "{:.3} ({:.3})",
-                p.recall, p.threshold
-            ))
-        );
-    }
-    let mut curve: Vec<CurvePoint> = (1..100)
-        .map(|i| at(&held, &y, i as f32 / 100.0).into())
-        .collect();
-    curve.retain(|p| p.recall > 0.0);
-    let mut verifier = Verifier::fit(&x, &y, params);
-    verifier.curve = curve;
-    verifier.trained_on = format!("{source} ({} pairs, {folds}-fold)", x.len());
-    let out = out.unwrap_or_else(|| model.join("verifier.json"));
-    std::fs::write(&out, serde_json::to_vec_pretty(&verifier)?)
-        .with_context(|| format!("writing {}", out.display()))?;
-    println!("wrote {}", out.display());
-    Ok(())
-}
-
-/// Every pair's verifier features and label (the transformer over every text: minutes).
-fn pair_features(
-    pairs: &std::path::Path,
-    model: &std::path::Path,
-    limit: Option<usize>,
-) -> anyhow::Result<(Vec<Vec<f32>>, Vec<bool>)> {
-    use embedder::static_embed::StaticEmbedder;
-    use embedder::verifier::features;
-    let data = read_pairs(pairs, limit)?;
-    let bert = load_bert(model)?;
+fn load_table(model: &std::path::Path) -> anyhow::Result<embedder::static_embed::StaticEmbedder> {
     let table_path = model.join("static.bin");
     anyhow::ensure!(
         table_path.is_file(),
         "no {}: run `gateway embed distill` first",
         table_path.display()
     );
-    let table = StaticEmbedder::load(&table_path, &model.join("tokenizer.json"))?;
-    let signals = transformer_signals(&bert, &data)?;
-    let x = data
-        .iter()
-        .zip(&signals)
-        .map(|(p, &s)| features(&p.a, &p.b, s, &table))
-        .collect();
-    Ok((x, data.iter().map(|p| p.duplicate).collect()))
+    Ok(embedder::static_embed::StaticEmbedder::load(
+        &table_path,
+        &model.join("tokenizer.json"),
+    )?)
 }
 
-/// Features written by `train-verifier --dump-features` (JSON lines `{"features", "duplicate"}`).
-fn read_features(path: &std::path::Path) -> anyhow::Result<(Vec<Vec<f32>>, Vec<bool>)> {
-    #[derive(serde::Deserialize)]
-    struct Row {
-        features: Vec<f32>,
-        duplicate: bool,
+fn verify_pair(
+    a: &str,
+    b: &str,
+    model: &std::path::Path,
+    verifier: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    let json = match verifier {
+        Some(path) => {
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?
+        }
+        None => embedder::semantic::SHIPPED_VERIFIER.to_owned(),
+    };
+    let verifier =
+        embedder::verifier::Verifier::from_json(&json).map_err(|e| anyhow::anyhow!(e))?;
+    let bert = load_bert(model)?;
+    let table = load_table(model)?;
+    let v = bert.embed_with_tokens(&[a, b])?;
+    fn view<'a>(text: &'a str, v: &'a embedder::bert::TextVectors) -> embedder::verifier::Text<'a> {
+        embedder::verifier::Text {
+            text,
+            sentence: &v.0,
+            tokens: &v.1,
+        }
     }
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let (mut x, mut y) = (Vec::new(), Vec::new());
-    for (n, line) in text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-    {
-        let row: Row = serde_json::from_str(line)
-            .with_context(|| format!("{}:{}: not a feature row", path.display(), n + 1))?;
-        anyhow::ensure!(
-            row.features.len() == embedder::verifier::FEATURES.len(),
-            "{}:{}: {} features, this build computes {}",
-            path.display(),
-            n + 1,
-            row.features.len(),
-            embedder::verifier::FEATURES.len()
+    let p = verifier.probability(&view(a, &v[0]), &view(b, &v[1]), &table);
+    println!(
+        "cosine {:.4}, verifier probability {p:.4}",
+        embedder::bert::cosine(&v[0].0, &v[1].0)
+    );
+    for target in [0.80, 0.85, 0.90, 0.95] {
+        match verifier.threshold_for(target) {
+            Some(point) => println!(
+                "  min precision {target:.2}: threshold {:.3} -> {}",
+                point.threshold,
+                if p >= point.threshold { "hit" } else { "miss" }
+            ),
+            None => {
+                println!("  min precision {target:.2}: not reached by the verifier's curve -> miss")
+            }
+        }
+    }
+    Ok(())
+}
+
+fn train_verifier(
+    pairs: &std::path::Path,
+    model: &std::path::Path,
+    out: Option<PathBuf>,
+    limit: Option<usize>,
+    cache: Option<PathBuf>,
+    options: TrainOptions,
+) -> anyhow::Result<()> {
+    use embedder::eval::threshold_for_precision;
+    use embedder::verifier::train;
+    let folds = options.folds;
+    let data = read_pairs(pairs, limit)?;
+    let bert = load_bert(model)?;
+    let table = load_table(model)?;
+    let embedded = cached_pairs(&bert, &data, cache.as_deref())?;
+    let started = std::time::Instant::now();
+    let trained = train(&embedded, &table, &options, &|m: &str| {
+        eprintln!("[{:5.0} s] {m}", started.elapsed().as_secs_f64());
+    });
+    let y: Vec<bool> = data.iter().map(|p| p.duplicate).collect();
+    let cosines: Vec<f32> = embedded
+        .iter()
+        .map(|(a, b, _)| embedder::bert::cosine(&a.sentence, &b.sentence))
+        .collect();
+    println!(
+        "{} pairs, {} duplicates, {folds}-fold cross-validation grouped by question (held-out scores)",
+        y.len(),
+        y.iter().filter(|&&l| l).count()
+    );
+    println!("  target precision  cosine alone: recall  trees on 15 features: recall  verifier: recall (threshold)");
+    for target in [0.80, 0.85, 0.90, 0.95] {
+        let recall = |s: &[f32]| threshold_for_precision(s, &y, target).map_or(0.0, |p| p.recall);
+        let v = threshold_for_precision(&trained.held_out, &y, target);
+        println!(
+            "  {target:16.2}  {:20.3}  {:28.3}  {}",
+            recall(&cosines),
+            recall(&trained.baseline),
+            v.map_or("not reached".to_owned(), |p| format!(
+                "{:.3} ({:.3})",
+                p.recall, p.threshold
+            ))
         );
-        x.push(row.features);
-        y.push(row.duplicate);
     }
-    anyhow::ensure!(!x.is_empty(), "no rows in {}", path.display());
-    Ok((x, y))
+    // Held-out scores and labels of one outer fold.
+    let fold = |k: usize| -> (Vec<f32>, Vec<bool>) {
+        trained
+            .fold_of
+            .iter()
+            .zip(trained.held_out.iter().zip(&y))
+            .filter(|(f, _)| **f == k)
+            .map(|(_, (s, l))| (*s, *l))
+            .unzip()
+    };
+    let per_fold: Vec<String> = (0..folds)
+        .map(|k| {
+            let (s, l) = fold(k);
+            format!(
+                "{:.3}",
+                threshold_for_precision(&s, &l, 0.90).map_or(0.0, |p| p.recall)
+            )
+        })
+        .collect();
+    println!(
+        "  recall at precision 0.90 per fold: {}",
+        per_fold.join(", ")
+    );
+    // What a tenant at the default setting gets: the shipped threshold, fold by fold.
+    if let Some(point) = trained.verifier.threshold_for(0.90) {
+        let at_threshold: Vec<String> = (0..folds)
+            .map(|k| {
+                let (s, l) = fold(k);
+                let p = embedder::eval::at(&s, &l, point.threshold);
+                format!("{:.3}/{:.3}", p.precision, p.recall)
+            })
+            .collect();
+        println!(
+            "  at the min-precision 0.90 threshold {:.3}, precision/recall per fold: {}",
+            point.threshold,
+            at_threshold.join(", ")
+        );
+    }
+    println!("  linear models' C on all pairs: {:?}", trained.chosen_c);
+    let mut verifier = trained.verifier;
+    verifier.trained_on = format!(
+        "{} ({} pairs, {folds}-fold grouped cross-validation)",
+        pairs.display(),
+        y.len()
+    );
+    let out = out.unwrap_or_else(|| model.join("verifier.json"));
+    std::fs::write(&out, serde_json::to_vec(&verifier)?)
+        .with_context(|| format!("writing {}", out.display()))?;
+    println!(
+        "wrote {} in {:.0} s of training",
+        out.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 fn embed_eval(
@@ -486,9 +657,9 @@ fn embed_eval(
     let data = read_pairs(pairs, limit)?;
     let labels: Vec<bool> = data.iter().map(|p| p.duplicate).collect();
     let bert = load_bert(model)?;
-    let transformer: Vec<f32> = transformer_signals(&bert, &data)?
+    let transformer: Vec<f32> = embed_pairs(&bert, &data)?
         .iter()
-        .map(|s| s.cosine)
+        .map(|(a, b, _)| cosine(&a.sentence, &b.sentence))
         .collect();
     let mut paths = vec![("transformer", transformer)];
     let table = model.join("static.bin");

@@ -1,0 +1,310 @@
+//! L2-regularised logistic regression over dense rows, fitted by L-BFGS on standardised inputs
+//! (the scaling is folded back into the weights, so a fitted model is one dot product).
+//!
+//! The objective is sklearn's: `C · Σ logloss + ½‖w‖²` with an unpenalised bias, so a `C` found
+//! there means the same here.
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+/// Dense row-major matrix.
+#[derive(Debug, Clone, Default)]
+pub struct Matrix {
+    /// Columns per row.
+    pub cols: usize,
+    /// `rows × cols` values.
+    pub data: Vec<f32>,
+}
+
+impl Matrix {
+    /// An empty matrix of `cols` columns.
+    pub fn new(cols: usize) -> Self {
+        Self {
+            cols,
+            data: Vec::new(),
+        }
+    }
+
+    /// Rows held.
+    pub fn rows(&self) -> usize {
+        self.data.len().checked_div(self.cols).unwrap_or(0)
+    }
+
+    /// Row `i`.
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.cols..(i + 1) * self.cols]
+    }
+
+    /// Append a row (must have `cols` values).
+    pub fn push(&mut self, row: &[f32]) {
+        debug_assert_eq!(row.len(), self.cols);
+        self.data.extend_from_slice(row);
+    }
+}
+
+/// A fitted linear scorer: `margin(x) = w·x + b`, on raw (unstandardised) inputs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Linear {
+    /// Weights, one per input.
+    pub weights: Vec<f32>,
+    /// Bias.
+    pub bias: f32,
+}
+
+impl Linear {
+    /// The log-odds of `x`.
+    pub fn margin(&self, x: &[f32]) -> f32 {
+        self.bias + dot(&self.weights, x)
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Eight independent sums, so the compiler vectorises without reassociating one chain.
+    let mut acc = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Standardised copy of the selected rows, and each column's (mean, scale).
+fn standardise(x: &Matrix, rows: &[usize]) -> (Matrix, Vec<f32>, Vec<f32>) {
+    let d = x.cols;
+    let n = rows.len().max(1) as f64;
+    let mut mean = vec![0.0f64; d];
+    let mut sq = vec![0.0f64; d];
+    for &r in rows {
+        for (j, &v) in x.row(r).iter().enumerate() {
+            mean[j] += f64::from(v);
+            sq[j] += f64::from(v) * f64::from(v);
+        }
+    }
+    let mean: Vec<f32> = mean.iter().map(|m| (m / n) as f32).collect();
+    let scale: Vec<f32> = sq
+        .iter()
+        .zip(&mean)
+        .map(|(s, &m)| {
+            let var = s / n - f64::from(m) * f64::from(m);
+            if var > 1e-12 {
+                var.sqrt() as f32
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    let mut z = Matrix::new(d);
+    z.data.reserve(rows.len() * d);
+    for &r in rows {
+        z.data.extend(
+            x.row(r)
+                .iter()
+                .zip(&mean)
+                .zip(&scale)
+                .map(|((v, m), s)| (v - m) / s),
+        );
+    }
+    (z, mean, scale)
+}
+
+/// Mean log loss plus `lambda/2 ‖w‖²` and its gradient, at `wb` (weights then bias).
+fn objective(z: &Matrix, y: &[f32], wb: &[f32], lambda: f32, grad: &mut [f32]) -> f64 {
+    let d = z.cols;
+    let (w, b) = (&wb[..d], wb[d]);
+    let n = y.len();
+    let chunk = n.div_ceil(rayon::current_num_threads().max(1) * 4).max(256);
+    let (loss, g) = (0..n)
+        .into_par_iter()
+        .chunks(chunk)
+        .map(|idx| {
+            let mut g = vec![0.0f32; d + 1];
+            let mut loss = 0.0f64;
+            for i in idx {
+                let row = z.row(i);
+                let m = b + dot(w, row);
+                // log(1 + e^m) - y m, stably.
+                let m64 = f64::from(m);
+                loss += m64.max(0.0) + (-m64.abs()).exp().ln_1p() - f64::from(y[i]) * m64;
+                let r = 1.0 / (1.0 + (-m).exp()) - y[i];
+                for (gj, &xj) in g[..d].iter_mut().zip(row) {
+                    *gj += r * xj;
+                }
+                g[d] += r;
+            }
+            (loss, g)
+        })
+        .reduce(
+            || (0.0, vec![0.0f32; d + 1]),
+            |(la, mut ga), (lb, gb)| {
+                ga.iter_mut().zip(&gb).for_each(|(a, b)| *a += b);
+                (la + lb, ga)
+            },
+        );
+    let inv = 1.0 / n.max(1) as f32;
+    for j in 0..d {
+        grad[j] = g[j] * inv + lambda * w[j];
+    }
+    grad[d] = g[d] * inv;
+    loss / n.max(1) as f64
+        + 0.5 * f64::from(lambda) * w.iter().map(|v| f64::from(v * v)).sum::<f64>()
+}
+
+/// Fit on the selected `rows` of `x` with labels `y` (indexed like `x`) and inverse
+/// regularisation `c`. `start` (weights then bias, in the standardised space) warm-starts the
+/// solver; the returned state can warm-start the next `c`.
+pub fn fit(
+    x: &Matrix,
+    y: &[bool],
+    rows: &[usize],
+    c: f64,
+    start: Option<&[f32]>,
+) -> (Linear, Vec<f32>) {
+    let (z, mean, scale) = standardise(x, rows);
+    let labels: Vec<f32> = rows.iter().map(|&r| if y[r] { 1.0 } else { 0.0 }).collect();
+    let wb = lbfgs(
+        &z,
+        &labels,
+        (1.0 / (c * rows.len().max(1) as f64)) as f32,
+        start,
+    );
+    let d = x.cols;
+    let weights: Vec<f32> = wb[..d].iter().zip(&scale).map(|(w, s)| w / s).collect();
+    let bias = wb[d] - weights.iter().zip(&mean).map(|(w, m)| w * m).sum::<f32>();
+    (Linear { weights, bias }, wb)
+}
+
+/// Limited-memory BFGS (10 pairs) with a backtracking Armijo line search.
+fn lbfgs(z: &Matrix, y: &[f32], lambda: f32, start: Option<&[f32]>) -> Vec<f32> {
+    const MEMORY: usize = 10;
+    const MAX_ITER: usize = 500;
+    let d = z.cols + 1;
+    let mut x = match start {
+        Some(s) if s.len() == d => s.to_vec(),
+        _ => vec![0.0f32; d],
+    };
+    let mut g = vec![0.0f32; d];
+    let mut f = objective(z, y, &x, lambda, &mut g);
+    let mut hist: std::collections::VecDeque<(Vec<f32>, Vec<f32>, f32)> = Default::default();
+    let mut g_new = vec![0.0f32; d];
+    for _ in 0..MAX_ITER {
+        let gmax = g.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        if gmax < 1e-5 {
+            break;
+        }
+        // Two-loop recursion: direction = -H g.
+        let mut q: Vec<f32> = g.clone();
+        let mut alphas = Vec::with_capacity(hist.len());
+        for (s, yv, rho) in hist.iter().rev() {
+            let a = rho * dot(s, &q);
+            q.iter_mut().zip(yv).for_each(|(qi, yi)| *qi -= a * yi);
+            alphas.push(a);
+        }
+        if let Some((s, yv, _)) = hist.back() {
+            let gamma = dot(s, yv) / dot(yv, yv).max(1e-20);
+            q.iter_mut().for_each(|v| *v *= gamma);
+        } else {
+            let norm = dot(&g, &g).sqrt().max(1e-20);
+            q.iter_mut().for_each(|v| *v /= norm);
+        }
+        for ((s, yv, rho), a) in hist.iter().zip(alphas.iter().rev()) {
+            let b = rho * dot(yv, &q);
+            q.iter_mut().zip(s).for_each(|(qi, si)| *qi += (a - b) * si);
+        }
+        let mut dir: Vec<f32> = q.iter().map(|v| -v).collect();
+        let mut slope = dot(&g, &dir);
+        if slope >= 0.0 {
+            // Not a descent direction (numerical trouble): restart from steepest descent.
+            hist.clear();
+            let norm = dot(&g, &g).sqrt().max(1e-20);
+            dir = g.iter().map(|v| -v / norm).collect();
+            slope = dot(&g, &dir);
+        }
+        let mut step = 1.0f32;
+        let mut moved = false;
+        let mut x_new = vec![0.0f32; d];
+        for _ in 0..30 {
+            x_new
+                .iter_mut()
+                .zip(&x)
+                .zip(&dir)
+                .for_each(|((n, o), di)| *n = o + step * di);
+            let f_new = objective(z, y, &x_new, lambda, &mut g_new);
+            if f_new <= f + 1e-4 * f64::from(step * slope) {
+                let s: Vec<f32> = x_new.iter().zip(&x).map(|(a, b)| a - b).collect();
+                let yv: Vec<f32> = g_new.iter().zip(&g).map(|(a, b)| a - b).collect();
+                let sy = dot(&s, &yv);
+                if sy > 1e-12 {
+                    if hist.len() == MEMORY {
+                        hist.pop_front();
+                    }
+                    hist.push_back((s, yv, 1.0 / sy));
+                }
+                let done = (f - f_new).abs() <= 1e-10 * f.abs().max(1.0);
+                std::mem::swap(&mut x, &mut x_new);
+                std::mem::swap(&mut g, &mut g_new);
+                f = f_new;
+                moved = true;
+                if done {
+                    return x;
+                }
+                break;
+            }
+            step *= 0.5;
+        }
+        if !moved {
+            break;
+        }
+    }
+    x
+}
+
+/// Mean log loss of `model` on the selected rows.
+pub fn log_loss(model: &Linear, x: &Matrix, y: &[bool], rows: &[usize]) -> f64 {
+    let total: f64 = rows
+        .iter()
+        .map(|&r| {
+            let m = f64::from(model.margin(x.row(r)));
+            let t = if y[r] { 1.0 } else { 0.0 };
+            m.max(0.0) + (-m.abs()).exp().ln_1p() - t * m
+        })
+        .sum();
+    total / rows.len().max(1) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recovers_a_linear_boundary_and_regularisation_shrinks_it() {
+        // y = 1 when 2·x0 - x1 + 0.5 > noise; x2 is irrelevant and scaled large.
+        let mut rng = crate::learn::Rng(11);
+        let mut x = Matrix::new(3);
+        let mut y = Vec::new();
+        for _ in 0..4000 {
+            let a = rng.unit() as f32 * 2.0 - 1.0;
+            let b = rng.unit() as f32 * 2.0 - 1.0;
+            let c = (rng.unit() as f32 - 0.5) * 1000.0;
+            let noise = (rng.unit() as f32 - 0.5) * 0.5;
+            x.push(&[a, b, c]);
+            y.push(2.0 * a - b + 0.5 > noise);
+        }
+        let rows: Vec<usize> = (0..4000).collect();
+        let (m, state) = fit(&x, &y, &rows, 10.0, None);
+        let correct = rows
+            .iter()
+            .filter(|&&r| (m.margin(x.row(r)) > 0.0) == y[r])
+            .count();
+        assert!(correct > 3800, "{correct}");
+        let ratio = m.weights[0] / -m.weights[1];
+        assert!((1.6..2.4).contains(&ratio), "{ratio}");
+        assert!(m.weights[2].abs() * 500.0 < m.weights[0].abs() * 0.2);
+        let (strong, _) = fit(&x, &y, &rows, 1e-4, Some(&state));
+        assert!(strong.weights[0].abs() < m.weights[0].abs() / 4.0);
+        assert!(log_loss(&m, &x, &y, &rows) < log_loss(&strong, &x, &y, &rows));
+    }
+}

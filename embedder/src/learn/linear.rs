@@ -7,6 +7,8 @@
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use crate::index::dot;
+
 /// Dense row-major matrix.
 #[derive(Debug, Clone, Default)]
 pub struct Matrix {
@@ -56,20 +58,6 @@ impl Linear {
     pub fn margin(&self, x: &[f32]) -> f32 {
         self.bias + dot(&self.weights, x)
     }
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent sums, so the compiler vectorises without reassociating one chain.
-    let mut acc = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for k in 0..8 {
-            acc[k] += x[k] * y[k];
-        }
-    }
-    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
-    acc.iter().sum::<f32>() + tail
 }
 
 /// Standardised copy of the selected rows, and each column's (mean, scale).

@@ -64,14 +64,10 @@ impl Pca {
 
     /// Coordinates of `v` on the components.
     pub fn project(&self, v: &[f32]) -> Vec<f32> {
+        let centred: Vec<f32> = v.iter().zip(&self.mean).map(|(x, m)| x - m).collect();
         self.components
             .iter()
-            .map(|c| {
-                c.iter()
-                    .zip(v.iter().zip(&self.mean))
-                    .map(|(ci, (x, m))| ci * (x - m))
-                    .sum()
-            })
+            .map(|c| crate::index::dot(c, &centred))
             .collect()
     }
 }

@@ -12,6 +12,7 @@ use std::collections::BTreeSet;
 use serde::{Deserialize, Serialize};
 
 use crate::bert::cosine;
+use crate::index::dot;
 use crate::learn::pca::Pca;
 use crate::static_embed::StaticEmbedder;
 
@@ -211,17 +212,14 @@ fn max_pool(tokens: &[Vec<f32>], dim: usize) -> Vec<f32> {
 
 /// Best-match cosines of each token of `ta` among `tb` and of `tb` among `ta`.
 fn best_matches(ta: &[Vec<f32>], tb: &[Vec<f32>]) -> [Vec<f32>; 2] {
-    let norms = |t: &[Vec<f32>]| -> Vec<f32> {
-        t.iter()
-            .map(|v| v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12))
-            .collect()
-    };
+    let norms =
+        |t: &[Vec<f32>]| -> Vec<f32> { t.iter().map(|v| dot(v, v).sqrt().max(1e-12)).collect() };
     let (na, nb) = (norms(ta), norms(tb));
     let mut ba = vec![-1.0f32; ta.len()];
     let mut bb = vec![-1.0f32; tb.len()];
     for (i, a) in ta.iter().enumerate() {
         for (j, b) in tb.iter().enumerate() {
-            let c = a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>() / (na[i] * nb[j]);
+            let c = dot(a, b) / (na[i] * nb[j]);
             ba[i] = ba[i].max(c);
             bb[j] = bb[j].max(c);
         }

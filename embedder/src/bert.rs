@@ -128,6 +128,16 @@ impl BertEmbedder {
         })
     }
 
+    /// A hash of the model's files (weights, tokenizer, configuration): vectors computed
+    /// with another fingerprint came from another model.
+    pub fn fingerprint(&self) -> Result<u64, EmbedError> {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for f in ["config.json", "tokenizer.json", "model.safetensors"] {
+            h.update(&read(&self.dir.join(f))?);
+        }
+        Ok(h.digest())
+    }
+
     /// Token count of `text` as the model sees it (with `[CLS]`/`[SEP]`, after truncation).
     pub fn token_count(&self, text: &str) -> Result<usize, EmbedError> {
         let enc = self

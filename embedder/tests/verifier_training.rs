@@ -18,11 +18,16 @@ fn table() -> StaticEmbedder {
         .expect("static table: run `gateway embed distill` (scripts/test.sh does)")
 }
 
+/// Static vectors standing in for the transformer's, which reads at most 254 tokens.
 fn embedded(table: &StaticEmbedder, text: String) -> Embedded {
     let ids = table.ids(&text).unwrap();
     Embedded {
         sentence: table.embed_ids(&ids),
-        tokens: ids.iter().map(|&id| table.embed_ids(&[id])).collect(),
+        tokens: ids
+            .iter()
+            .take(254)
+            .map(|&id| table.embed_ids(&[id]))
+            .collect(),
         text,
     }
 }
@@ -104,8 +109,29 @@ fn the_trained_verifier_sees_what_cosine_cannot_and_its_artefact_round_trips() {
     let same = embedded(&table, "What is the GATE 2031 cutoff?".into());
     assert!(back.probability(&a.view(), &same.view(), &table) > 0.5);
     assert!(back.threshold_for(0.9).is_some());
+    // The same words in the same order are the same question, whatever the case and
+    // punctuation.
+    let (x, y) = (
+        embedded(&table, "what was the GATE cutoff in 2031".into()),
+        embedded(&table, "What was the GATE cutoff in 2031?".into()),
+    );
+    assert_eq!(back.probability(&x.view(), &y.view(), &table), 1.0);
+    // A pasted document is judged in bounded time (alignment reads as many tokens as the
+    // transformer does), and an empty text is judged without NaN.
+    let long = embedded(&table, "cutoff marks of the exam in 2031 ".repeat(3000));
+    let started = std::time::Instant::now();
+    let p = back.probability(&long.view(), &long.view(), &table);
+    assert!(p.is_finite() && started.elapsed() < std::time::Duration::from_secs(2));
+    let empty = embedded(&table, String::new());
+    assert!(back
+        .probability(&empty.view(), &a.view(), &table)
+        .is_finite());
     let mut broken: serde_json::Value = serde_json::from_str(&json).unwrap();
     broken["columns"][0] = "something_else".into();
     let err = Verifier::from_json(&broken.to_string()).unwrap_err();
     assert!(err.contains("retrain"), "{err}");
+    let mut short: serde_json::Value = serde_json::from_str(&json).unwrap();
+    short["bases"][1]["weights"].as_array_mut().unwrap().pop();
+    let err = Verifier::from_json(&short.to_string()).unwrap_err();
+    assert!(err.contains("inputs"), "{err}");
 }

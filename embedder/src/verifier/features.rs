@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 
 use serde::{Deserialize, Serialize};
 
-use crate::bert::cosine;
+use crate::bert::{cosine, MAX_TOKENS};
 use crate::index::dot;
 use crate::learn::pca::Pca;
 use crate::static_embed::StaticEmbedder;
@@ -183,6 +183,8 @@ pub struct PairBasics {
     ids: [Vec<u32>; 2],
     /// Each contextual token's best match among the other text's tokens.
     best: [Vec<f32>; 2],
+    /// The same words in the same order, ignoring case and punctuation: the same question.
+    pub same_words: bool,
 }
 
 fn unit(mut v: Vec<f32>) -> Vec<f32> {
@@ -246,11 +248,19 @@ impl PairBasics {
 
     /// Compute the basics of the pair `(a, b)`.
     pub fn new(a: &Text<'_>, b: &Text<'_>, table: &StaticEmbedder) -> Self {
-        let ids = [
-            table.ids(a.text).unwrap_or_default(),
-            table.ids(b.text).unwrap_or_default(),
-        ];
-        let best = best_matches(a.tokens, b.tokens);
+        // As many tokens as the transformer reads: token alignment costs the product of the
+        // two lengths, and a pasted document must not stall the cache's thread.
+        let ids = |t: &str| {
+            let mut ids = table.ids(t).unwrap_or_default();
+            ids.truncate(MAX_TOKENS - 2);
+            ids
+        };
+        let ids = [ids(a.text), ids(b.text)];
+        let best = if a.tokens.is_empty() || b.tokens.is_empty() {
+            [vec![0.0; a.tokens.len()], vec![0.0; b.tokens.len()]]
+        } else {
+            best_matches(a.tokens, b.tokens)
+        };
         let statics = |ids: &[u32]| {
             ids.iter()
                 .map(|&id| table.embed_ids(&[id]))
@@ -272,7 +282,14 @@ impl PairBasics {
             context_align,
         );
         let dim = a.sentence.len();
+        let lower = |t: &str| {
+            words(t)
+                .iter()
+                .map(|w| w.to_lowercase())
+                .collect::<Vec<_>>()
+        };
         Self {
+            same_words: lower(a.text) == lower(b.text),
             features,
             sentence_product: product(a.sentence, b.sentence),
             maxpool_product: product(&max_pool(a.tokens, dim), &max_pool(b.tokens, dim)),

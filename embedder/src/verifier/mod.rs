@@ -92,8 +92,15 @@ impl Verifier {
                 columns()
             ));
         }
-        if v.bases.len() != BASES.len() {
-            return Err("the verifier lacks its linear models".into());
+        let dim = v.stats.pca.mean.len();
+        let k = v.stats.pca.components.len();
+        let expected = [k * (k + 1) / 2, 2 * dim, 2 * dim, 3 * dim + 4];
+        let found: Vec<usize> = v.bases.iter().map(|b| b.weights.len()).collect();
+        if found != expected || v.stats.pca.components.iter().any(|c| c.len() != dim) {
+            return Err(format!(
+                "the verifier's linear models take {found:?} inputs, this build computes \
+                 {expected:?}; retrain it with `gateway embed train-verifier`"
+            ));
         }
         if v.curve.is_empty() {
             return Err("the verifier has no held-out curve".into());
@@ -105,6 +112,16 @@ impl Verifier {
     pub fn probability(&self, a: &Text<'_>, b: &Text<'_>, table: &StaticEmbedder) -> f32 {
         let basics = PairBasics::new(a, b, table);
         let inputs = self.stats.inputs(&basics, a, b, table);
+        self.judge(&basics, inputs)
+    }
+
+    /// The probability of a pair from its basics and inputs (training scores held-out pairs
+    /// through here too). The same words in the same order are the same question, whatever
+    /// the model says: "what is love" and "What is love?" must not miss at a strict setting.
+    fn judge(&self, basics: &PairBasics, inputs: features::Inputs) -> f32 {
+        if basics.same_words {
+            return 1.0;
+        }
         let mut row = inputs.features;
         row.extend(
             self.bases

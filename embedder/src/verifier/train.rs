@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use super::features::{Inputs, PairBasics, Stats, Text};
 use super::{columns, CurvePoint, Verifier};
 use crate::eval::at;
-use crate::learn::linear::{fit, log_loss, Linear, Matrix};
+use crate::learn::linear::{fit, log_loss, Matrix};
 use crate::learn::trees::{Boosted, Params};
 use crate::learn::{group_folds, without};
 use crate::static_embed::StaticEmbedder;
@@ -213,18 +213,9 @@ impl Data<'_> {
 
     fn score(&self, v: &Verifier, rows: &[usize]) -> Vec<f32> {
         let inputs = self.inputs(&v.stats, rows);
-        inputs
-            .into_iter()
-            .map(|i| {
-                let mut row = i.features;
-                row.extend(
-                    v.bases
-                        .iter()
-                        .zip(&i.bases)
-                        .map(|(m, x): (&Linear, _)| m.margin(x)),
-                );
-                v.trees.probability(&row)
-            })
+        rows.iter()
+            .zip(inputs)
+            .map(|(&r, i)| v.judge(&self.basics[r], i))
             .collect()
     }
 }

@@ -76,8 +76,8 @@ enum EmbedCommand {
         #[arg(long)]
         out: Option<PathBuf>,
         /// Folds.
-        #[arg(long, default_value_t = 5)]
-        folds: usize,
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u16).range(2..=50))]
+        folds: u16,
         /// Only the first N pairs.
         #[arg(long)]
         limit: Option<usize>,
@@ -265,7 +265,7 @@ async fn main() -> anyhow::Result<()> {
             limit,
             cache,
             TrainOptions {
-                folds,
+                folds: usize::from(folds),
                 seed,
                 ..TrainOptions::default()
             },
@@ -383,47 +383,62 @@ fn embed_pairs(
         .collect()
 }
 
-/// The embedded pairs of `data`, from `cache` when it holds exactly these texts.
+/// The embedded pairs of `data`, from `cache` when it holds exactly these texts embedded by
+/// this model; otherwise embedded now (and the cache rewritten).
 fn cached_pairs(
     bert: &embedder::bert::BertEmbedder,
     data: &[embedder::eval::Pair],
     cache: Option<&std::path::Path>,
 ) -> anyhow::Result<Vec<(Embedded, Embedded, bool)>> {
+    let fingerprint = bert.fingerprint()?;
     if let Some(path) = cache.filter(|p| p.is_file()) {
-        let texts = read_embedded(path)?;
-        let matches = texts.len() == 2 * data.len()
-            && data
-                .iter()
-                .zip(texts.chunks(2))
-                .all(|(p, t)| p.a == t[0].text && p.b == t[1].text);
-        if matches {
-            eprintln!("embedded texts from {}", path.display());
-            let mut it = texts.into_iter();
-            return Ok(data
-                .iter()
-                .filter_map(|p| Some((it.next()?, it.next()?, p.duplicate)))
-                .collect());
+        match read_embedded(path, fingerprint) {
+            Ok(texts)
+                if texts.len() == 2 * data.len()
+                    && data
+                        .iter()
+                        .zip(texts.chunks(2))
+                        .all(|(p, t)| p.a == t[0].text && p.b == t[1].text) =>
+            {
+                eprintln!("embedded texts from {}", path.display());
+                let mut it = texts.into_iter();
+                return Ok(data
+                    .iter()
+                    .filter_map(|p| Some((it.next()?, it.next()?, p.duplicate)))
+                    .collect());
+            }
+            Ok(_) => eprintln!("{} holds other texts: embedding again", path.display()),
+            Err(e) => eprintln!("{e:#}: embedding again"),
         }
-        eprintln!("{} holds other texts: embedding again", path.display());
     }
     let pairs = embed_pairs(bert, data)?;
     if let Some(path) = cache {
-        write_embedded(path, pairs.iter().flat_map(|(a, b, _)| [a, b]))?;
+        write_embedded(path, fingerprint, pairs.iter().flat_map(|(a, b, _)| [a, b]))?;
     }
     Ok(pairs)
 }
 
-/// Cache format: per text, its UTF-8 length, bytes, token count, then the sentence vector and
-/// the token vectors as little-endian f32 (384 each).
+/// First bytes of a cache file.
+const EMBEDDED_MAGIC: &[u8; 8] = b"GWEMBED1";
+
+/// Cache format: [`EMBEDDED_MAGIC`], the dimension (u32) and the model's fingerprint (u64), then
+/// per text its UTF-8 length, bytes, token count, the sentence vector and the token vectors as
+/// little-endian f32. Written beside the target and renamed, so an interrupted write leaves no
+/// half file.
 fn write_embedded<'a>(
     path: &std::path::Path,
+    fingerprint: u64,
     texts: impl Iterator<Item = &'a Embedded>,
 ) -> anyhow::Result<()> {
     use std::io::Write;
+    let part = path.with_extension("part");
     let mut f = std::io::BufWriter::new(
-        std::fs::File::create(path).with_context(|| format!("writing {}", path.display()))?,
+        std::fs::File::create(&part).with_context(|| format!("writing {}", part.display()))?,
     );
     let word = |n: usize| u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes();
+    f.write_all(EMBEDDED_MAGIC)?;
+    f.write_all(&word(embedder::bert::DIM))?;
+    f.write_all(&fingerprint.to_le_bytes())?;
     for t in texts {
         f.write_all(&word(t.text.len()))?;
         f.write_all(t.text.as_bytes())?;
@@ -439,11 +454,13 @@ fn write_embedded<'a>(
             }
         }
     }
-    f.flush()?;
-    Ok(())
+    f.into_inner()
+        .map_err(|e| anyhow::anyhow!("writing {}: {}", part.display(), e.error()))?
+        .sync_all()?;
+    std::fs::rename(&part, path).with_context(|| format!("writing {}", path.display()))
 }
 
-fn read_embedded(path: &std::path::Path) -> anyhow::Result<Vec<Embedded>> {
+fn read_embedded(path: &std::path::Path, fingerprint: u64) -> anyhow::Result<Vec<Embedded>> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let mut rest: &[u8] = &bytes;
     let mut take = |n: usize| -> anyhow::Result<&[u8]> {
@@ -452,7 +469,6 @@ fn read_embedded(path: &std::path::Path) -> anyhow::Result<Vec<Embedded>> {
         rest = tail;
         Ok(head)
     };
-    let mut out = Vec::new();
     let dim = embedder::bert::DIM;
     let floats = |b: &[u8]| -> Vec<f32> {
         b.chunks_exact(4)
@@ -460,7 +476,19 @@ fn read_embedded(path: &std::path::Path) -> anyhow::Result<Vec<Embedded>> {
             .collect()
     };
     let word = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
-    let mut left = bytes.len();
+    anyhow::ensure!(
+        take(8)? == EMBEDDED_MAGIC && word(take(4)?) == dim,
+        "{} is not an embedded-texts file of this build",
+        path.display()
+    );
+    let stored = take(8)?;
+    anyhow::ensure!(
+        stored == fingerprint.to_le_bytes(),
+        "{} was embedded by another model",
+        path.display()
+    );
+    let mut left = bytes.len() - 20;
+    let mut out = Vec::new();
     while left > 0 {
         let len = word(take(4)?);
         let text = String::from_utf8(take(len)?.to_vec())?;

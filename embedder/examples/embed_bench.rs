@@ -75,7 +75,7 @@ fn main() {
     }
     // The verifier judging one candidate pair (what a semantic lookup pays per candidate after
     // embedding the question; the stored side's vectors are kept with the entry).
-    let verifier = embedder::semantic::load_verifier(embedder::semantic::SHIPPED_VERIFIER)
+    let verifier = embedder::verifier::Verifier::from_json(embedder::semantic::SHIPPED_VERIFIER)
         .expect("shipped verifier");
     let (qa, qb) = (
         "What was the IIT JEE 2016 cutoff for general category?",

@@ -95,11 +95,6 @@ impl std::fmt::Debug for SemanticIndex {
     }
 }
 
-/// Load a verifier artefact, checking that it was trained on this build's features.
-pub fn load_verifier(json: &str) -> Result<Verifier, String> {
-    Verifier::from_json(json)
-}
-
 impl SemanticIndex {
     /// Wrap `index` (CPU or GPU); `table` is the static embedder the verifier's features use.
     pub fn new(index: Box<dyn VectorIndex>, verifier: Verifier, table: StaticEmbedder) -> Self {
@@ -220,7 +215,7 @@ mod tests {
 
     #[test]
     fn the_shipped_verifier_matches_this_build() {
-        let v = load_verifier(SHIPPED_VERIFIER).expect("shipped verifier loads");
+        let v = Verifier::from_json(SHIPPED_VERIFIER).expect("shipped verifier loads");
         assert!(v.threshold_for(0.5).is_some());
     }
 }

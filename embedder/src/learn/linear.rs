@@ -7,6 +7,7 @@
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use super::trees::sigmoid;
 use crate::index::dot;
 
 /// Dense row-major matrix.
@@ -25,11 +26,6 @@ impl Matrix {
             cols,
             data: Vec::new(),
         }
-    }
-
-    /// Rows held.
-    pub fn rows(&self) -> usize {
-        self.data.len().checked_div(self.cols).unwrap_or(0)
     }
 
     /// Row `i`.
@@ -58,6 +54,11 @@ impl Linear {
     pub fn margin(&self, x: &[f32]) -> f32 {
         self.bias + dot(&self.weights, x)
     }
+}
+
+/// `log(1 + e^m) − y·m`: the log loss of margin `m` for label `y`, stable for large `|m|`.
+fn loss_at(m: f64, y: f64) -> f64 {
+    m.max(0.0) + (-m.abs()).exp().ln_1p() - y * m
 }
 
 /// Standardised copy of the selected rows, and each column's (mean, scale).
@@ -114,10 +115,8 @@ fn objective(z: &Matrix, y: &[f32], wb: &[f32], lambda: f32, grad: &mut [f32]) -
             for i in idx {
                 let row = z.row(i);
                 let m = b + dot(w, row);
-                // log(1 + e^m) - y m, stably.
-                let m64 = f64::from(m);
-                loss += m64.max(0.0) + (-m64.abs()).exp().ln_1p() - f64::from(y[i]) * m64;
-                let r = 1.0 / (1.0 + (-m).exp()) - y[i];
+                loss += loss_at(f64::from(m), f64::from(y[i]));
+                let r = sigmoid(m) - y[i];
                 for (gj, &xj) in g[..d].iter_mut().zip(row) {
                     *gj += r * xj;
                 }
@@ -255,9 +254,10 @@ pub fn log_loss(model: &Linear, x: &Matrix, y: &[bool], rows: &[usize]) -> f64 {
     let total: f64 = rows
         .iter()
         .map(|&r| {
-            let m = f64::from(model.margin(x.row(r)));
-            let t = if y[r] { 1.0 } else { 0.0 };
-            m.max(0.0) + (-m.abs()).exp().ln_1p() - t * m
+            loss_at(
+                f64::from(model.margin(x.row(r))),
+                if y[r] { 1.0 } else { 0.0 },
+            )
         })
         .sum();
     total / rows.len().max(1) as f64

@@ -212,8 +212,12 @@ fn max_pool(tokens: &[Vec<f32>], dim: usize) -> Vec<f32> {
     unit(out)
 }
 
-/// Best-match cosines of each token of `ta` among `tb` and of `tb` among `ta`.
+/// Best-match cosines of each token of `ta` among `tb` and of `tb` among `ta` (0 for every
+/// token when the other side has none).
 fn best_matches(ta: &[Vec<f32>], tb: &[Vec<f32>]) -> [Vec<f32>; 2] {
+    if ta.is_empty() || tb.is_empty() {
+        return [vec![0.0; ta.len()], vec![0.0; tb.len()]];
+    }
     let norms =
         |t: &[Vec<f32>]| -> Vec<f32> { t.iter().map(|v| dot(v, v).sqrt().max(1e-12)).collect() };
     let (na, nb) = (norms(ta), norms(tb));
@@ -256,40 +260,30 @@ impl PairBasics {
             ids
         };
         let ids = [ids(a.text), ids(b.text)];
-        let best = if a.tokens.is_empty() || b.tokens.is_empty() {
-            [vec![0.0; a.tokens.len()], vec![0.0; b.tokens.len()]]
-        } else {
-            best_matches(a.tokens, b.tokens)
-        };
+        let best = best_matches(a.tokens, b.tokens);
         let statics = |ids: &[u32]| {
             ids.iter()
                 .map(|&id| table.embed_ids(&[id]))
                 .collect::<Vec<_>>()
         };
-        let static_best = best_matches(&statics(&ids[0]), &statics(&ids[1]));
-        let static_align = if ids[0].is_empty() || ids[1].is_empty() {
-            (0.0, 0.0)
-        } else {
-            weakest_and_mean(&static_best)
-        };
+        let static_align = weakest_and_mean(&best_matches(&statics(&ids[0]), &statics(&ids[1])));
         let context_align = weakest_and_mean(&best);
+        let (wa, wb) = (words(a.text), words(b.text));
         let features = lexical(
-            a.text,
-            b.text,
+            &wa,
+            &wb,
             cosine(a.sentence, b.sentence),
             cosine(&table.embed_ids(&ids[0]), &table.embed_ids(&ids[1])),
             static_align,
             context_align,
         );
         let dim = a.sentence.len();
-        let lower = |t: &str| {
-            words(t)
-                .iter()
-                .map(|w| w.to_lowercase())
-                .collect::<Vec<_>>()
-        };
         Self {
-            same_words: lower(a.text) == lower(b.text),
+            same_words: wa.len() == wb.len()
+                && wa
+                    .iter()
+                    .zip(&wb)
+                    .all(|(x, y)| x.to_lowercase() == y.to_lowercase()),
             features,
             sentence_product: product(a.sentence, b.sentence),
             maxpool_product: product(&max_pool(a.tokens, dim), &max_pool(b.tokens, dim)),
@@ -301,18 +295,17 @@ impl PairBasics {
 
 /// [`FEATURES`] of a pair, given its cosines and alignments (weakest, mean best match).
 fn lexical(
-    a: &str,
-    b: &str,
+    wa: &[String],
+    wb: &[String],
     cosine_transformer: f32,
     cosine_static: f32,
     (align_min, align_mean): (f32, f32),
     (context_min, context_mean): (f32, f32),
 ) -> Vec<f32> {
-    let (wa, wb) = (words(a), words(b));
-    let (na, nb) = (numbers(&wa), numbers(&wb));
-    let (ea, eb) = (entities(&wa), entities(&wb));
+    let (na, nb) = (numbers(wa), numbers(wb));
+    let (ea, eb) = (entities(wa), entities(wb));
     let lower = |ws: &[String]| ws.iter().map(|w| w.to_lowercase()).collect::<BTreeSet<_>>();
-    let (la, lb) = (lower(&wa), lower(&wb));
+    let (la, lb) = (lower(wa), lower(wb));
     let union = la.union(&lb).count().max(1);
     let (lena, lenb) = (wa.len().max(1) as f32, wb.len().max(1) as f32);
     let flag = |x: bool| if x { 1.0 } else { 0.0 };
@@ -324,8 +317,8 @@ fn lexical(
         flag(na != nb),
         na.symmetric_difference(&nb).count() as f32,
         ea.symmetric_difference(&eb).count() as f32,
-        flag(negated(&wa) != negated(&wb)),
-        flag(question_word(&wa) != question_word(&wb)),
+        flag(negated(wa) != negated(wb)),
+        flag(question_word(wa) != question_word(wb)),
         lena.min(lenb) / lena.max(lenb),
         la.intersection(&lb).count() as f32 / union as f32,
         flag(la == lb),
@@ -365,9 +358,15 @@ impl Stats {
         b: &Text<'_>,
         table: &StaticEmbedder,
     ) -> Inputs {
-        let idf = |id: u32| self.idf.idf(id);
+        // Each contextual token's rarity.
+        let weights = |side: usize| -> Vec<f32> {
+            (0..basics.best[side].len())
+                .map(|i| basics.ids[side].get(i).map_or(0.0, |&id| self.idf.idf(id)))
+                .collect()
+        };
+        let weights = [weights(0), weights(1)];
         let mut features = basics.features.clone();
-        features.extend(self.rarity(basics, table));
+        features.extend(self.rarity(basics, &weights, table));
         let (pa, pb) = (self.pca.project(a.sentence), self.pca.project(b.sentence));
         let k = pa.len();
         let mut bilinear = Vec::with_capacity(k * (k + 1) / 2);
@@ -379,12 +378,10 @@ impl Stats {
         // The idf-weighted direction of each side's unmatched contextual tokens.
         let dim = a.sentence.len();
         let unmatched = |side: usize, t: &Text<'_>| -> (Vec<f32>, usize) {
-            let ids = &basics.ids[side];
             let mut sum = vec![0.0f32; dim];
             let mut total = 0.0f32;
             let mut count = 0usize;
-            for (i, v) in t.tokens.iter().enumerate() {
-                let w = ids.get(i).map_or(0.0, |&id| idf(id));
+            for (i, (v, &w)) in t.tokens.iter().zip(&weights[side]).enumerate() {
                 total += w;
                 if basics.best[side]
                     .get(i)
@@ -427,7 +424,12 @@ impl Stats {
 
     /// [`EXTRA`]: rarity-weighted unmatched tokens, idf-weighted contextual alignment, and the
     /// idf-weighted static cosine.
-    fn rarity(&self, basics: &PairBasics, table: &StaticEmbedder) -> Vec<f32> {
+    fn rarity(
+        &self,
+        basics: &PairBasics,
+        [wa, wb]: &[Vec<f32>; 2],
+        table: &StaticEmbedder,
+    ) -> Vec<f32> {
         let idf = |id: u32| self.idf.idf(id);
         let [ia, ib] = &basics.ids;
         let (a, b): (BTreeSet<u32>, BTreeSet<u32>) =
@@ -452,12 +454,6 @@ impl Stats {
             rare,
         ];
         // Contextual alignment weighted by rarity (BERTScore-like).
-        let weights = |side: usize| -> Vec<f32> {
-            (0..basics.best[side].len())
-                .map(|i| basics.ids[side].get(i).map_or(0.0, |&id| idf(id)))
-                .collect()
-        };
-        let (wa, wb) = (weights(0), weights(1));
         let [ba, bb] = &basics.best;
         if ba.is_empty() || bb.is_empty() {
             out.extend([0.0; 9]);
@@ -465,11 +461,11 @@ impl Stats {
             let weighted = |b: &[f32], w: &[f32]| {
                 b.iter().zip(w).map(|(x, y)| x * y).sum::<f32>() / w.iter().sum::<f32>().max(1e-9)
             };
-            let (p, r) = (weighted(ba, &wa), weighted(bb, &wb));
+            let (p, r) = (weighted(ba, wa), weighted(bb, wb));
             let all: Vec<(f32, f32)> = ba
                 .iter()
-                .zip(&wa)
-                .chain(bb.iter().zip(&wb))
+                .zip(wa)
+                .chain(bb.iter().zip(wb))
                 .map(|(m, w)| (*m, *w))
                 .collect();
             let mut ws: Vec<f32> = all.iter().map(|x| x.1).collect();

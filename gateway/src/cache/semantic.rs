@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use embedder::bert::{BertEmbedder, Embed, TextVectors};
 use embedder::index::{CpuIndex, VectorIndex};
-use embedder::semantic::{load_verifier, SemanticIndex, Verdict, SHIPPED_VERIFIER};
+use embedder::semantic::{SemanticIndex, Verdict, SHIPPED_VERIFIER};
 use embedder::static_embed::StaticEmbedder;
 use embedder::verifier::Verifier;
 use tokio::sync::oneshot;
@@ -279,7 +279,7 @@ impl Worker {
                 .map_err(|e| format!("reading verifier {}: {e}", path.display()))?,
             None => SHIPPED_VERIFIER.to_owned(),
         };
-        let verifier = load_verifier(&json)?;
+        let verifier = Verifier::from_json(&json)?;
         let semantic = SemanticIndex::new(index, verifier.clone(), table);
         Ok((model, semantic, verifier))
     }

@@ -344,13 +344,50 @@ impl Default for StoreConfig {
     }
 }
 
+/// Fewest characters an admin token may have: an empty or short token refuses to start.
+pub const MIN_ADMIN_TOKEN_LEN: usize = 16;
+
 /// The admin API.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AdminConfig {
-    /// Bearer token for `/admin/v1`. Without one the admin API answers 403.
+    /// Bearer token for `/admin/v1`, at least [`MIN_ADMIN_TOKEN_LEN`] characters. Without one
+    /// (the setting absent) the admin API answers 403; set but empty or short, the gateway
+    /// refuses to start.
     #[serde(serialize_with = "serialize_secret_opt")]
     pub token: Option<SecretString>,
+}
+
+impl AdminConfig {
+    /// A token that is set must be long enough to guess at no better than chance: set but
+    /// empty (e.g. `GATEWAY__ADMIN__TOKEN=`) it would otherwise compare equal to a request
+    /// that presents no credential at all.
+    fn validate(&self) -> Result<(), ConfigError> {
+        use secrecy::ExposeSecret;
+        let Some(token) = &self.token else {
+            return Ok(());
+        };
+        let token = token.expose_secret();
+        if token.trim() != token || token.chars().any(char::is_control) {
+            return Err(invalid(
+                "admin.token",
+                "must not contain spaces at either end or control characters \
+                 (GATEWAY__ADMIN__TOKEN)",
+            ));
+        }
+        if token.chars().count() < MIN_ADMIN_TOKEN_LEN {
+            return Err(invalid(
+                "admin.token",
+                format!(
+                    "is set but {} characters long; use at least {MIN_ADMIN_TOKEN_LEN} \
+                     (e.g. `openssl rand -hex 24`), or leave admin.token and \
+                     GATEWAY__ADMIN__TOKEN unset to turn the admin API off",
+                    token.chars().count()
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 fn serialize_secret_opt<S: serde::Serializer>(
@@ -506,6 +543,7 @@ impl Config {
 
     /// Check cross-field rules. Every error names its field.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.admin.validate()?;
         if self.server.max_body_bytes == 0 {
             return Err(invalid("server.max_body_bytes", "must be greater than 0"));
         }
@@ -709,6 +747,21 @@ mod tests {
         let mut c = valid();
         c.models.insert("x".into(), "medium".into());
         assert!(c.validate().unwrap_err().to_string().contains("models.x"));
+    }
+
+    #[test]
+    fn an_empty_or_short_admin_token_is_refused_and_an_absent_one_is_allowed() {
+        for bad in ["", "short", " padded-admin-token-value ", "fifteen-chars!!"] {
+            let mut c = valid();
+            c.admin.token = Some(bad.to_owned().into());
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains("admin.token"), "{bad:?}: {e}");
+        }
+        let mut c = valid();
+        c.admin.token = Some("sixteen-chars-ok".to_owned().into());
+        c.validate().unwrap();
+        c.admin.token = None;
+        c.validate().unwrap();
     }
 
     #[test]

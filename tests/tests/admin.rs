@@ -70,6 +70,94 @@ async fn the_admin_api_needs_the_admin_token_and_is_off_without_one() {
     assert_eq!(resp.status(), 403);
 }
 
+/// `gateway serve` with the given admin token in the environment (`None`: unset) and an
+/// otherwise valid config; the process, which either exits or serves on the returned port.
+fn serve_with_admin_env(dir: &std::path::Path, token: Option<&str>) -> (tokio::process::Child, u16) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let toml = format!(
+        r#"
+[server]
+listen = "127.0.0.1:{port}"
+[store]
+url = "sqlite://{db}"
+[ledger]
+spool_dir = "{spool}"
+[cache]
+mode = "off"
+[[tiers.small.replicas]]
+name = "s1"
+url = "http://127.0.0.1:9/v1"
+model = "sim-small"
+[[tiers.large.replicas]]
+name = "l1"
+url = "http://127.0.0.1:9/v1"
+model = "sim-large"
+"#,
+        db = dir.join("g.db").display(),
+        spool = dir.join("spool").display(),
+    );
+    let path = dir.join("gateway.toml");
+    std::fs::write(&path, toml).unwrap();
+    let mut cmd = tokio::process::Command::new(e2e::binary("gateway"));
+    cmd.args(["serve", "--config"])
+        .arg(&path)
+        .env_remove("GATEWAY__ADMIN__TOKEN")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    if let Some(token) = token {
+        cmd.env("GATEWAY__ADMIN__TOKEN", token);
+    }
+    (cmd.spawn().unwrap(), port)
+}
+
+#[tokio::test]
+async fn an_empty_or_short_admin_token_refuses_to_start_naming_the_setting() {
+    for token in ["", "hunter2"] {
+        let dir = tempfile::tempdir().unwrap();
+        let (child, port) = serve_with_admin_env(dir.path(), Some(token));
+        let out = tokio::time::timeout(Duration::from_secs(20), child.wait_with_output())
+            .await
+            .expect("the gateway exits instead of serving")
+            .unwrap();
+        let text = e2e::output_text(&out);
+        assert!(!out.status.success(), "{token:?} started:\n{text}");
+        assert!(text.contains("admin.token"), "{token:?}:\n{text}");
+        assert!(
+            reqwest::get(format!("http://127.0.0.1:{port}/admin/v1/tenants"))
+                .await
+                .is_err(),
+            "nothing listens"
+        );
+    }
+}
+
+#[tokio::test]
+async fn without_an_admin_token_the_real_binary_answers_403_to_every_admin_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut child, port) = serve_with_admin_env(dir.path(), None);
+    let base = format!("http://127.0.0.1:{port}");
+    let t = Instant::now();
+    while reqwest::get(format!("{base}/healthz")).await.is_err() {
+        assert!(child.try_wait().unwrap().is_none(), "the gateway exited");
+        assert!(t.elapsed() < Duration::from_secs(20), "the gateway started");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let http = reqwest::Client::new();
+    for auth in [None, Some("Bearer "), Some("Basic Og==")] {
+        let mut req = http.get(format!("{base}/admin/v1/tenants"));
+        if let Some(auth) = auth {
+            req = req.header("authorization", auth);
+        }
+        assert_eq!(req.send().await.unwrap().status(), 403, "{auth:?}");
+    }
+    child.kill().await.unwrap();
+}
+
 #[tokio::test]
 async fn admin_api_validates_input_and_reports_conflicts() {
     let sim = Sim::zero("sim-small").await;

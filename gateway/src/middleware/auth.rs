@@ -70,11 +70,17 @@ pub async fn require_admin(State(state): State<AppState>, req: Request, next: Ne
         )
         .into_response();
     };
-    let presented = admin_credential(&req).unwrap_or_default();
-    let ok: bool = presented
-        .as_bytes()
-        .ct_eq(expected.expose_secret().as_bytes())
-        .into();
+    // A request without a credential is refused outright, never compared: compared, it
+    // would match an empty token if one ever got past `Config::validate`.
+    let ok = match admin_credential(&req) {
+        Some(presented) if !presented.is_empty() && !expected.expose_secret().is_empty() => {
+            presented
+                .as_bytes()
+                .ct_eq(expected.expose_secret().as_bytes())
+                .into()
+        }
+        _ => false,
+    };
     if !ok {
         let mut response = ApiError::Unauthorized("invalid admin token".into()).into_response();
         if req.uri().path().starts_with("/dashboard") {

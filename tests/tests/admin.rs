@@ -72,7 +72,11 @@ async fn the_admin_api_needs_the_admin_token_and_is_off_without_one() {
 
 /// `gateway serve` with the given admin token in the environment (`None`: unset) and an
 /// otherwise valid config; the process, which either exits or serves on the returned port.
-fn serve_with_admin_env(dir: &std::path::Path, token: Option<&str>) -> (tokio::process::Child, u16) {
+fn serve_with_admin_env(
+    dir: &std::path::Path,
+    token: Option<&str>,
+) -> (tokio::process::Child, u16) {
+    gateway::telemetry::install_crypto_provider();
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()

@@ -9,10 +9,11 @@ use anyhow::Context as _;
 use secrecy::SecretString;
 use tokio::net::TcpListener;
 
-use crate::app::{serve, shutdown_signal, AppState, Deps};
+use crate::app::{serve, shutdown_signal};
 use crate::config::{Config, ReplicaConfig, TierConfig, AUTO, LARGE, SMALL};
 use crate::keys;
 use crate::simulator::{self, SimOptions, SimProfile};
+use crate::state::{AppState, Deps};
 use crate::store::NewKey;
 
 /// Name of the tenant the demo creates (or reuses).

@@ -2,7 +2,8 @@
 //! hosted providers, with tenants, API keys, usage settlement and metrics.
 //!
 //! Module map (dependencies point downwards):
-//! - [`app`]: state, the one `build_router`, `serve`/`run` — the request path in one place;
+//! - [`app`]: the one `build_router`, `serve`/`run` — the request path in one place;
+//! - [`state`]: [`AppState`], the shared state handlers and the pipeline take, and its builder;
 //! - [`routes`]: thin axum handlers for `/v1`, `/admin/v1` and the probes;
 //! - [`pipeline`]: the request pipeline (route → forward with failover → settle);
 //! - [`upstream`]: tiers of replicas, the pooled HTTP client, one forwarding attempt;
@@ -28,12 +29,14 @@ pub mod pricing;
 pub mod redis_conn;
 pub mod routes;
 pub mod simulator;
+pub mod state;
 pub mod store;
 pub mod telemetry;
 pub mod tokens;
 pub mod upstream;
 pub mod usage;
 
-pub use app::{run, serve, AppState, Deps};
+pub use app::{run, serve};
 pub use config::Config;
 pub use error::ApiError;
+pub use state::{AppState, Deps};

@@ -21,7 +21,6 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::app::AppState;
 use crate::budget::engine::{AdmitInput, Reservation, ReservePrice};
 use crate::budget::Admission;
 use crate::cache::Lookup;
@@ -30,6 +29,7 @@ use crate::error::ApiError;
 use crate::openai::{
     completion_text, usage_in_body, Endpoint, ParsedRequest, SseRewriter, StreamAssembler, Usage,
 };
+use crate::state::AppState;
 use crate::store::ApiKey;
 use crate::upstream::{self, AttemptError, Target, Tier, UpstreamResponse};
 use crate::usage::{CacheStatus, UsageEvent, UsageSource};

@@ -187,7 +187,7 @@ async fn main() -> anyhow::Result<()> {
                     .await
                     .context("migrating postgres")?;
             }
-            println!("migrated {}", gateway::app::redact_url(&url));
+            println!("migrated {}", gateway::state::redact_url(&url));
             Ok(())
         }
         Command::Embed {

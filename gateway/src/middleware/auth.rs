@@ -11,8 +11,8 @@ use base64::Engine as _;
 use secrecy::ExposeSecret;
 use subtle::ConstantTimeEq;
 
-use crate::app::AppState;
 use crate::error::ApiError;
+use crate::state::AppState;
 
 fn authorization(req: &Request) -> Option<&str> {
     req.headers()

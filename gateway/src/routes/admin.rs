@@ -10,27 +10,13 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::app::AppState;
 use crate::error::ApiError;
 use crate::keys;
 use crate::ledger::report::{self, IsoWeek};
-use crate::ledger::LedgerStore;
 use crate::pricing::{usd_to_micros, Price};
-use crate::routes::{parse_json, read_body};
-use crate::store::{NewKey, StoreError, Tenant};
-
-/// Admin request bodies are small.
-pub(crate) const ADMIN_BODY_LIMIT: usize = 64 * 1024;
-
-impl From<StoreError> for ApiError {
-    fn from(e: StoreError) -> Self {
-        match e {
-            StoreError::Conflict(m) => ApiError::Conflict(m),
-            StoreError::NotFound(m) => ApiError::NotFound(m),
-            other => ApiError::internal(other),
-        }
-    }
-}
+use crate::routes::{ledger, parse_json, read_body, tenant, week, ADMIN_BODY_LIMIT};
+use crate::state::AppState;
+use crate::store::NewKey;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -69,14 +55,6 @@ pub async fn create_tenant(
 pub async fn list_tenants(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
     let tenants = state.store.list_tenants().await?;
     Ok(Json(json!({"object": "list", "data": tenants})))
-}
-
-pub(crate) async fn tenant(state: &AppState, id_or_name: &str) -> Result<Tenant, ApiError> {
-    state
-        .store
-        .find_tenant(id_or_name)
-        .await?
-        .ok_or_else(|| ApiError::NotFound(format!("no tenant {id_or_name:?}")))
 }
 
 /// `DELETE /admin/v1/tenants/{id or name}`: deletes the tenant and revokes its keys.
@@ -263,31 +241,6 @@ pub struct ReportQuery {
     hours: Option<u32>,
     /// Loops: least repeats of the same request (default 5).
     min_repeats: Option<usize>,
-}
-
-/// The ledger, or 404 when it is disabled.
-pub(crate) fn ledger(state: &AppState) -> Result<&dyn LedgerStore, ApiError> {
-    state
-        .ledger
-        .as_deref()
-        .ok_or_else(|| ApiError::NotFound("the ledger is disabled (ledger.enabled = false)".into()))
-}
-
-/// Parse the ISO week in query parameter `param` (400 naming it when malformed).
-pub(crate) fn week(
-    param: &str,
-    value: Option<&str>,
-    default: IsoWeek,
-) -> Result<IsoWeek, ApiError> {
-    match value {
-        None => Ok(default),
-        Some(v) => IsoWeek::parse(v, chrono::Utc::now()).ok_or_else(|| {
-            ApiError::invalid(
-                param,
-                format!("`{param}` must be an ISO week like 2026-W48, got {v:?}"),
-            )
-        }),
-    }
 }
 
 /// `GET /admin/v1/reports/weekly?week=2026-W48[&tenant=…]`

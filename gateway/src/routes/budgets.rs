@@ -10,13 +10,13 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::app::AppState;
 use crate::budget::engine::limit_from;
 use crate::budget::{Action, FailMode, Limit, RateLimit, Scope, Window};
 use crate::cache::CachePolicy;
 use crate::error::ApiError;
-use crate::routes::admin::{tenant, ADMIN_BODY_LIMIT};
 use crate::routes::{parse_json, read_body};
+use crate::routes::{tenant, ADMIN_BODY_LIMIT};
+use crate::state::AppState;
 use crate::store::NewBudget;
 
 #[derive(Deserialize)]

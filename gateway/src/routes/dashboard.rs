@@ -10,10 +10,10 @@ use axum::http::header::{CACHE_CONTROL, CONTENT_SECURITY_POLICY, CONTENT_TYPE};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
-use crate::app::AppState;
 use crate::error::ApiError;
 use crate::ledger::report::{self, Aggregate, Explanation, IsoWeek, ReportLine, WeeklyReport};
-use crate::routes::admin::{ledger, week};
+use crate::routes::{ledger, week};
+use crate::state::AppState;
 
 /// The page may load nothing: inline styles and `data:` images only.
 pub const CSP: &str = "default-src 'none'; style-src 'unsafe-inline'; img-src data:";

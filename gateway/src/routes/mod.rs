@@ -12,6 +12,10 @@ use bytes::Bytes;
 use serde::de::DeserializeOwned;
 
 use crate::error::ApiError;
+use crate::ledger::report::IsoWeek;
+use crate::ledger::LedgerStore;
+use crate::state::AppState;
+use crate::store::{StoreError, Tenant};
 
 /// Read a request body up to `limit` bytes (413 in OpenAI shape beyond it).
 pub async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
@@ -34,4 +38,51 @@ pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     let value: serde_json::Value =
         serde_json::from_slice(body).map_err(|e| ApiError::InvalidJson(e.to_string()))?;
     crate::openai::from_value(&value)
+}
+
+/// Admin request bodies are small.
+pub(crate) const ADMIN_BODY_LIMIT: usize = 64 * 1024;
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Conflict(m) => ApiError::Conflict(m),
+            StoreError::NotFound(m) => ApiError::NotFound(m),
+            other => ApiError::internal(other),
+        }
+    }
+}
+
+/// The tenant named by id or name, or 404.
+pub(crate) async fn tenant(state: &AppState, id_or_name: &str) -> Result<Tenant, ApiError> {
+    state
+        .store
+        .find_tenant(id_or_name)
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("no tenant {id_or_name:?}")))
+}
+
+/// The ledger, or 404 when it is disabled.
+pub(crate) fn ledger(state: &AppState) -> Result<&dyn LedgerStore, ApiError> {
+    state
+        .ledger
+        .as_deref()
+        .ok_or_else(|| ApiError::NotFound("the ledger is disabled (ledger.enabled = false)".into()))
+}
+
+/// Parse the ISO week in query parameter `param` (400 naming it when malformed).
+pub(crate) fn week(
+    param: &str,
+    value: Option<&str>,
+    default: IsoWeek,
+) -> Result<IsoWeek, ApiError> {
+    match value {
+        None => Ok(default),
+        Some(v) => IsoWeek::parse(v, chrono::Utc::now()).ok_or_else(|| {
+            ApiError::invalid(
+                param,
+                format!("`{param}` must be an ISO week like 2026-W48, got {v:?}"),
+            )
+        }),
+    }
 }

@@ -11,11 +11,11 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde_json::{json, Value};
 
-use crate::app::AppState;
 use crate::error::ApiError;
 use crate::openai::Endpoint;
 use crate::pipeline::{self, RequestContext};
 use crate::routes::read_body;
+use crate::state::AppState;
 use crate::store::ApiKey;
 
 /// Request header carrying attribution tags: `k=v` pairs separated by commas.

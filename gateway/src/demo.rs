@@ -10,7 +10,7 @@ use secrecy::SecretString;
 use tokio::net::TcpListener;
 
 use crate::app::{serve, shutdown_signal};
-use crate::config::{Config, ReplicaConfig, TierConfig, AUTO, LARGE, SMALL};
+use crate::config::{Config, ModelTarget, ReplicaConfig, Tier, TierConfig};
 use crate::keys;
 use crate::simulator::{self, SimOptions, SimProfile};
 use crate::state::{AppState, Deps};
@@ -66,7 +66,7 @@ pub async fn prepare(options: &DemoOptions) -> anyhow::Result<Demo> {
     }
     config.admin.token = Some(SecretString::from(admin_token.clone()));
     config.tiers.insert(
-        SMALL.into(),
+        Tier::Small,
         TierConfig {
             tokenizer: None,
             replicas: vec![
@@ -76,16 +76,16 @@ pub async fn prepare(options: &DemoOptions) -> anyhow::Result<Demo> {
         },
     );
     config.tiers.insert(
-        LARGE.into(),
+        Tier::Large,
         TierConfig {
             tokenizer: None,
             replicas: vec![replica("sim-large-1", large_1, "sim-large")],
         },
     );
     config.models = BTreeMap::from([
-        ("fast".to_owned(), SMALL.to_owned()),
-        ("smart".to_owned(), LARGE.to_owned()),
-        (AUTO.to_owned(), AUTO.to_owned()),
+        ("fast".to_owned(), ModelTarget::Small),
+        ("smart".to_owned(), ModelTarget::Large),
+        ("auto".to_owned(), ModelTarget::Auto),
     ]);
     fetch_model(&config.cache.semantic.model_dir);
     let state = AppState::build(config, Deps::default()).await?;

@@ -33,6 +33,7 @@ pub mod state;
 pub mod store;
 pub mod telemetry;
 pub mod tokens;
+pub mod types;
 pub mod upstream;
 pub mod usage;
 

@@ -1,14 +1,12 @@
 //! Every Prometheus metric the gateway exports, defined once. Dashboards query these names; a
 //! test checks each name a dashboard uses exists here.
 
-use std::time::Instant;
-
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-use crate::upstream::Upstreams;
+use router::ReplicaSnapshot;
 
 /// Metric names, for dashboards and tests.
 pub mod names {
@@ -341,10 +339,10 @@ impl Metrics {
         })
     }
 
-    /// Prometheus text exposition, with replica gauges read fresh from the router state.
-    pub fn render(&self, upstreams: &Upstreams) -> String {
-        let now = Instant::now();
-        for (tier, snapshot) in upstreams.snapshot(now) {
+    /// Prometheus text exposition, with the replica gauges set from `replicas` (a snapshot of
+    /// the replica sets by tier, taken by the caller).
+    pub fn render(&self, replicas: &[(String, Vec<ReplicaSnapshot>)]) -> String {
+        for (tier, snapshot) in replicas {
             for r in snapshot {
                 self.in_flight
                     .with_label_values(&[tier.as_str(), r.name.as_str()])

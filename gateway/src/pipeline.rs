@@ -24,14 +24,15 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::budget::engine::{AdmitInput, Reservation, ReservePrice};
 use crate::budget::Admission;
 use crate::cache::Lookup;
-use crate::config::{DisconnectPolicy, AUTO, LARGE, SMALL};
+use crate::config::DisconnectPolicy;
 use crate::error::ApiError;
 use crate::openai::{
     completion_text, usage_in_body, Endpoint, ParsedRequest, SseRewriter, StreamAssembler, Usage,
 };
 use crate::state::AppState;
 use crate::store::ApiKey;
-use crate::upstream::{self, AttemptError, Target, Tier, UpstreamResponse};
+use crate::types::Tier;
+use crate::upstream::{self, AttemptError, Target, TierPool, UpstreamResponse};
 use crate::usage::{CacheStatus, UsageEvent, UsageSource};
 
 /// Who is asking, established by the middleware before the pipeline runs.
@@ -120,11 +121,8 @@ pub async fn run(
         let e = ApiError::ModelNotFound(req.model.clone());
         return reject(&state, &ctx, event, e);
     };
-    let mut primary = if target == AUTO {
-        LARGE.to_owned()
-    } else {
-        target
-    };
+    // `auto` goes to the large tier until the tier router decides.
+    let mut primary = target.tier().unwrap_or(Tier::Large);
     let mut cache = state.cache.plan(
         &ctx.key.tenant_id,
         &req,
@@ -144,13 +142,13 @@ pub async fn run(
     let mut req = req;
     let mut admission = Admission::default();
     if let Some(plan) = state.budgets.plan(&ctx.key, &event.tags) {
-        let input = admit_input(&state, &ctx, &req, &primary);
+        let input = admit_input(&state, &ctx, &req, primary);
         match state.budgets.admit(&plan, input).await {
             Ok(a) => admission = a,
             Err(e) => return reject(&state, &ctx, event, e),
         }
         if admission.downgraded {
-            primary = SMALL.to_owned();
+            primary = Tier::Small;
         }
         if let Some(m) = admission.max_tokens {
             if req.endpoint != Endpoint::Embeddings {
@@ -169,7 +167,7 @@ pub async fn run(
         ctx,
         req,
         event,
-        &primary,
+        primary,
         fallback,
         admission.reservation.take(),
         cache,
@@ -259,7 +257,7 @@ fn admit_input(
     state: &AppState,
     ctx: &RequestContext,
     req: &ParsedRequest,
-    primary: &str,
+    primary: Tier,
 ) -> AdmitInput {
     let prompt_tokens = state
         .upstreams
@@ -278,17 +276,17 @@ fn admit_input(
         generates: req.endpoint != Endpoint::Embeddings,
         choices: req.choices(),
         price: tier_price(state, &attempt_plan(state, primary, true), ctx.started_at),
-        small_price: tier_price(state, &[SMALL.to_owned()], ctx.started_at),
-        primary_is_small: primary == SMALL,
+        small_price: tier_price(state, &[Tier::Small], ctx.started_at),
+        primary_is_small: primary == Tier::Small,
     }
 }
 
 /// The highest input and output prices among the replicas of `tiers` at `at`.
-fn tier_price(state: &AppState, tiers: &[String], at: DateTime<Utc>) -> ReservePrice {
+fn tier_price(state: &AppState, tiers: &[Tier], at: DateTime<Utc>) -> ReservePrice {
     let book = state.prices.book();
     let mut price = ReservePrice::default();
     for name in tiers {
-        let Some(tier) = state.upstreams.tier(name) else {
+        let Some(tier) = state.upstreams.tier(*name) else {
             continue;
         };
         for target in &tier.targets {
@@ -324,16 +322,11 @@ fn reject(state: &AppState, ctx: &RequestContext, mut event: UsageEvent, e: ApiE
 /// The tiers to try, in order: the primary tier once plus `retries_same_tier` more replicas of
 /// it, then the other tier once when fallback is allowed (by the config, and by the request: a
 /// request downgraded by a budget never falls back to the large tier).
-fn attempt_plan(state: &AppState, primary: &str, fallback: bool) -> Vec<String> {
+fn attempt_plan(state: &AppState, primary: Tier, fallback: bool) -> Vec<Tier> {
     let up = state.upstreams.config();
-    let mut plan = vec![primary.to_owned(); 1 + up.retries_same_tier as usize];
-    let other = match primary {
-        SMALL => Some(LARGE),
-        LARGE => Some(SMALL),
-        _ => None,
-    };
-    if let (true, Some(other)) = (up.fallback_to_other_tier && fallback, other) {
-        plan.push(other.to_owned());
+    let mut plan = vec![primary; 1 + up.retries_same_tier as usize];
+    if up.fallback_to_other_tier && fallback {
+        plan.push(primary.other());
     }
     plan
 }
@@ -357,17 +350,17 @@ async fn forward(
     ctx: RequestContext,
     mut req: ParsedRequest,
     mut event: UsageEvent,
-    primary: &str,
+    primary: Tier,
     fallback: bool,
     reservation: Option<Reservation>,
     cache: Option<Lookup>,
 ) -> Response {
     let deadline = ctx.started + state.upstreams.config().total_timeout();
-    let mut tried: Vec<(String, usize)> = Vec::new();
+    let mut tried: Vec<(Tier, usize)> = Vec::new();
     let mut last_error: Option<ApiError> = None;
     let mut attempts = 0u32;
     for tier_name in attempt_plan(&state, primary, fallback) {
-        let Some(tier) = state.upstreams.tier(&tier_name) else {
+        let Some(tier) = state.upstreams.tier(tier_name) else {
             continue;
         };
         let exclude: Vec<usize> = tried
@@ -378,7 +371,7 @@ async fn forward(
         let Some(lease) = tier.set.choose(Instant::now(), &exclude) else {
             continue;
         };
-        tried.push((tier_name.clone(), lease.index()));
+        tried.push((tier_name, lease.index()));
         attempts += 1;
         let target = tier.target(&lease);
         let body = req.upstream_body(&target.model);
@@ -487,9 +480,9 @@ fn attempt_error(e: &AttemptError) -> ApiError {
     }
 }
 
-fn gateway_headers(headers: &mut HeaderMap, tier: &Tier, target: &Target, retries: u32) {
+fn gateway_headers(headers: &mut HeaderMap, tier: &TierPool, target: &Target, retries: u32) {
     for (name, value) in [
-        ("x-gateway-tier", tier.name.as_str()),
+        ("x-gateway-tier", tier.tier.as_str()),
         ("x-gateway-replica", target.name.as_str()),
         ("x-gateway-served-model", target.model.as_str()),
     ] {
@@ -506,7 +499,7 @@ fn buffered_response(
     ctx: &RequestContext,
     req: &ParsedRequest,
     mut event: UsageEvent,
-    tier: &Tier,
+    tier: &TierPool,
     lease: &Lease,
     status: StatusCode,
     upstream_headers: &HeaderMap,
@@ -515,7 +508,7 @@ fn buffered_response(
     cache: Option<Lookup>,
 ) -> Response {
     let target = tier.target(lease);
-    event.tier = Some(tier.name.clone());
+    event.tier = Some(tier.tier.as_str().to_owned());
     event.replica = Some(target.name.clone());
     event.served_model = Some(target.model.clone());
     event.status = status.as_u16();
@@ -567,7 +560,7 @@ fn buffered_response(
 /// A fresh answer as the cache keeps it.
 fn cache_entry(
     event: &UsageEvent,
-    tier: &Tier,
+    tier: &TierPool,
     target: &Target,
     body: Bytes,
     ttl: std::time::Duration,
@@ -575,7 +568,7 @@ fn cache_entry(
     crate::cache::Entry {
         body,
         served_model: target.model.clone(),
-        tier: tier.name.clone(),
+        tier: tier.tier.as_str().to_owned(),
         usage: Usage {
             prompt_tokens: event.prompt_tokens,
             completion_tokens: event.completion_tokens,
@@ -598,7 +591,7 @@ fn stream_response(
     ctx: RequestContext,
     req: ParsedRequest,
     mut event: UsageEvent,
-    tier: &Tier,
+    tier: &TierPool,
     lease: Lease,
     resp: UpstreamResponse,
     deadline: Instant,
@@ -606,7 +599,7 @@ fn stream_response(
     cache: Option<Lookup>,
 ) -> Response {
     let target = tier.target(&lease);
-    event.tier = Some(tier.name.clone());
+    event.tier = Some(tier.tier.as_str().to_owned());
     event.replica = Some(target.name.clone());
     event.served_model = Some(target.model.clone());
     let mut headers = HeaderMap::new();
@@ -621,11 +614,11 @@ fn stream_response(
     gateway_headers(&mut headers, tier, target, event.retries);
 
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(32);
-    let tier_name = tier.name.clone();
+    let tier_name = tier.tier;
     let task_state = state.clone();
     state.tasks.spawn(async move {
         let state = task_state;
-        let Some(tier) = state.upstreams.tier(&tier_name) else {
+        let Some(tier) = state.upstreams.tier(tier_name) else {
             return;
         };
         let idle = state.upstreams.config().idle_timeout();

@@ -7,63 +7,32 @@
 //! `store.key_refresh_ms` like keys. A request's cost is rounded to the nearest micro-dollar once;
 //! sums are exact over the rounded values.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use chrono::{DateTime, Utc};
-use serde::{Deserialize, Serialize};
 
-use crate::openai::Usage;
+use crate::config::PriceConfig;
 use crate::store::{Store, StoreError};
+use crate::types::Usage;
 
-/// Micro-dollars per million tokens.
-pub type MicrosPerMtok = i64;
+pub use crate::types::price::{usd_to_micros, MicrosPerMtok, Price};
 
-/// One model's prices from `effective_from` on.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Price {
-    /// Served model name (as the upstream names it).
-    pub model: String,
-    /// When this price starts to apply.
-    pub effective_from: DateTime<Utc>,
-    /// Uncached input (prompt) tokens.
-    pub input: MicrosPerMtok,
-    /// Output (completion) tokens.
-    pub output: MicrosPerMtok,
-    /// Input tokens served from the upstream's prefix cache.
-    pub cached_input: MicrosPerMtok,
-}
-
-/// Convert a USD amount (as configured, e.g. `0.15`) to micro-dollars, refusing negatives,
-/// non-finite values and more than micro-dollar precision loss.
-pub fn usd_to_micros(usd: f64) -> Option<i64> {
-    if !usd.is_finite() || !(0.0..=1e9).contains(&usd) {
-        return None;
-    }
-    Some((usd * 1e6).round() as i64)
-}
-
-impl Price {
-    /// Cost of `usage` at this price, micro-dollars: (input incl. cached input, output), each
-    /// rounded half up once.
-    pub fn cost_split(&self, usage: &Usage) -> (i64, i64) {
-        let cached = usage.cached_tokens.min(usage.prompt_tokens);
-        let uncached = usage.prompt_tokens - cached;
-        // Token counts × micro-dollars per 1M tokens: micro-dollars × 1e6.
-        let input = i128::from(uncached) * i128::from(self.input)
-            + i128::from(cached) * i128::from(self.cached_input);
-        let output = i128::from(usage.completion_tokens) * i128::from(self.output);
-        let round =
-            |scaled: i128| i64::try_from((scaled + 500_000) / 1_000_000).unwrap_or(i64::MAX);
-        (round(input), round(output))
-    }
-
-    /// Total cost of `usage` at this price, micro-dollars.
-    pub fn cost(&self, usage: &Usage) -> i64 {
-        let (input, output) = self.cost_split(usage);
-        input + output
-    }
+/// The configured prices (`[prices.MODEL]`, USD per 1M tokens), effective from `at`. The
+/// config has checked every amount converts ([`crate::config::Config::validate`]).
+pub fn configured(prices: &BTreeMap<String, PriceConfig>, at: DateTime<Utc>) -> Vec<Price> {
+    let micros = |usd: f64| usd_to_micros(usd).unwrap_or(0);
+    prices
+        .iter()
+        .map(|(model, p)| Price {
+            model: model.clone(),
+            effective_from: at,
+            input: micros(p.input),
+            output: micros(p.output),
+            cached_input: micros(p.cached_input.unwrap_or(p.input)),
+        })
+        .collect()
 }
 
 /// Every price with its history, by model, oldest first.

@@ -97,13 +97,18 @@ impl AppState {
         };
         let auth = Arc::new(Authenticator::new(Arc::clone(&store)).await?);
         let upstreams = Upstreams::new(&config)?;
-        for name in config.tiers.keys() {
-            if let Some(t) = upstreams.tier(name) {
+        for tier in config.tiers.keys() {
+            if let Some(t) = upstreams.tier(*tier) {
                 t.tokenizer.warm();
             }
         }
-        let prices =
-            Arc::new(Prices::new(Arc::clone(&store), config.prices(chrono::Utc::now())?).await?);
+        let prices = Arc::new(
+            Prices::new(
+                Arc::clone(&store),
+                crate::pricing::configured(&config.prices, chrono::Utc::now()),
+            )
+            .await?,
+        );
         let metrics = Metrics::new()?;
         let (sink, ledger, ledger_writer): (SharedSink, _, _) = match deps.sink {
             Some(sink) => (sink, None, None),

@@ -7,6 +7,8 @@
 use serde_json::Value;
 use tiktoken_rs::CoreBPE;
 
+use crate::types::TokenizerKind;
+
 /// Tokens OpenAI adds per chat message for the role and separators.
 const TOKENS_PER_MESSAGE: usize = 4;
 /// Tokens that prime the assistant's reply.
@@ -35,15 +37,14 @@ impl Default for Tokenizer {
 }
 
 impl Tokenizer {
-    /// Look a tokenizer up by name (`cl100k_base`, `o200k_base`).
-    pub fn by_name(name: &str) -> Option<Self> {
-        match name {
-            "cl100k_base" => Some(Self::default()),
-            "o200k_base" => Some(Self {
-                name: "o200k_base",
+    /// The tokenizer a tier names.
+    pub fn of(kind: TokenizerKind) -> Self {
+        match kind {
+            TokenizerKind::Cl100kBase => Self::default(),
+            TokenizerKind::O200kBase => Self {
+                name: kind.as_str(),
                 bpe: tiktoken_rs::o200k_base_singleton,
-            }),
-            _ => None,
+            },
         }
     }
 
@@ -136,8 +137,13 @@ mod tests {
     }
 
     #[test]
-    fn unknown_tokenizers_are_refused() {
-        assert!(Tokenizer::by_name("o200k_base").is_some());
-        assert!(Tokenizer::by_name("llama").is_none());
+    fn each_configurable_kind_gets_its_own_vocabulary() {
+        let o200k = Tokenizer::of(TokenizerKind::O200kBase);
+        assert_eq!(o200k.name(), "o200k_base");
+        assert_eq!(
+            Tokenizer::of(TokenizerKind::Cl100kBase).name(),
+            "cl100k_base"
+        );
+        assert_eq!(o200k.encode("hello world").len(), 2);
     }
 }

@@ -21,6 +21,7 @@ use secrecy::ExposeSecret;
 use crate::config::{Config, ConfigError, UpstreamConfig};
 use crate::openai::Endpoint;
 use crate::tokens::Tokenizer;
+use crate::types::Tier;
 
 /// One replica's address and credentials.
 #[derive(Debug)]
@@ -37,11 +38,11 @@ pub struct Target {
     uris: Vec<Uri>,
 }
 
-/// One tier: its replicas and their routing state.
+/// One tier's replicas and their routing state.
 #[derive(Debug)]
-pub struct Tier {
-    /// Tier name.
-    pub name: String,
+pub struct TierPool {
+    /// The tier.
+    pub tier: Tier,
     /// Routing state, index-aligned with `targets`.
     pub set: ReplicaSet,
     /// Replica addresses.
@@ -50,7 +51,7 @@ pub struct Tier {
     pub tokenizer: Tokenizer,
 }
 
-impl Tier {
+impl TierPool {
     /// The target a lease points at.
     pub fn target(&self, lease: &Lease) -> &Target {
         &self.targets[lease.index()]
@@ -92,7 +93,7 @@ type HttpsClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Byte
 pub struct Upstreams {
     client: HttpsClient,
     config: UpstreamConfig,
-    tiers: BTreeMap<String, Tier>,
+    tiers: BTreeMap<Tier, TierPool>,
 }
 
 impl Upstreams {
@@ -165,15 +166,11 @@ impl Upstreams {
                     .map(|r| (r.name.clone(), r.max_concurrency)),
                 policy,
             );
-            let tokenizer = tier
-                .tokenizer
-                .as_deref()
-                .and_then(Tokenizer::by_name)
-                .unwrap_or_default();
+            let tokenizer = Tokenizer::of(tier.tokenizer.unwrap_or_default());
             tiers.insert(
-                name.clone(),
-                Tier {
-                    name: name.clone(),
+                *name,
+                TierPool {
+                    tier: *name,
                     set,
                     targets,
                     tokenizer,
@@ -192,16 +189,16 @@ impl Upstreams {
         &self.config
     }
 
-    /// A tier by name.
-    pub fn tier(&self, name: &str) -> Option<&Tier> {
-        self.tiers.get(name)
+    /// A tier's replicas.
+    pub fn tier(&self, tier: Tier) -> Option<&TierPool> {
+        self.tiers.get(&tier)
     }
 
     /// Every replica's state, by tier.
     pub fn snapshot(&self, now: Instant) -> Vec<(String, Vec<ReplicaSnapshot>)> {
         self.tiers
             .iter()
-            .map(|(name, t)| (name.clone(), t.set.snapshot(now)))
+            .map(|(tier, t)| (tier.as_str().to_owned(), t.set.snapshot(now)))
             .collect()
     }
 

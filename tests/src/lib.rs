@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gateway::config::{Config, ReplicaConfig, TierConfig, AUTO, LARGE, SMALL};
+use gateway::config::{Config, ModelTarget, ReplicaConfig, Tier, TierConfig};
 use gateway::simulator::{self, SimOptions, SimProfile, Simulator};
 use gateway::store::{self, postgres::PostgresStore, NewKey, Store};
 use gateway::usage::{ChannelSink, UsageEvent};
@@ -173,23 +173,23 @@ pub fn config(small: Vec<ReplicaConfig>, large: Vec<ReplicaConfig>) -> Config {
     c.upstream.first_byte_timeout_ms = 5_000;
     c.upstream.idle_timeout_ms = 5_000;
     c.tiers.insert(
-        SMALL.into(),
+        Tier::Small,
         TierConfig {
             tokenizer: None,
             replicas: small,
         },
     );
     c.tiers.insert(
-        LARGE.into(),
+        Tier::Large,
         TierConfig {
             tokenizer: None,
             replicas: large,
         },
     );
     c.models = BTreeMap::from([
-        ("fast".to_owned(), SMALL.to_owned()),
-        ("smart".to_owned(), LARGE.to_owned()),
-        (AUTO.to_owned(), AUTO.to_owned()),
+        ("fast".to_owned(), ModelTarget::Small),
+        ("smart".to_owned(), ModelTarget::Large),
+        ("auto".to_owned(), ModelTarget::Auto),
     ]);
     c
 }

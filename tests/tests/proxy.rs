@@ -411,7 +411,10 @@ async fn a_5xx_is_retried_once_on_another_replica_of_the_same_tier() {
     let mut app = TestApp::spawn(c, StoreKind::Sqlite).await;
     // Pin the first attempt to the failing replica: the other one is busy.
     let app_state = app.state.clone();
-    let tier = app_state.upstreams.tier("small").unwrap();
+    let tier = app_state
+        .upstreams
+        .tier(gateway::config::Tier::Small)
+        .unwrap();
     let _busy = tier.set.choose(std::time::Instant::now(), &[0]).unwrap();
     let resp = app.chat(chat_body("fast", "hi")).await;
     assert_eq!(resp.status(), 200);

@@ -49,7 +49,9 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
 pub async fn metrics(State(state): State<AppState>) -> Response {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.metrics.render(&state.upstreams),
+        state
+            .metrics
+            .render(&state.upstreams.snapshot(std::time::Instant::now())),
     )
         .into_response()
 }

@@ -15,8 +15,9 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use crate::budget::{Action, BudgetPolicy, FailMode, Limit, RateLimit, Scope, Window};
-use crate::pricing::Price;
+use crate::types::budget::{Action, BudgetPolicy, FailMode, Limit, RateLimit, Scope, Window};
+use crate::types::cache::CachePolicy;
+use crate::types::price::Price;
 
 pub use migrations::{postgres_migrator, sqlite_migrator};
 
@@ -140,12 +141,10 @@ pub trait Store: Send + Sync + 'static {
     async fn set_cache_policy(
         &self,
         tenant_id: &str,
-        policy: &crate::cache::CachePolicy,
+        policy: &CachePolicy,
     ) -> Result<(), StoreError>;
     /// Every tenant's own cache policy.
-    async fn list_cache_policies(
-        &self,
-    ) -> Result<Vec<(String, crate::cache::CachePolicy)>, StoreError>;
+    async fn list_cache_policies(&self) -> Result<Vec<(String, CachePolicy)>, StoreError>;
     /// Drop a tenant's cache policy (back to the config's defaults); `false` when it had none.
     async fn delete_cache_policy(&self, tenant_id: &str) -> Result<bool, StoreError>;
 }

@@ -97,9 +97,11 @@ macro_rules! sql_store {
 
             use super::super::sql::*;
             use super::super::{new_id, now, ApiKey, NewBudget, NewKey, Store, StoreError, Tenant};
-            use crate::budget::{Action, BudgetPolicy, FailMode, Limit, RateLimit, Scope, Window};
-            use crate::cache::CachePolicy;
-            use crate::pricing::Price;
+            use crate::types::budget::{
+                Action, BudgetPolicy, FailMode, Limit, RateLimit, Scope, Window,
+            };
+            use crate::types::cache::CachePolicy;
+            use crate::types::price::Price;
 
             fn tenant(row: &$row) -> Result<Tenant, StoreError> {
                 Ok(Tenant {

@@ -1,0 +1,101 @@
+//! `[cache]`: the exact and semantic response cache.
+
+use serde::{Deserialize, Serialize};
+
+use crate::types::cache::CacheMode;
+
+/// The response cache. A tenant without its own policy gets [`CacheConfig::mode`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheConfig {
+    /// Default for tenants without their own policy: `off`, `exact` or `semantic` (exact first,
+    /// then semantic).
+    pub mode: CacheMode,
+    /// Most bytes of cached responses held by this replica.
+    pub max_bytes: u64,
+    /// Responses larger than this are not cached.
+    pub max_entry_bytes: u64,
+    /// Default time to live of a cached response, seconds.
+    pub ttl_secs: u64,
+    /// Default point on the verifier's held-out curve: the precision a semantic hit must have.
+    pub min_precision: f64,
+    /// Also share exact answers through Redis (one URL, or several cluster seed nodes), so a
+    /// repeat hits on every replica. Empty: each replica caches on its own.
+    pub redis_urls: Vec<String>,
+    /// Longest wait for the shared layer before a lookup counts as a miss, ms.
+    pub redis_timeout_ms: u64,
+    /// The semantic layer's model and limits.
+    pub semantic: SemanticConfig,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        Self {
+            mode: CacheMode::Semantic,
+            max_bytes: 256 << 20,
+            max_entry_bytes: 1 << 20,
+            ttl_secs: 3600,
+            min_precision: 0.9,
+            redis_urls: Vec::new(),
+            redis_timeout_ms: 50,
+            semantic: SemanticConfig::default(),
+        }
+    }
+}
+
+/// Where the semantic layer computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EmbedDevice {
+    /// The GPU when usable, else the CPU.
+    Auto,
+    /// Always the CPU.
+    Cpu,
+    /// The GPU, or refuse to start.
+    Cuda,
+}
+
+/// The semantic cache layer: embedding model, index and verifier.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SemanticConfig {
+    /// Where embeddings and the vector index run: `auto` (the GPU when this build has the `cuda`
+    /// feature and a GPU is present, else the CPU), `cpu`, or `cuda` (a startup error when no
+    /// GPU can be used).
+    pub device: EmbedDevice,
+    /// Directory of all-MiniLM-L6-v2 (`scripts/fetch-model.sh`). Without it the semantic layer
+    /// is off (logged at start); the exact layer still works.
+    pub model_dir: std::path::PathBuf,
+    /// A verifier artefact from `gateway embed train-verifier` (default: the shipped one).
+    pub verifier: Option<std::path::PathBuf>,
+    /// Most questions held in the vector index (each ~2 KB for its vector plus ~0.4 KB per
+    /// token for the verifier: ~8 KB for a 15-token question).
+    pub capacity: usize,
+    /// Nearest neighbours handed to the verifier.
+    pub candidates: usize,
+    /// Least cosine similarity for a neighbour to be a candidate at all.
+    pub min_cosine: f32,
+    /// Most requests embedded in one batch.
+    pub batch: usize,
+    /// Longest a request waits for the semantic lookup before it is treated as a miss, ms.
+    pub lookup_timeout_ms: u64,
+    /// Lookups queued beyond this are skipped (a miss) rather than queued: the embedding model
+    /// must not become the gateway's bottleneck.
+    pub max_queue: usize,
+}
+
+impl Default for SemanticConfig {
+    fn default() -> Self {
+        Self {
+            device: EmbedDevice::Auto,
+            model_dir: "models/all-MiniLM-L6-v2".into(),
+            verifier: None,
+            capacity: 50_000,
+            candidates: 4,
+            min_cosine: 0.7,
+            batch: 16,
+            lookup_timeout_ms: 250,
+            max_queue: 32,
+        }
+    }
+}

@@ -1,0 +1,77 @@
+//! `[upstream]`: timeouts, retries and passive health of upstream calls.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// What to do with an upstream stream whose client went away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DisconnectPolicy {
+    /// Keep reading the upstream to the end so the usage it reports is exact.
+    Drain,
+    /// Stop the upstream at once (saves GPU time); usage is counted from what was received.
+    Cancel,
+}
+
+/// Timeouts, retries and passive health for upstream calls.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UpstreamConfig {
+    /// TCP (and TLS) connect timeout, ms.
+    pub connect_timeout_ms: u64,
+    /// Time from sending the request to the response headers, ms.
+    pub first_byte_timeout_ms: u64,
+    /// Longest silence between two chunks of a streamed body, ms.
+    pub idle_timeout_ms: u64,
+    /// Whole exchange, ms.
+    pub total_timeout_ms: u64,
+    /// Try another replica of the same tier after a connect error / 5xx / timeout (0 or 1).
+    pub retries_same_tier: u32,
+    /// After the same-tier retry, try the other tier (small ↔ large).
+    pub fallback_to_other_tier: bool,
+    /// Consecutive failures that take a replica out of rotation.
+    pub failure_threshold: u32,
+    /// How long a tripped replica stays out, ms.
+    pub cooldown_ms: u64,
+    /// Idle pooled connections kept per upstream host.
+    pub pool_max_idle_per_host: usize,
+    /// What to do with an upstream stream whose client disconnected.
+    pub on_client_disconnect: DisconnectPolicy,
+}
+
+impl Default for UpstreamConfig {
+    fn default() -> Self {
+        Self {
+            connect_timeout_ms: 2_000,
+            first_byte_timeout_ms: 60_000,
+            idle_timeout_ms: 60_000,
+            total_timeout_ms: 600_000,
+            retries_same_tier: 1,
+            fallback_to_other_tier: true,
+            failure_threshold: 3,
+            cooldown_ms: 10_000,
+            pool_max_idle_per_host: 256,
+            on_client_disconnect: DisconnectPolicy::Drain,
+        }
+    }
+}
+
+impl UpstreamConfig {
+    /// Connect timeout as a duration.
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.connect_timeout_ms)
+    }
+    /// First-byte timeout as a duration.
+    pub fn first_byte_timeout(&self) -> Duration {
+        Duration::from_millis(self.first_byte_timeout_ms)
+    }
+    /// Idle-between-chunks timeout as a duration.
+    pub fn idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.idle_timeout_ms)
+    }
+    /// Total timeout as a duration.
+    pub fn total_timeout(&self) -> Duration {
+        Duration::from_millis(self.total_timeout_ms)
+    }
+}

@@ -67,6 +67,18 @@ struct Stored {
     key: u128,
 }
 
+/// How a lookup searches: how many nearest neighbours the verifier sees, the least cosine
+/// for a neighbour to be one, and the verifier probability a hit needs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Search {
+    /// Nearest neighbours handed to the verifier.
+    pub k: usize,
+    /// Least cosine similarity of a candidate.
+    pub min_cosine: f32,
+    /// Least verifier probability of a hit.
+    pub threshold: f32,
+}
+
 /// A verified match.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Verdict {
@@ -122,19 +134,21 @@ impl SemanticIndex {
         self.index.is_empty()
     }
 
-    /// The best of the `k` nearest stored questions in `ns` (cosine ≥ `min_cosine`) whose
-    /// verifier probability reaches `threshold`, if any.
-    #[allow(clippy::too_many_arguments)]
+    /// The best of the `search.k` nearest stored questions in `ns` (cosine ≥
+    /// `search.min_cosine`) whose verifier probability reaches `search.threshold`, if any.
     pub fn best(
         &mut self,
         ns: u64,
         text: &str,
         query: &TextVectors,
-        k: usize,
-        min_cosine: f32,
-        threshold: f32,
+        search: Search,
         now_ms: i64,
     ) -> Option<Verdict> {
+        let Search {
+            k,
+            min_cosine,
+            threshold,
+        } = search;
         let hits = self.index.search(ns, &query.0, k, min_cosine, now_ms);
         let mut best: Option<Verdict> = None;
         for hit in hits {

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use embedder::bert::{BertEmbedder, Embed, TextVectors};
 use embedder::index::{CpuIndex, VectorIndex};
-use embedder::semantic::{SemanticIndex, Verdict, SHIPPED_VERIFIER};
+use embedder::semantic::{Search, SemanticIndex, Verdict, SHIPPED_VERIFIER};
 use embedder::static_embed::StaticEmbedder;
 use embedder::verifier::Verifier;
 use tokio::sync::oneshot;
@@ -367,15 +367,12 @@ impl Worker {
             }
             let now = now_ms(Instant::now());
             for ((ns, text, threshold, reply), vectors) in lookups.into_iter().zip(embedded) {
-                let verdict = index.best(
-                    ns,
-                    &text,
-                    &vectors,
-                    self.config.candidates,
-                    self.config.min_cosine,
+                let search = Search {
+                    k: self.config.candidates,
+                    min_cosine: self.config.min_cosine,
                     threshold,
-                    now,
-                );
+                };
+                let verdict = index.best(ns, &text, &vectors, search, now);
                 let _ = reply.send(Looked {
                     vectors: Arc::new(vectors),
                     verdict,

@@ -1,0 +1,151 @@
+//! Attempts with failover: the tiers to try in order, a replica of each, and what counts as a
+//! failure worth trying elsewhere (connect errors, timeouts, 5xx; never a 4xx).
+
+use std::time::Instant;
+
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+
+use super::{ms_since, respond, settle, Call};
+use crate::error::ApiError;
+use crate::state::AppState;
+use crate::types::Tier;
+use crate::upstream::{self, AttemptError, UpstreamResponse};
+
+/// The tiers to try, in order: the first tier once plus `retries_same_tier` more replicas of it,
+/// then the other tier once when fallback is allowed (by the config, and by the request: a
+/// request downgraded by a budget never falls back to the large tier).
+pub(super) fn plan(state: &AppState, first: Tier, fallback: bool) -> Vec<Tier> {
+    let up = state.upstreams.config();
+    let mut plan = vec![first; 1 + up.retries_same_tier as usize];
+    if up.fallback_to_other_tier && fallback {
+        plan.push(first.other());
+    }
+    plan
+}
+
+/// Outcome of reading a whole non-streamed response within the attempt.
+enum Buffered {
+    Done(StatusCode, HeaderMap, Bytes),
+    Failed(AttemptError),
+}
+
+async fn read_all(resp: UpstreamResponse, deadline: Instant) -> Buffered {
+    match upstream::read_body(resp, deadline).await {
+        Ok((parts, body)) => Buffered::Done(parts.status, parts.headers, body),
+        Err(e) => Buffered::Failed(e),
+    }
+}
+
+/// Try the planned tiers until one answers; respond with its answer, or settle the last error.
+pub(super) async fn forward(mut call: Call) -> Response {
+    // The pools are borrowed from this handle while the call itself moves on to respond.
+    let state = call.state.clone();
+    let deadline = call.ctx.started + state.upstreams.config().total_timeout();
+    let mut tried: Vec<(Tier, usize)> = Vec::new();
+    let mut last_error: Option<ApiError> = None;
+    let mut attempts = 0u32;
+    for tier in plan(&state, call.tier, call.fallback) {
+        let Some(pool) = state.upstreams.tier(tier) else {
+            continue;
+        };
+        let exclude: Vec<usize> = tried
+            .iter()
+            .filter(|(t, _)| *t == tier)
+            .map(|(_, i)| *i)
+            .collect();
+        let Some(lease) = pool.set.choose(Instant::now(), &exclude) else {
+            continue;
+        };
+        tried.push((tier, lease.index()));
+        attempts += 1;
+        let target = pool.target(&lease);
+        let body = call.req.upstream_body(&target.model);
+        let outcome = state
+            .upstreams
+            .send(target, call.req.endpoint, body, &call.ctx.request_id)
+            .await;
+        let failure: Result<(), (String, &'static str, ApiError)> = match outcome {
+            Ok(resp) if resp.status().is_server_error() => {
+                let status = resp.status();
+                // Read (and discard) the error body so the connection can be reused.
+                let _ = read_all(resp, deadline).await;
+                Err((
+                    format!("status {status}"),
+                    "status_5xx",
+                    ApiError::BadGateway {
+                        message: format!("the model server answered {status}"),
+                    },
+                ))
+            }
+            Ok(resp) if call.req.stream && resp.status().is_success() => {
+                pool.set.record_success(&lease);
+                call.event.retries = attempts - 1;
+                return respond::streamed(call, pool, lease, resp, deadline);
+            }
+            Ok(resp) => match read_all(resp, deadline).await {
+                Buffered::Done(status, headers, body) => {
+                    pool.set.record_success(&lease);
+                    call.event.retries = attempts - 1;
+                    return respond::buffered(call, pool, &lease, status, &headers, body);
+                }
+                Buffered::Failed(e) => Err((e.to_string(), e.kind(), attempt_error(&e))),
+            },
+            Err(e) => Err((e.to_string(), e.kind(), attempt_error(&e))),
+        };
+        if let Err((detail, kind, api_error)) = failure {
+            let tripped = pool.set.record_failure(&lease, Instant::now());
+            state
+                .metrics
+                .upstream_errors
+                .with_label_values(&[target.name.as_str(), kind])
+                .inc();
+            tracing::warn!(
+                request_id = %call.ctx.request_id,
+                tier = %tier,
+                replica = %target.name,
+                error = %detail,
+                taken_out = tripped,
+                "upstream attempt failed"
+            );
+            last_error = Some(api_error);
+        }
+        if Instant::now() >= deadline {
+            break;
+        }
+    }
+    let error = last_error.unwrap_or_else(|| ApiError::Unavailable {
+        message: format!(
+            "no replica can take a request for model `{}` right now (all unhealthy or at capacity)",
+            call.req.model
+        ),
+        retry_after: 1,
+    });
+    let Call {
+        mut event,
+        ctx,
+        reservation,
+        ..
+    } = call;
+    event.retries = attempts.saturating_sub(1);
+    event.status = error.status().as_u16();
+    event.error_kind = Some(error.kind().to_owned());
+    event.latency_ms = ms_since(ctx.started);
+    settle(&state, event, reservation);
+    error.into_response()
+}
+
+fn attempt_error(e: &AttemptError) -> ApiError {
+    match e {
+        AttemptError::Timeout => {
+            ApiError::GatewayTimeout("no response from the model server in time".into())
+        }
+        AttemptError::Connect(_) => ApiError::BadGateway {
+            message: "could not connect to the model server".into(),
+        },
+        AttemptError::Transport(_) => ApiError::BadGateway {
+            message: "the connection to the model server failed".into(),
+        },
+    }
+}

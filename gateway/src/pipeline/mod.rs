@@ -1,0 +1,299 @@
+//! The request pipeline, in one place. [`run`] reads top to bottom as the whole path of a proxied
+//! request:
+//!
+//! parse → resolve model → *guard* → cache → *route* → budget → attempts with failover
+//! ([`attempt`]) → buffered or streamed response ([`respond`]) → settle ([`settle`]).
+//!
+//! Every step takes and fills one per-request [`Call`]: who asks, what was asked, the usage event
+//! being built, the tier, the budget reservation and the cache lookup. The guard seat (agent
+//! loops, client retries) and the route seat (the tier router, prefix affinity) are where the
+//! next steps go; today the guard admits everything and `auto` goes to the large tier.
+//!
+//! [`run`] is spawned on the app's task tracker by the handlers, so a client hang-up never cancels
+//! it: a non-streamed request still completes and settles, and a streamed one keeps reading the
+//! upstream (or cancels it, per `upstream.on_client_disconnect`) and settles what was consumed.
+//! Exactly one [`UsageEvent`] is produced per call.
+
+mod attempt;
+mod respond;
+mod settle;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::http::{HeaderName, HeaderValue};
+use axum::response::Response;
+use bytes::Bytes;
+use chrono::{DateTime, Utc};
+
+use crate::budget::engine::{AdmitInput, Reservation, ReservePrice};
+use crate::cache::Lookup;
+use crate::error::ApiError;
+use crate::openai::{Endpoint, ParsedRequest};
+use crate::state::AppState;
+use crate::store::ApiKey;
+use crate::types::{ModelTarget, Tier};
+use crate::usage::{CacheStatus, UsageEvent, UsageSource};
+
+pub use settle::settle;
+
+/// Who is asking, established by the middleware before the pipeline runs.
+#[derive(Debug, Clone)]
+pub struct RequestContext {
+    /// Gateway request id.
+    pub request_id: String,
+    /// The authenticated key.
+    pub key: Arc<ApiKey>,
+    /// Key tags merged with the request's `x-gateway-tags`.
+    pub tags: BTreeMap<String, String>,
+    /// Arrival time (monotonic).
+    pub started: Instant,
+    /// Arrival time (wall clock).
+    pub started_at: DateTime<Utc>,
+    /// The client's `Cache-Control` directives.
+    pub cache_control: crate::cache::Directives,
+}
+
+/// One request on its way through the pipeline: each step reads what the earlier ones decided
+/// and adds its own decision.
+pub struct Call {
+    /// The gateway's shared state.
+    pub state: AppState,
+    /// Who is asking.
+    pub ctx: RequestContext,
+    /// The parsed request (its `max_tokens` clamped by the budget step when needed).
+    pub req: ParsedRequest,
+    /// The usage event this call settles exactly once.
+    pub event: UsageEvent,
+    /// The tier tried first.
+    pub tier: Tier,
+    /// Whether the other tier may answer when this one fails (not after a budget downgrade).
+    pub fallback: bool,
+    /// Room reserved in the tenant's budgets, committed at settle.
+    pub reservation: Option<Reservation>,
+    /// The cache lookup, when the tenant's policy makes the request cacheable; filled from the
+    /// answer at the end.
+    pub cache: Option<Lookup>,
+    /// Headers the steps add to the answer (budget warnings and clamps).
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+}
+
+/// Run one proxied request to completion and settle it.
+pub async fn run(
+    state: AppState,
+    ctx: RequestContext,
+    endpoint: Endpoint,
+    body: Bytes,
+) -> Response {
+    let mut event = new_event(&ctx, endpoint);
+    let req = match ParsedRequest::parse(endpoint, &body) {
+        Ok(r) => r,
+        Err(e) => {
+            event.fingerprint = crate::openai::fingerprint_bytes(&body);
+            return settle::reject(&state, &ctx, event, e, None);
+        }
+    };
+    record_request(&mut event, &req);
+    let Some(target) = state.config.resolve_model(&req.model) else {
+        let e = ApiError::ModelNotFound(req.model.clone());
+        return settle::reject(&state, &ctx, event, e, None);
+    };
+    let mut call = Call::new(state, ctx, req, event, target);
+    // Guard seat: agent loops and client retries are checked here, before any cost.
+    if let Some(hit) = call.cache_lookup().await {
+        return hit;
+    }
+    // Route seat: the tier router and prefix affinity decide here; `auto` is large for now.
+    if let Err(e) = call.admit().await {
+        return call.reject(e);
+    }
+    let cache_status = call.event.cache_status;
+    let headers = std::mem::take(&mut call.headers);
+    let mut response = attempt::forward(call).await;
+    response.headers_mut().extend(headers);
+    response.headers_mut().insert(
+        crate::cache::CACHE_HEADER,
+        HeaderValue::from_static(cache_status.header_value()),
+    );
+    response
+}
+
+/// Answer an error found before the body was parsed (unreadable body, bad tags header).
+pub fn reject_early(
+    state: &AppState,
+    ctx: &RequestContext,
+    endpoint: Endpoint,
+    e: ApiError,
+) -> Response {
+    settle::reject(state, ctx, new_event(ctx, endpoint), e, None)
+}
+
+impl Call {
+    /// Start a call for a parsed request whose model resolved to `target`: plan its cache
+    /// lookup and pick the tier tried first.
+    fn new(
+        state: AppState,
+        ctx: RequestContext,
+        req: ParsedRequest,
+        event: UsageEvent,
+        target: ModelTarget,
+    ) -> Self {
+        let cache = state.cache.plan(
+            &ctx.key.tenant_id,
+            &req,
+            &event.fingerprint,
+            ctx.cache_control,
+        );
+        Self {
+            state,
+            ctx,
+            req,
+            event,
+            tier: target.tier().unwrap_or(Tier::Large),
+            fallback: true,
+            reservation: None,
+            cache,
+            headers: Vec::new(),
+        }
+    }
+
+    /// The cache step: a hit is answered (and settled at cost 0) here.
+    async fn cache_lookup(&mut self) -> Option<Response> {
+        let lookup = self.cache.as_mut()?;
+        self.event.cache_status = CacheStatus::Miss;
+        let found = self.state.cache.lookup(lookup).await?;
+        respond::cache_hit(self, found)
+    }
+
+    /// The budget step: reserve room for the request in every budget and rate limit that
+    /// applies, clamping `max_tokens` or downgrading to the small tier when the budget says so.
+    async fn admit(&mut self) -> Result<(), ApiError> {
+        let Some(plan) = self.state.budgets.plan(&self.ctx.key, &self.event.tags) else {
+            return Ok(());
+        };
+        let input = self.admit_input();
+        let mut admission = self.state.budgets.admit(&plan, input).await?;
+        if admission.downgraded {
+            self.tier = Tier::Small;
+            self.fallback = false;
+        }
+        if let Some(m) = admission.max_tokens {
+            if self.req.endpoint != Endpoint::Embeddings {
+                self.req.set_max_tokens(m);
+            }
+        }
+        if let Some(lookup) = self.cache.as_mut() {
+            // A clamped or downgraded answer is not the answer to the request as asked.
+            lookup.write &= !admission.downgraded && !admission.clamped;
+        }
+        self.headers = std::mem::take(&mut admission.headers);
+        self.reservation = admission.reservation.take();
+        Ok(())
+    }
+
+    /// What the budget step needs to know about a request: its prompt estimate (the first
+    /// tier's tokenizer), requested output, and the prices it may be served at (the dearest
+    /// replica of the tiers it may reach; the small tier alone if a `downgrade` budget sends it
+    /// there).
+    fn admit_input(&self) -> AdmitInput {
+        let (state, req) = (&self.state, &self.req);
+        let prompt_tokens = state
+            .upstreams
+            .tier(self.tier)
+            .map_or(0, |t| req.count_prompt_tokens(&t.tokenizer));
+        let max_tokens = match (req.max_tokens, req.endpoint) {
+            (Some(m), _) => Some(u64::from(m)),
+            // OpenAI's (and vLLM's) default for the legacy completions endpoint.
+            (None, Endpoint::Completions) => Some(16),
+            (None, _) => None,
+        };
+        let at = self.ctx.started_at;
+        AdmitInput {
+            rid: self.ctx.request_id.clone(),
+            prompt_tokens,
+            max_tokens,
+            generates: req.endpoint != Endpoint::Embeddings,
+            choices: req.choices(),
+            price: tier_price(state, &attempt::plan(state, self.tier, true), at),
+            small_price: tier_price(state, &[Tier::Small], at),
+            primary_is_small: self.tier == Tier::Small,
+        }
+    }
+
+    /// Answer an error found before any upstream call, and settle the call (releasing what it
+    /// reserved).
+    fn reject(self, e: ApiError) -> Response {
+        settle::reject(&self.state, &self.ctx, self.event, e, self.reservation)
+    }
+}
+
+/// The highest input and output prices among the replicas of `tiers` at `at`.
+fn tier_price(state: &AppState, tiers: &[Tier], at: DateTime<Utc>) -> ReservePrice {
+    let book = state.prices.book();
+    let mut price = ReservePrice::default();
+    for tier in tiers {
+        let Some(pool) = state.upstreams.tier(*tier) else {
+            continue;
+        };
+        for target in &pool.targets {
+            if let Some(p) = book.price_at(&target.model, at) {
+                price.input = price.input.max(p.input);
+                price.output = price.output.max(p.output);
+            }
+        }
+    }
+    price
+}
+
+/// What was asked, on the event: the request's fingerprint, model, streaming, and its `user` as
+/// a tag (unless the key or header set one).
+fn record_request(event: &mut UsageEvent, req: &ParsedRequest) {
+    event.fingerprint = req.fingerprint();
+    if let Some(user) = req.end_user() {
+        event
+            .tags
+            .entry("user".to_owned())
+            .or_insert_with(|| user.to_owned());
+    }
+    event.requested_model = req.model.clone();
+    event.stream = req.stream;
+}
+
+fn new_event(ctx: &RequestContext, endpoint: Endpoint) -> UsageEvent {
+    UsageEvent {
+        request_id: ctx.request_id.clone(),
+        started_at: ctx.started_at,
+        tenant_id: ctx.key.tenant_id.clone(),
+        tenant_name: ctx.key.tenant_name.clone(),
+        key_id: ctx.key.id.clone(),
+        tags: ctx.tags.clone(),
+        endpoint: endpoint.label().to_owned(),
+        requested_model: String::new(),
+        served_model: None,
+        tier: None,
+        replica: None,
+        prompt_tokens: 0,
+        completion_tokens: 0,
+        cached_tokens: 0,
+        usage_source: UsageSource::None,
+        status: 200,
+        error_kind: None,
+        stream: false,
+        client_disconnected: false,
+        latency_ms: 0.0,
+        ttft_ms: None,
+        retries: 0,
+        cache_status: CacheStatus::Bypass,
+        cost_micros: 0,
+        output_cost_micros: 0,
+        saved_micros: 0,
+        loop_flag: false,
+        retry_storm_flag: false,
+        fingerprint: String::new(),
+    }
+}
+
+fn ms_since(start: Instant) -> f64 {
+    start.elapsed().as_secs_f64() * 1000.0
+}

@@ -1,0 +1,337 @@
+//! Answers: from the cache, a buffered upstream body, or a stream passed through event by event
+//! (a driver task reads the upstream to the end, or stops it on hang-up, and settles).
+
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::Response;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use router::Lease;
+use serde_json::Value;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::{ms_since, settle, Call};
+use crate::config::DisconnectPolicy;
+use crate::error::ApiError;
+use crate::openai::{completion_text, usage_in_body, SseRewriter, StreamAssembler, Usage};
+use crate::upstream::{Target, TierPool, UpstreamResponse};
+use crate::usage::{UsageEvent, UsageSource};
+
+/// Status recorded when the client disconnected before the end of a stream (nginx's convention).
+const CLIENT_CLOSED: u16 = 499;
+
+/// Answer from the cache: cost 0, the saved cost recorded. `None` when the stored answer cannot
+/// be replayed in the form asked for (the request then goes upstream).
+pub(super) fn cache_hit(call: &mut Call, found: crate::cache::Found) -> Option<Response> {
+    let (state, ctx, req) = (&call.state, &call.ctx, &call.req);
+    let entry = &found.entry;
+    let body = if req.stream {
+        crate::openai::replay_sse(&entry.body, req.endpoint, req.client_wants_usage)?
+    } else {
+        entry.body.clone()
+    };
+    // The call ends here: this is its one event.
+    let mut event = call.event.clone();
+    event.cache_status = found.status;
+    event.served_model = Some(entry.served_model.clone());
+    event.tier = Some(entry.tier.clone());
+    let (input, output) =
+        state
+            .prices
+            .book()
+            .cost_split(&entry.served_model, &entry.usage, ctx.started_at);
+    event.saved_micros = input + output;
+    event.latency_ms = ms_since(ctx.started);
+    event.ttft_ms = Some(event.latency_ms);
+    state
+        .metrics
+        .cache_saved
+        .with_label_values(&[event.tenant_name.as_str()])
+        .inc_by(u64::try_from(event.saved_micros).unwrap_or(0));
+    let mut response = Response::new(Body::from(body));
+    let headers = response.headers_mut();
+    let content_type = if req.stream {
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        "text/event-stream"
+    } else {
+        "application/json"
+    };
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    headers.insert(
+        crate::cache::CACHE_HEADER,
+        HeaderValue::from_static(found.status.header_value()),
+    );
+    for (name, value) in [
+        ("x-gateway-tier", entry.tier.as_str()),
+        ("x-gateway-served-model", entry.served_model.as_str()),
+    ] {
+        if let Ok(v) = HeaderValue::from_str(value) {
+            headers.insert(name, v);
+        }
+    }
+    if let Some((cosine, probability)) = found.similarity {
+        for (name, value) in [
+            ("x-gateway-cache-similarity", cosine),
+            ("x-gateway-cache-confidence", probability),
+        ] {
+            if let Ok(v) = HeaderValue::from_str(&format!("{value:.4}")) {
+                headers.insert(name, v);
+            }
+        }
+    }
+    settle(state, event, None);
+    Some(response)
+}
+
+fn gateway_headers(headers: &mut HeaderMap, pool: &TierPool, target: &Target, retries: u32) {
+    for (name, value) in [
+        ("x-gateway-tier", pool.tier.as_str()),
+        ("x-gateway-replica", target.name.as_str()),
+        ("x-gateway-served-model", target.model.as_str()),
+    ] {
+        if let Ok(v) = HeaderValue::from_str(value) {
+            headers.insert(name, v);
+        }
+    }
+    headers.insert("x-gateway-retries", HeaderValue::from(retries));
+}
+
+/// A whole (non-streamed) upstream answer: usage from the body or the tokenizer, cache fill,
+/// settle, respond.
+pub(super) fn buffered(
+    call: Call,
+    pool: &TierPool,
+    lease: &Lease,
+    status: StatusCode,
+    upstream_headers: &HeaderMap,
+    body: Bytes,
+) -> Response {
+    let Call {
+        state,
+        ctx,
+        req,
+        mut event,
+        reservation,
+        cache,
+        ..
+    } = call;
+    let target = pool.target(lease);
+    event.tier = Some(pool.tier.as_str().to_owned());
+    event.replica = Some(target.name.clone());
+    event.served_model = Some(target.model.clone());
+    event.status = status.as_u16();
+    event.latency_ms = ms_since(ctx.started);
+    event.ttft_ms = Some(event.latency_ms);
+    if status.is_success() {
+        match usage_in_body(&body) {
+            Some(u) => apply_usage(&mut event, u, UsageSource::Upstream),
+            None => {
+                let mut text = String::new();
+                if let Ok(v) = serde_json::from_slice::<Value>(&body) {
+                    completion_text(&v, &mut text);
+                }
+                let counted = Usage {
+                    prompt_tokens: req.count_prompt_tokens(&pool.tokenizer),
+                    completion_tokens: pool.tokenizer.count(&text) as u64,
+                    cached_tokens: 0,
+                };
+                apply_usage(&mut event, counted, UsageSource::Tokenizer);
+            }
+        }
+        if let (Some(lookup), true) = (cache, status == StatusCode::OK) {
+            let entry = cache_entry(&event, pool, target, body.clone(), lookup.ttl);
+            state.cache.fill(lookup, entry);
+        }
+    } else {
+        event.error_kind = Some(format!("upstream_{}", status.as_u16()));
+    }
+    let retries = event.retries;
+    settle(&state, event, reservation);
+    let mut response = Response::new(Body::from(body));
+    *response.status_mut() = status;
+    let content_type = upstream_headers
+        .get(header::CONTENT_TYPE)
+        .cloned()
+        .unwrap_or_else(|| HeaderValue::from_static("application/json"));
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, content_type);
+    // Back-off hints from the upstream are for the client.
+    for (name, value) in upstream_headers {
+        if name == header::RETRY_AFTER || name.as_str().starts_with("x-ratelimit-") {
+            response.headers_mut().insert(name.clone(), value.clone());
+        }
+    }
+    gateway_headers(response.headers_mut(), pool, target, retries);
+    response
+}
+
+/// A fresh answer as the cache keeps it.
+fn cache_entry(
+    event: &UsageEvent,
+    pool: &TierPool,
+    target: &Target,
+    body: Bytes,
+    ttl: std::time::Duration,
+) -> crate::cache::Entry {
+    crate::cache::Entry {
+        body,
+        served_model: target.model.clone(),
+        tier: pool.tier.as_str().to_owned(),
+        usage: Usage {
+            prompt_tokens: event.prompt_tokens,
+            completion_tokens: event.completion_tokens,
+            cached_tokens: event.cached_tokens,
+        },
+        ttl,
+    }
+}
+
+fn apply_usage(event: &mut UsageEvent, usage: Usage, source: UsageSource) {
+    event.prompt_tokens = usage.prompt_tokens;
+    event.completion_tokens = usage.completion_tokens;
+    event.cached_tokens = usage.cached_tokens;
+    event.usage_source = source;
+}
+
+/// A streamed upstream answer: the response streams what a driver task on the tracker forwards;
+/// the task settles when the upstream ends (or the client left and the stream was cancelled).
+pub(super) fn streamed(
+    call: Call,
+    pool: &TierPool,
+    lease: Lease,
+    resp: UpstreamResponse,
+    deadline: Instant,
+) -> Response {
+    let Call {
+        state,
+        ctx,
+        req,
+        mut event,
+        reservation,
+        cache,
+        ..
+    } = call;
+    let target = pool.target(&lease);
+    event.tier = Some(pool.tier.as_str().to_owned());
+    event.replica = Some(target.name.clone());
+    event.served_model = Some(target.model.clone());
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        header::CONTENT_TYPE,
+        resp.headers()
+            .get(header::CONTENT_TYPE)
+            .cloned()
+            .unwrap_or_else(|| HeaderValue::from_static("text/event-stream")),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    gateway_headers(&mut headers, pool, target, event.retries);
+
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(32);
+    let tier = pool.tier;
+    let task_state = state.clone();
+    state.tasks.spawn(async move {
+        let state = task_state;
+        let Some(pool) = state.upstreams.tier(tier) else {
+            return;
+        };
+        let idle = state.upstreams.config().idle_timeout();
+        let policy = state.upstreams.config().on_client_disconnect;
+        let mut rewriter = SseRewriter::new(req.client_wants_usage);
+        if cache.as_ref().is_some_and(|c| c.write) {
+            rewriter.assembler = Some(StreamAssembler::new(req.endpoint));
+        }
+        let mut upstream = http_body_util::BodyDataStream::new(resp.into_body());
+        let mut client_gone = false;
+        let mut failure: Option<&'static str> = None;
+        loop {
+            let wait = idle.min(deadline.saturating_duration_since(Instant::now()));
+            let next = tokio::time::timeout(wait, upstream.next()).await;
+            let out = match next {
+                Err(_) => {
+                    failure = Some("timeout");
+                    break;
+                }
+                Ok(None) => {
+                    let tail = rewriter.finish();
+                    if !client_gone && !tail.is_empty() {
+                        let _ = tx.send(Ok(tail)).await;
+                    }
+                    break;
+                }
+                Ok(Some(Err(e))) => {
+                    tracing::warn!(request_id = %ctx.request_id, error = %e, "upstream stream broke");
+                    failure = Some("transport");
+                    break;
+                }
+                Ok(Some(Ok(chunk))) => rewriter.push(&chunk),
+            };
+            if event.ttft_ms.is_none() && rewriter.events > 0 {
+                event.ttft_ms = Some(ms_since(ctx.started));
+            }
+            if client_gone || out.is_empty() {
+                continue;
+            }
+            if tx.send(Ok(out)).await.is_err() {
+                client_gone = true;
+                tracing::info!(request_id = %ctx.request_id, ?policy, "client disconnected mid-stream");
+                if policy == DisconnectPolicy::Cancel {
+                    break;
+                }
+            }
+        }
+        if let Some(kind) = failure {
+            let target = pool.target(&lease);
+            state
+                .metrics
+                .upstream_errors
+                .with_label_values(&[target.name.as_str(), kind])
+                .inc();
+            // Tell the client the stream ended abnormally, in the OpenAI error shape.
+            let e = ApiError::BadGateway {
+                message: format!("the model server stream ended early ({kind})"),
+            };
+            let _ = tx
+                .send(Ok(Bytes::from(format!("data: {}\n\n", e.body()))))
+                .await;
+            event.error_kind = Some(format!("stream_{kind}"));
+            event.status = StatusCode::BAD_GATEWAY.as_u16();
+        }
+        drop(tx);
+        let usage = match rewriter.usage {
+            Some(u) => (u, UsageSource::Upstream),
+            None => (
+                Usage {
+                    prompt_tokens: req.count_prompt_tokens(&pool.tokenizer),
+                    completion_tokens: pool.tokenizer.count(&rewriter.text) as u64,
+                    cached_tokens: 0,
+                },
+                UsageSource::Tokenizer,
+            ),
+        };
+        apply_usage(&mut event, usage.0, usage.1);
+        let assembled = match (failure, rewriter.done, rewriter.assembler.take()) {
+            (None, true, Some(a)) => a.finish(),
+            _ => None,
+        };
+        if let (Some(lookup), Some(body)) = (cache, assembled) {
+            let target = pool.target(&lease);
+            let entry = cache_entry(&event, pool, target, body, lookup.ttl);
+            state.cache.fill(lookup, entry);
+        }
+        if client_gone {
+            event.client_disconnected = true;
+            event.status = CLIENT_CLOSED;
+        }
+        event.latency_ms = ms_since(ctx.started);
+        drop(lease);
+        settle(&state, event, reservation);
+    });
+
+    let mut response = Response::new(Body::from_stream(ReceiverStream::new(rx)));
+    *response.headers_mut() = headers;
+    response
+}

@@ -1,0 +1,98 @@
+//! Settlement: every call ends here exactly once, answered or refused. The event is priced, its
+//! usage committed to the budgets it reserved on (releasing the rest), counted in the metrics
+//! and handed to the sink (the ledger writer's queue).
+
+use std::sync::Arc;
+
+use axum::response::{IntoResponse, Response};
+
+use super::{ms_since, RequestContext};
+use crate::budget::engine::Reservation;
+use crate::error::ApiError;
+use crate::openai::Usage;
+use crate::state::AppState;
+use crate::usage::{CacheStatus, UsageEvent};
+
+/// Answer an error produced before any upstream call, and settle it (a reservation, if one was
+/// made, is released).
+pub(super) fn reject(
+    state: &AppState,
+    ctx: &RequestContext,
+    mut event: UsageEvent,
+    e: ApiError,
+    reservation: Option<Reservation>,
+) -> Response {
+    state.metrics.rejected.with_label_values(&[e.kind()]).inc();
+    event.status = e.status().as_u16();
+    event.error_kind = Some(e.kind().to_owned());
+    event.latency_ms = ms_since(ctx.started);
+    settle(state, event, reservation);
+    e.into_response()
+}
+
+/// Price the event, commit its usage to the budgets it reserved on, record metrics and hand the
+/// event to the sink. Never blocks (a commit that must wait for Redis runs on the task tracker).
+pub fn settle(state: &AppState, mut event: UsageEvent, reservation: Option<Reservation>) {
+    if let Some(model) = event.served_model.as_deref() {
+        let usage = Usage {
+            prompt_tokens: event.prompt_tokens,
+            completion_tokens: event.completion_tokens,
+            cached_tokens: event.cached_tokens,
+        };
+        let (input, output) = state
+            .prices
+            .book()
+            .cost_split(model, &usage, event.started_at);
+        event.cost_micros = input + output;
+        event.output_cost_micros = output;
+    }
+    if let Some(reservation) = reservation {
+        let tokens = match event.cache_status {
+            CacheStatus::HitExact | CacheStatus::HitSemantic => 0,
+            _ => event.prompt_tokens + event.completion_tokens,
+        };
+        let (budgets, cost) = (Arc::clone(&state.budgets), event.cost_micros);
+        let mut commit = Box::pin(async move { budgets.commit(reservation, tokens, cost).await });
+        // The in-process store commits at once; Redis finishes on the tracker.
+        if futures_util::FutureExt::now_or_never(commit.as_mut()).is_none() {
+            state.tasks.spawn(commit);
+        }
+    }
+    let m = &state.metrics;
+    let tier = event.tier.as_deref().unwrap_or("none");
+    let status = event.status.to_string();
+    m.requests
+        .with_label_values(&[
+            event.tenant_name.as_str(),
+            event.requested_model.as_str(),
+            tier,
+            status.as_str(),
+        ])
+        .inc();
+    let model = event
+        .served_model
+        .as_deref()
+        .unwrap_or(event.requested_model.as_str());
+    for (kind, n) in [
+        ("prompt", event.prompt_tokens),
+        ("completion", event.completion_tokens),
+        ("cached", event.cached_tokens),
+    ] {
+        if n > 0 {
+            m.tokens
+                .with_label_values(&[event.tenant_name.as_str(), model, kind])
+                .inc_by(n);
+        }
+    }
+    if let Some(replica) = event.replica.as_deref() {
+        m.duration
+            .with_label_values(&[tier, replica])
+            .observe(event.latency_ms / 1000.0);
+        if let Some(ttft) = event.ttft_ms {
+            m.ttft
+                .with_label_values(&[tier, replica])
+                .observe(ttft / 1000.0);
+        }
+    }
+    state.sink.record(event);
+}

@@ -7,7 +7,11 @@
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use chrono::SecondsFormat;
 use serde_json::json;
+
+use crate::budget::{RateKind, Refusal};
+use crate::types::price::Usd;
 
 /// Errors answered to API clients.
 #[derive(Debug, thiserror::Error)]
@@ -208,6 +212,75 @@ impl IntoResponse for ApiError {
                 .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after));
         }
         response
+    }
+}
+
+impl From<Refusal> for ApiError {
+    /// The budget step's refusal as the client sees it: which budget or limit, what is used,
+    /// and when to retry.
+    fn from(r: Refusal) -> Self {
+        match r {
+            Refusal::Exhausted(e) => {
+                let mut used = Vec::new();
+                if let Some(l) = e.limit.tokens {
+                    used.push(format!("{} of {l} tokens spent or reserved", e.used_tokens));
+                }
+                if let Some(l) = e.limit.micros {
+                    used.push(format!(
+                        "{:#} of {:#} spent or reserved",
+                        Usd(e.used_micros),
+                        Usd(l)
+                    ));
+                }
+                ApiError::InsufficientQuota {
+                    message: format!(
+                        "budget {} ({} scope, {} window) cannot cover this request: {}; this \
+                         request needs {} prompt tokens plus at least {} completion tokens; the \
+                         window resets at {}",
+                        e.policy_id,
+                        e.scope.label(),
+                        e.window.as_str(),
+                        used.join(", "),
+                        e.prompt_tokens,
+                        e.min_tokens,
+                        e.resets_at.to_rfc3339_opts(SecondsFormat::Secs, true)
+                    ),
+                    retry_after: u64::try_from((e.resets_at - e.now).num_seconds().max(1))
+                        .unwrap_or(1),
+                }
+            }
+            Refusal::RateLimited {
+                kind,
+                per_minute,
+                key_id,
+                retry_after_ms,
+            } => {
+                let what = match kind {
+                    RateKind::Requests => "requests",
+                    RateKind::Tokens => "tokens",
+                };
+                let scope = key_id.map_or_else(|| "tenant".to_owned(), |k| format!("key {k}"));
+                ApiError::RateLimited {
+                    message: format!(
+                        "rate limit reached: {per_minute} {what} per minute for the {scope}; \
+                         retry in {:.1}s",
+                        retry_after_ms as f64 / 1000.0
+                    ),
+                    kind: what,
+                    retry_after: u64::try_from(retry_after_ms.max(0))
+                        .unwrap_or(0)
+                        .div_ceil(1000)
+                        .max(1),
+                }
+            }
+            Refusal::StoreUnavailable => ApiError::Unavailable {
+                message: "the budget store is unreachable and this tenant's budgets fail \
+                          closed; retry shortly"
+                    .into(),
+                retry_after: 1,
+            },
+            Refusal::Internal(e) => ApiError::internal(e),
+        }
     }
 }
 

@@ -19,6 +19,7 @@ pub mod config;
 pub mod ctl;
 pub mod demo;
 pub mod error;
+pub mod headers;
 pub mod keys;
 pub mod ledger;
 pub mod metrics;

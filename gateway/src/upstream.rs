@@ -213,7 +213,7 @@ impl Upstreams {
         let mut req = Request::post(target.uris[endpoint as usize].clone())
             .header(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         if let Ok(id) = HeaderValue::from_str(request_id) {
-            req = req.header("x-request-id", id);
+            req = req.header(crate::headers::REQUEST_ID, id);
         }
         if let Some(auth) = &target.authorization {
             req = req.header(AUTHORIZATION, auth.clone());

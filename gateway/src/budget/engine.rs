@@ -14,11 +14,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use axum::http::{HeaderName, HeaderValue};
-use chrono::{DateTime, SecondsFormat, Utc};
+use chrono::{DateTime, Utc};
 use serde::Serialize;
 use tokio::sync::mpsc;
 
+use super::decision::{Admission, Exhausted, Refusal, Tightest, Warning};
 use super::lease::{Lease, Leases, Need};
 use super::memory::MemoryStore;
 use super::{
@@ -27,7 +27,6 @@ use super::{
     ReserveRequest,
 };
 use crate::config::{BudgetConfig, BudgetStoreKind};
-use crate::error::ApiError;
 use crate::ledger::LedgerStore;
 use crate::metrics::Metrics;
 use crate::store::{ApiKey, Store, StoreError};
@@ -120,19 +119,16 @@ enum Shared {
     Reserved(ReserveRequest, Outcome, bool),
 }
 
-/// The budget step's answer for an admitted request.
-#[derive(Debug, Default)]
-pub struct Admission {
-    /// `max_tokens` to forward (set when a budget or token limit bounds the output).
-    pub max_tokens: Option<u64>,
-    /// `max_tokens` was lowered below what the client asked for.
-    pub clamped: bool,
-    /// A `downgrade` budget sent the request to the small tier.
-    pub downgraded: bool,
-    /// Response headers describing the tightest budget.
-    pub headers: Vec<(HeaderName, HeaderValue)>,
-    /// What to commit after the response.
-    pub reservation: Option<Reservation>,
+/// What a store granted a request, for [`Budgets::admitted`].
+struct Grant<'a> {
+    /// Output tokens for all choices together.
+    output_tokens: u64,
+    /// The counters after the reservation, index-aligned with the plan's policies.
+    counters: &'a [CounterState],
+    /// Served by the small tier because of a `downgrade` budget.
+    downgraded: bool,
+    /// Reserved in the local fail-open store.
+    local: bool,
 }
 
 /// One row of `gatewayctl usage`.
@@ -189,20 +185,6 @@ impl std::fmt::Debug for Budgets {
 
 fn ms(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()
-}
-
-fn header(name: &'static str, value: String) -> Option<(HeaderName, HeaderValue)> {
-    Some((
-        HeaderName::from_static(name),
-        HeaderValue::from_str(&value).ok()?,
-    ))
-}
-
-/// Micro-dollars as a USD string with six decimals.
-pub fn usd(micros: i64) -> String {
-    let sign = if micros < 0 { "-" } else { "" };
-    let m = micros.unsigned_abs();
-    format!("{sign}{}.{:06}", m / 1_000_000, m % 1_000_000)
 }
 
 impl Budgets {
@@ -576,16 +558,13 @@ impl Budgets {
         (lease, counters): (Arc<Lease>, Vec<CounterState>),
         now: DateTime<Utc>,
     ) -> Admission {
-        let mut admission = self.admitted(
-            plan,
-            input,
-            req,
-            req.max_tokens,
-            &counters,
-            false,
-            false,
-            now,
-        );
+        let grant = Grant {
+            output_tokens: req.max_tokens,
+            counters: &counters,
+            downgraded: false,
+            local: false,
+        };
+        let mut admission = self.admitted(plan, input, req, grant, now);
         if let Some(r) = admission.reservation.as_mut() {
             r.lease = Some((lease, Need::of(req)));
         }
@@ -643,7 +622,7 @@ impl Budgets {
     }
 
     /// Admit a request under `plan`, or say why not.
-    pub async fn admit(&self, plan: &Plan, input: AdmitInput) -> Result<Admission, ApiError> {
+    pub async fn admit(&self, plan: &Plan, input: AdmitInput) -> Result<Admission, Refusal> {
         let now = self.clock.now();
         let now_ms = ms(now);
         let shared = if !self.shared || self.store_available(now_ms) {
@@ -673,12 +652,7 @@ impl Budgets {
             Some((req, outcome, downgraded)) => (req, outcome, downgraded, false),
             None if plan.fail_mode == FailMode::Closed => {
                 self.decision(plan, "store_unavailable");
-                return Err(ApiError::Unavailable {
-                    message: "the budget store is unreachable and this tenant's budgets fail \
-                              closed; retry shortly"
-                        .into(),
-                    retry_after: 1,
-                });
+                return Err(Refusal::StoreUnavailable);
             }
             None => {
                 let share = self.config.fail_open_share;
@@ -686,7 +660,7 @@ impl Budgets {
                 let (req, outcome, downgraded) = self
                     .reserve_with(&self.local, plan, &input, now, share)
                     .await
-                    .map_err(ApiError::internal)?;
+                    .map_err(Refusal::Internal)?;
                 (req, outcome, downgraded, true)
             }
         };
@@ -695,9 +669,15 @@ impl Budgets {
                 max_tokens,
                 counters,
                 ..
-            } => Ok(self.admitted(
-                plan, &input, &req, max_tokens, &counters, downgraded, local, now,
-            )),
+            } => {
+                let grant = Grant {
+                    output_tokens: max_tokens,
+                    counters: &counters,
+                    downgraded,
+                    local,
+                };
+                Ok(self.admitted(plan, &input, &req, grant, now))
+            }
             Outcome::Rejected { index, counters } => {
                 self.decision(plan, "rejected");
                 Err(self.exhausted(plan, &req, index, &counters, now))
@@ -713,25 +693,11 @@ impl Budgets {
             } => {
                 self.decision(plan, "rate_limited");
                 let (spec, rule) = &plan.rates[index];
-                let (what, kind) = match spec.kind {
-                    RateKind::Requests => ("requests", "requests"),
-                    RateKind::Tokens => ("tokens", "tokens"),
-                };
-                let scope = rule
-                    .key_id
-                    .as_deref()
-                    .map_or_else(|| "tenant".to_owned(), |k| format!("key {k}"));
-                Err(ApiError::RateLimited {
-                    message: format!(
-                        "rate limit reached: {} {what} per minute for the {scope}; retry in {:.1}s",
-                        spec.per_minute,
-                        retry_after_ms as f64 / 1000.0
-                    ),
-                    kind,
-                    retry_after: u64::try_from(retry_after_ms.max(0))
-                        .unwrap_or(0)
-                        .div_ceil(1000)
-                        .max(1),
+                Err(Refusal::RateLimited {
+                    kind: spec.kind,
+                    per_minute: spec.per_minute,
+                    key_id: rule.key_id.clone(),
+                    retry_after_ms,
                 })
             }
         }
@@ -744,35 +710,32 @@ impl Budgets {
             .inc();
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn admitted(
         &self,
         plan: &Plan,
         input: &AdmitInput,
         req: &ReserveRequest,
-        granted: u64,
-        counters: &[CounterState],
-        downgraded: bool,
-        local: bool,
+        grant: Grant<'_>,
         now: DateTime<Utc>,
     ) -> Admission {
+        let Grant {
+            output_tokens: reserved_output,
+            counters,
+            downgraded,
+            local,
+        } = grant;
         let requested = input.max_tokens.unwrap_or(self.config.default_max_tokens);
-        let reserved_output = granted;
         // The store grants output tokens for all choices together.
-        let granted = granted / input.choices.max(1);
+        let granted = reserved_output / input.choices.max(1);
         let clamped = input.generates && granted < requested;
-        let mut headers = Vec::new();
         let mut outcome = if clamped { "clamped" } else { "admitted" };
         if downgraded {
             outcome = "downgraded";
-            headers.extend(header("x-gateway-budget-action", "downgraded".into()));
-        }
-        if clamped {
-            headers.extend(header("x-gateway-budget-clamped", granted.to_string()));
         }
         // The tightest budget: the least fraction left after this reservation.
         let mut tightest: Option<(f64, usize, Option<u64>, Option<i64>)> = None;
         let mut flagged = Vec::new();
+        let mut warnings = Vec::new();
         for (i, (p, state)) in plan.policies.iter().zip(counters).enumerate() {
             let limit = if downgraded && p.action == Action::Downgrade {
                 if p.hard_limit.is_unlimited() {
@@ -795,10 +758,10 @@ impl Budgets {
             }
             if let Some(w) = p.warn_percent {
                 if (1.0 - frac) * 100.0 >= f64::from(w) {
-                    headers.extend(header(
-                        "x-gateway-budget-warning",
-                        format!("{} {:.0}% used", p.id, (1.0 - frac) * 100.0),
-                    ));
+                    warnings.push(Warning {
+                        policy_id: p.id.clone(),
+                        used_percent: (1.0 - frac) * 100.0,
+                    });
                 }
             }
             if tightest.is_none_or(|(f, ..)| frac < f) {
@@ -808,29 +771,18 @@ impl Budgets {
         if !flagged.is_empty() {
             outcome = "flagged";
             tracing::warn!(tenant = %plan.tenant_id, policies = ?flagged, "budget exceeded (flag only)");
-            headers.extend(header("x-gateway-budget-exceeded", flagged.join(",")));
         }
-        if let Some((_, i, rem_t, rem_m)) = tightest {
+        let tightest = tightest.map(|(_, i, remaining_tokens, remaining_micros)| {
             let p = &plan.policies[i];
-            let reset = p.window.end(p.window.start(now));
-            headers.extend(header(
-                "x-gateway-budget-policy",
-                format!("{} {} {}", p.id, p.scope.label(), p.window.as_str()),
-            ));
-            if let Some(t) = rem_t {
-                headers.extend(header("x-gateway-budget-remaining-tokens", t.to_string()));
+            Tightest {
+                policy_id: p.id.clone(),
+                scope: p.scope.clone(),
+                window: p.window,
+                remaining_tokens,
+                remaining_micros,
+                resets_at: p.window.end(p.window.start(now)),
             }
-            if let Some(m) = rem_m {
-                headers.extend(header("x-gateway-budget-remaining-usd", usd(m)));
-            }
-            headers.extend(header(
-                "x-gateway-budget-reset",
-                reset.to_rfc3339_opts(SecondsFormat::Secs, true),
-            ));
-        }
-        if local {
-            headers.extend(header("x-gateway-budget-mode", "fail-open".into()));
-        }
+        });
         self.decision(plan, outcome);
         // The limiters as reserved on (already scaled to the local share when failing open).
         let token_rates = req
@@ -841,9 +793,12 @@ impl Budgets {
             .collect();
         Admission {
             max_tokens: (input.generates && plan.bounds_output()).then_some(granted),
-            clamped,
+            clamped_to: clamped.then_some(granted),
             downgraded,
-            headers,
+            warnings,
+            flagged,
+            tightest,
+            fail_open: local,
             reservation: Some(Reservation {
                 tenant_id: plan.tenant_id.clone(),
                 rid: req.rid.clone(),
@@ -863,45 +818,26 @@ impl Budgets {
         index: usize,
         counters: &[CounterState],
         now: DateTime<Utc>,
-    ) -> ApiError {
+    ) -> Refusal {
         let p = &plan.policies[index];
-        let start = p.window.start(now);
-        let reset = p.window.end(start);
         let state = counters.get(index).copied().unwrap_or_default();
         let limit = if req.downgraded && p.action == Action::Downgrade {
             p.hard_limit
         } else {
             p.limit
         };
-        let mut used = Vec::new();
-        if let Some(l) = limit.tokens {
-            used.push(format!(
-                "{} of {l} tokens spent or reserved",
-                state.spent_tokens + state.reserved_tokens
-            ));
-        }
-        if let Some(l) = limit.micros {
-            used.push(format!(
-                "${} of ${} spent or reserved",
-                usd(state.spent_micros + state.reserved_micros),
-                usd(l)
-            ));
-        }
-        ApiError::InsufficientQuota {
-            message: format!(
-                "budget {} ({} scope, {} window) cannot cover this request: {}; this request \
-                 needs {} prompt tokens plus at least {} completion tokens; the window resets \
-                 at {}",
-                p.id,
-                p.scope.label(),
-                p.window.as_str(),
-                used.join(", "),
-                req.prompt_tokens,
-                req.min_tokens.min(req.max_tokens),
-                reset.to_rfc3339_opts(SecondsFormat::Secs, true)
-            ),
-            retry_after: u64::try_from((reset - now).num_seconds().max(1)).unwrap_or(1),
-        }
+        Refusal::Exhausted(Exhausted {
+            policy_id: p.id.clone(),
+            scope: p.scope.clone(),
+            window: p.window,
+            limit,
+            used_tokens: state.spent_tokens + state.reserved_tokens,
+            used_micros: state.spent_micros + state.reserved_micros,
+            prompt_tokens: req.prompt_tokens,
+            min_tokens: req.min_tokens.min(req.max_tokens),
+            resets_at: p.window.end(p.window.start(now)),
+            now,
+        })
     }
 
     /// Commit actual usage and release the rest of the reservation. Never fails: a commit the

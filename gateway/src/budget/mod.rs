@@ -17,6 +17,7 @@
 //! With the shared store a replica leases room for many requests in one call and admits them
 //! locally ([`lease`]), so Redis is off the per-request path except near a limit.
 
+pub mod decision;
 pub mod engine;
 pub mod lease;
 pub mod memory;
@@ -30,7 +31,8 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 pub use crate::types::budget::{Action, BudgetPolicy, FailMode, Limit, RateLimit, Scope, Window};
-pub use engine::{Admission, Budgets};
+pub use decision::{Admission, Refusal};
+pub use engine::Budgets;
 
 /// How one counter enforces its limit during a reservation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

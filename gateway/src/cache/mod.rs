@@ -34,10 +34,6 @@ use crate::openai::{Endpoint, ParsedRequest, Usage};
 use crate::store::{Store, StoreError};
 use crate::usage::CacheStatus;
 
-/// Response header saying how the cache answered: `hit-exact`, `hit-semantic`, `miss` (looked
-/// up, answered upstream) or `bypass` (not cacheable under the tenant's policy).
-pub const CACHE_HEADER: &str = "x-gateway-cache";
-
 pub use crate::types::cache::{CacheMode, CachePolicy};
 
 /// What the client said in `Cache-Control`.

@@ -113,7 +113,7 @@ pub async fn run(
     let mut response = attempt::forward(call).await;
     response.headers_mut().extend(headers);
     response.headers_mut().insert(
-        crate::cache::CACHE_HEADER,
+        crate::headers::CACHE,
         HeaderValue::from_static(cache_status.header_value()),
     );
     response
@@ -174,6 +174,7 @@ impl Call {
         };
         let input = self.admit_input();
         let mut admission = self.state.budgets.admit(&plan, input).await?;
+        self.headers = respond::budget_headers(&admission);
         if admission.downgraded {
             self.tier = Tier::Small;
             self.fallback = false;
@@ -185,9 +186,8 @@ impl Call {
         }
         if let Some(lookup) = self.cache.as_mut() {
             // A clamped or downgraded answer is not the answer to the request as asked.
-            lookup.write &= !admission.downgraded && !admission.clamped;
+            lookup.write &= !admission.downgraded && admission.clamped_to.is_none();
         }
-        self.headers = std::mem::take(&mut admission.headers);
         self.reservation = admission.reservation.take();
         Ok(())
     }

@@ -4,9 +4,10 @@
 use std::time::Instant;
 
 use axum::body::Body;
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::Response;
 use bytes::Bytes;
+use chrono::SecondsFormat;
 use futures_util::StreamExt;
 use router::Lease;
 use serde_json::Value;
@@ -14,9 +15,12 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::{ms_since, settle, Call};
+use crate::budget::Admission;
 use crate::config::DisconnectPolicy;
 use crate::error::ApiError;
+use crate::headers;
 use crate::openai::{completion_text, usage_in_body, SseRewriter, StreamAssembler, Usage};
+use crate::types::price::Usd;
 use crate::upstream::{Target, TierPool, UpstreamResponse};
 use crate::usage::{UsageEvent, UsageSource};
 
@@ -61,12 +65,12 @@ pub(super) fn cache_hit(call: &mut Call, found: crate::cache::Found) -> Option<R
     };
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     headers.insert(
-        crate::cache::CACHE_HEADER,
+        crate::headers::CACHE,
         HeaderValue::from_static(found.status.header_value()),
     );
     for (name, value) in [
-        ("x-gateway-tier", entry.tier.as_str()),
-        ("x-gateway-served-model", entry.served_model.as_str()),
+        (crate::headers::TIER, entry.tier.as_str()),
+        (crate::headers::SERVED_MODEL, entry.served_model.as_str()),
     ] {
         if let Ok(v) = HeaderValue::from_str(value) {
             headers.insert(name, v);
@@ -74,8 +78,8 @@ pub(super) fn cache_hit(call: &mut Call, found: crate::cache::Found) -> Option<R
     }
     if let Some((cosine, probability)) = found.similarity {
         for (name, value) in [
-            ("x-gateway-cache-similarity", cosine),
-            ("x-gateway-cache-confidence", probability),
+            (crate::headers::CACHE_SIMILARITY, cosine),
+            (crate::headers::CACHE_CONFIDENCE, probability),
         ] {
             if let Ok(v) = HeaderValue::from_str(&format!("{value:.4}")) {
                 headers.insert(name, v);
@@ -86,17 +90,54 @@ pub(super) fn cache_hit(call: &mut Call, found: crate::cache::Found) -> Option<R
     Some(response)
 }
 
-fn gateway_headers(headers: &mut HeaderMap, pool: &TierPool, target: &Target, retries: u32) {
+/// What the budget step tells the client: the action taken, budgets past their warning, flag
+/// budgets exceeded, and the tightest budget's room and reset.
+pub(super) fn budget_headers(a: &Admission) -> Vec<(HeaderName, HeaderValue)> {
+    let mut out: Vec<(HeaderName, String)> = Vec::new();
+    if a.downgraded {
+        out.push((headers::BUDGET_ACTION, "downgraded".into()));
+    }
+    if let Some(m) = a.clamped_to {
+        out.push((headers::BUDGET_CLAMPED, m.to_string()));
+    }
+    for w in &a.warnings {
+        let value = format!("{} {:.0}% used", w.policy_id, w.used_percent);
+        out.push((headers::BUDGET_WARNING, value));
+    }
+    if !a.flagged.is_empty() {
+        out.push((headers::BUDGET_EXCEEDED, a.flagged.join(",")));
+    }
+    if let Some(t) = &a.tightest {
+        let policy = format!("{} {} {}", t.policy_id, t.scope.label(), t.window.as_str());
+        out.push((headers::BUDGET_POLICY, policy));
+        if let Some(tokens) = t.remaining_tokens {
+            out.push((headers::BUDGET_REMAINING_TOKENS, tokens.to_string()));
+        }
+        if let Some(m) = t.remaining_micros {
+            out.push((headers::BUDGET_REMAINING_USD, Usd(m).to_string()));
+        }
+        let reset = t.resets_at.to_rfc3339_opts(SecondsFormat::Secs, true);
+        out.push((headers::BUDGET_RESET, reset));
+    }
+    if a.fail_open {
+        out.push((headers::BUDGET_MODE, "fail-open".into()));
+    }
+    out.into_iter()
+        .filter_map(|(name, value)| Some((name, HeaderValue::from_str(&value).ok()?)))
+        .collect()
+}
+
+fn gateway_headers(out: &mut HeaderMap, pool: &TierPool, target: &Target, retries: u32) {
     for (name, value) in [
-        ("x-gateway-tier", pool.tier.as_str()),
-        ("x-gateway-replica", target.name.as_str()),
-        ("x-gateway-served-model", target.model.as_str()),
+        (headers::TIER, pool.tier.as_str()),
+        (headers::REPLICA, target.name.as_str()),
+        (headers::SERVED_MODEL, target.model.as_str()),
     ] {
         if let Ok(v) = HeaderValue::from_str(value) {
-            headers.insert(name, v);
+            out.insert(name, v);
         }
     }
-    headers.insert("x-gateway-retries", HeaderValue::from(retries));
+    out.insert(headers::RETRIES, HeaderValue::from(retries));
 }
 
 /// A whole (non-streamed) upstream answer: usage from the body or the tokenizer, cache fill,

@@ -14,6 +14,7 @@ use crate::error::ApiError;
 use crate::ledger::report::{self, Aggregate, Explanation, IsoWeek, ReportLine, WeeklyReport};
 use crate::routes::{ledger, week};
 use crate::state::AppState;
+use crate::types::price::Usd;
 
 /// The page may load nothing: inline styles and `data:` images only.
 pub const CSP: &str = "default-src 'none'; style-src 'unsafe-inline'; img-src data:";
@@ -88,9 +89,7 @@ fn url_encode(s: &str) -> String {
 
 /// Micro-dollars as exact USD with 6 decimals: `$1234.567890`, `-$0.000100`.
 pub fn usd(micros: i64) -> String {
-    let sign = if micros < 0 { "-" } else { "" };
-    let abs = micros.unsigned_abs();
-    format!("{sign}${}.{:06}", abs / 1_000_000, abs % 1_000_000)
+    format!("{:#}", Usd(micros))
 }
 
 /// A signed change in micro-dollars: `+$0.100000`, `-$0.100000`, `$0.000000`.

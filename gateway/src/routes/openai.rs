@@ -12,14 +12,12 @@ use axum::{Extension, Json};
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
+use crate::headers;
 use crate::openai::Endpoint;
 use crate::pipeline::{self, RequestContext};
 use crate::routes::read_body;
 use crate::state::AppState;
 use crate::store::ApiKey;
-
-/// Request header carrying attribution tags: `k=v` pairs separated by commas.
-pub const TAGS_HEADER: &str = "x-gateway-tags";
 
 /// `POST /v1/chat/completions`
 pub async fn chat_completions(
@@ -54,10 +52,15 @@ pub async fn embeddings(
 /// Parse `x-gateway-tags: feature=search, user=42`.
 fn request_tags(headers: &HeaderMap) -> Result<BTreeMap<String, String>, ApiError> {
     let mut tags = BTreeMap::new();
-    let Some(value) = headers.get(TAGS_HEADER) else {
+    let Some(value) = headers.get(headers::TAGS) else {
         return Ok(tags);
     };
-    let bad = || ApiError::invalid(TAGS_HEADER, "expected comma-separated key=value pairs");
+    let bad = || {
+        ApiError::invalid(
+            headers::TAGS.as_str(),
+            "expected comma-separated key=value pairs",
+        )
+    };
     let value = value.to_str().map_err(|_| bad())?;
     for pair in value.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').ok_or_else(bad)?;
@@ -79,7 +82,7 @@ async fn proxy(
 ) -> Response {
     let started = Instant::now();
     let request_id = headers
-        .get("x-request-id")
+        .get(headers::REQUEST_ID)
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
         .to_owned();
@@ -150,11 +153,11 @@ mod tests {
     #[test]
     fn tags_header_is_parsed_or_refused() {
         let mut h = HeaderMap::new();
-        h.insert(TAGS_HEADER, "feature=search, user = 42".parse().unwrap());
+        h.insert(headers::TAGS, "feature=search, user = 42".parse().unwrap());
         let t = request_tags(&h).unwrap();
         assert_eq!(t["feature"], "search");
         assert_eq!(t["user"], "42");
-        h.insert(TAGS_HEADER, "nonsense".parse().unwrap());
+        h.insert(headers::TAGS, "nonsense".parse().unwrap());
         assert!(request_tags(&h).is_err());
     }
 }

@@ -53,3 +53,30 @@ impl Price {
         input + output
     }
 }
+
+/// Micro-dollars shown as USD with all six decimals: `1.250000`, `-0.000001`; with `{:#}` the
+/// dollar sign too: `$1.250000`, `-$0.000001`. The one USD formatter of headers, errors, the
+/// dashboard and `gatewayctl`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usd(pub i64);
+
+impl std::fmt::Display for Usd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let sign = if self.0 < 0 { "-" } else { "" };
+        let dollar = if f.alternate() { "$" } else { "" };
+        let m = self.0.unsigned_abs();
+        write!(f, "{sign}{dollar}{}.{:06}", m / 1_000_000, m % 1_000_000)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Usd;
+
+    #[test]
+    fn usd_shows_every_micro_dollar_and_the_sign_first() {
+        assert_eq!(Usd(1_250_000).to_string(), "1.250000");
+        assert_eq!(format!("{:#}", Usd(-1)), "-$0.000001");
+        assert_eq!(format!("{:#}", Usd(i64::MIN)), "-$9223372036854.775808");
+    }
+}

@@ -552,23 +552,38 @@ impl Drop for PrivatePostgres {
     }
 }
 
-/// A synthetic ledger row: a billed (cache miss) small- or large-tier chat request of `tenant`
-/// on `model`, costed at `in_price`/`out_price` micro-dollars per token, tagged
+/// What a synthetic ledger row bills: `prompt` and `completion` tokens of `tenant` on `model` at
+/// `at`, costed at `in_price`/`out_price` micro-dollars per token.
+#[derive(Debug, Clone, Copy)]
+pub struct Billed<'a> {
+    /// Tenant name (its id and key id derive from it).
+    pub tenant: &'a str,
+    /// Requested and served model; a name ending in `large` is on the large tier.
+    pub model: &'a str,
+    /// When the request started.
+    pub at: chrono::DateTime<chrono::Utc>,
+    /// Prompt tokens.
+    pub prompt: u64,
+    /// Completion tokens.
+    pub completion: u64,
+    /// Micro-dollars per prompt token.
+    pub in_price: i64,
+    /// Micro-dollars per completion token.
+    pub out_price: i64,
+}
+
+/// A synthetic ledger row: a billed (cache miss) small- or large-tier chat request, tagged
 /// `feature=<tenant>-app`. Tests edit the fields they care about (see [`into_cache_hit`]).
-#[expect(
-    clippy::too_many_arguments,
-    reason = "a test fixture spelled out at each call"
-)]
-pub fn ledger_event(
-    request_id: String,
-    tenant: &str,
-    model: &str,
-    at: chrono::DateTime<chrono::Utc>,
-    prompt: u64,
-    completion: u64,
-    in_price: i64,
-    out_price: i64,
-) -> gateway::usage::UsageEvent {
+pub fn ledger_event(request_id: String, billed: Billed<'_>) -> gateway::usage::UsageEvent {
+    let Billed {
+        tenant,
+        model,
+        at,
+        prompt,
+        completion,
+        in_price,
+        out_price,
+    } = billed;
     use gateway::usage::{CacheStatus, UsageSource};
     let output = completion as i64 * out_price;
     gateway::usage::UsageEvent {

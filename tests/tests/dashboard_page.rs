@@ -30,7 +30,16 @@ fn event(
         (1, 4)
     };
     let id = format!("dash-{i}-{}", at.timestamp_micros());
-    let mut e = e2e::ledger_event(id, tenant, model, at, prompt, 100, in_price, out_price);
+    let billed = e2e::Billed {
+        tenant,
+        model,
+        at,
+        prompt,
+        completion: 100,
+        in_price,
+        out_price,
+    };
+    let mut e = e2e::ledger_event(id, billed);
     e.tenant_id = format!("ten_{i}");
     e.tags.insert("feature".to_owned(), "dash".to_owned());
     e.status = if i % 17 == 1 { 500 } else { 200 };

@@ -974,7 +974,16 @@ const THIS_WEEK: IsoWeek = IsoWeek {
 
 /// One billed small-tier chat request of `tenant`, tagged `feature=<tenant>-chat`.
 fn event(n: usize, tenant: &str, at: DateTime<Utc>, cost_micros: i64) -> UsageEvent {
-    let mut e = e2e::ledger_event(format!("req-{n}"), tenant, "m-small", at, 1_000, 100, 0, 0);
+    let billed = e2e::Billed {
+        tenant,
+        model: "m-small",
+        at,
+        prompt: 1_000,
+        completion: 100,
+        in_price: 0,
+        out_price: 0,
+    };
+    let mut e = e2e::ledger_event(format!("req-{n}"), billed);
     e.tags
         .insert("feature".to_owned(), format!("{tenant}-chat"));
     e.cost_micros = cost_micros;

@@ -32,15 +32,18 @@ struct Row<'a> {
 }
 
 fn event(i: usize, r: &Row) -> UsageEvent {
+    let billed = e2e::Billed {
+        tenant: r.tenant,
+        model: r.model,
+        at: r.at,
+        prompt: r.prompt,
+        completion: r.completion,
+        in_price: r.in_price,
+        out_price: r.out_price,
+    };
     let mut e = e2e::ledger_event(
         format!("{}-{i}-{}", r.tenant, r.at.timestamp_micros()),
-        r.tenant,
-        r.model,
-        r.at,
-        r.prompt,
-        r.completion,
-        r.in_price,
-        r.out_price,
+        billed,
     );
     e.tags.insert("session".to_owned(), r.session.to_owned());
     e.loop_flag = r.looped;

@@ -127,7 +127,6 @@ pub async fn serve(
         .with_graceful_shutdown(shutdown)
         .await
         .context("HTTP server failed")?;
-    state.shutdown.cancel();
     state.tasks.close();
     let grace = Duration::from_secs(state.config.server.shutdown_grace_secs);
     if tokio::time::timeout(grace, state.tasks.wait())
@@ -139,9 +138,15 @@ pub async fn serve(
             "shutdown grace expired with requests still settling"
         );
     }
-    // Every request task has settled (or the grace ran out): their budget commits go out, then
-    // the ledger is flushed last.
+    // Every request task has settled (or the grace ran out): their budget commits go out, the
+    // components' loops stop, then the ledger is flushed last.
     state.budgets.flush(grace).await;
+    if !state.background.stop(grace).await {
+        tracing::warn!(
+            running = state.background.running(),
+            "shutdown grace expired with background loops still running"
+        );
+    }
     let writer = state.ledger_writer.lock().ok().and_then(|mut w| w.take());
     if let Some(writer) = writer {
         writer.shutdown().await;

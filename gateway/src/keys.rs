@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use rand::distr::{Alphanumeric, SampleString};
@@ -15,6 +16,7 @@ use sha2::{Digest, Sha256};
 
 use crate::error::ApiError;
 use crate::store::{ApiKey, Store, StoreError};
+use crate::tasks::Background;
 
 /// Prefix of every tenant API key.
 pub const KEY_PREFIX: &str = "sk-gw-";
@@ -74,6 +76,15 @@ impl Authenticator {
         };
         auth.refresh().await?;
         Ok(auth)
+    }
+
+    /// Reload the snapshot every `every` until `background` stops (revocation latency).
+    pub fn start(self: &Arc<Self>, background: &Background, every: Duration) {
+        let auth = Arc::clone(self);
+        background.every("keys", every, move || {
+            let auth = Arc::clone(&auth);
+            async move { auth.refresh().await }
+        });
     }
 
     /// Replace the snapshot with the store's live keys.

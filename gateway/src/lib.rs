@@ -32,6 +32,7 @@ pub mod routes;
 pub mod simulator;
 pub mod state;
 pub mod store;
+pub mod tasks;
 pub mod telemetry;
 pub mod tokens;
 pub mod types;

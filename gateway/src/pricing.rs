@@ -15,6 +15,7 @@ use chrono::{DateTime, Utc};
 
 use crate::config::PriceConfig;
 use crate::store::{Store, StoreError};
+use crate::tasks::Background;
 use crate::types::Usage;
 
 pub use crate::types::price::{usd_to_micros, MicrosPerMtok, Price};
@@ -118,6 +119,15 @@ impl Prices {
         };
         prices.refresh().await?;
         Ok(prices)
+    }
+
+    /// Reload the book every `every` until `background` stops.
+    pub fn start(self: &Arc<Self>, background: &Background, every: std::time::Duration) {
+        let prices = Arc::clone(self);
+        background.every("prices", every, move || {
+            let prices = Arc::clone(&prices);
+            async move { prices.refresh().await }
+        });
     }
 
     /// Reload the book from the store.

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
@@ -18,6 +17,7 @@ use crate::ledger::LedgerStore;
 use crate::metrics::Metrics;
 use crate::pricing::Prices;
 use crate::store::{self, Store};
+use crate::tasks::Background;
 use crate::upstream::Upstreams;
 use crate::usage::{LogSink, SharedSink};
 
@@ -51,8 +51,8 @@ pub struct Inner {
     pub(crate) ledger_writer: std::sync::Mutex<Option<LedgerWriter>>,
     /// Pipelines and stream drivers, awaited on shutdown so no usage is lost.
     pub tasks: TaskTracker,
-    /// Fired when the server shuts down (stops background loops).
-    pub shutdown: CancellationToken,
+    /// The components' loops, stopped on shutdown once the requests have settled.
+    pub background: Background,
 }
 
 impl std::fmt::Debug for AppState {
@@ -146,65 +146,23 @@ impl AppState {
             .await
             .context("starting budgets")?,
         );
-        tokio::spawn(Arc::clone(&budgets).run_commits());
-        tokio::spawn(Arc::clone(&budgets).run_leases());
-        let shutdown = CancellationToken::new();
-        let every = Duration::from_millis(config.store.key_refresh_ms);
-        let b = Arc::clone(&budgets);
-        tokio::spawn(store::refresh_every(
-            "budget policies",
-            every,
-            shutdown.clone(),
-            move || {
-                let b = Arc::clone(&b);
-                async move { b.refresh().await }
-            },
-        ));
-        let b = Arc::clone(&budgets);
-        let stop = shutdown.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(500));
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tick.tick() => b.replay_backlog().await,
-                }
-            }
-        });
+        let background = Background::new();
         let cache = Arc::new(
-            crate::cache::Cache::new(config.cache.clone(), Arc::clone(&store), metrics.clone())
-                .await
-                .context("starting the cache")?,
+            crate::cache::Cache::new(
+                config.cache.clone(),
+                Arc::clone(&store),
+                metrics.clone(),
+                &background,
+            )
+            .await
+            .context("starting the cache")?,
         );
-        let c = Arc::clone(&cache);
-        tokio::spawn(store::refresh_every(
-            "cache policies",
-            every,
-            shutdown.clone(),
-            move || {
-                let c = Arc::clone(&c);
-                async move { c.refresh().await }
-            },
-        ));
-        let (a, p) = (Arc::clone(&auth), Arc::clone(&prices));
-        tokio::spawn(store::refresh_every(
-            "keys",
-            every,
-            shutdown.clone(),
-            move || {
-                let a = Arc::clone(&a);
-                async move { a.refresh().await }
-            },
-        ));
-        tokio::spawn(store::refresh_every(
-            "prices",
-            every,
-            shutdown.clone(),
-            move || {
-                let p = Arc::clone(&p);
-                async move { p.refresh().await }
-            },
-        ));
+        // Everything is built: the components start their loops (stopped by `serve`).
+        let every = Duration::from_millis(config.store.key_refresh_ms);
+        auth.start(&background, every);
+        prices.start(&background, every);
+        budgets.start(&background, every);
+        cache.start(&background, every);
         Ok(Self(Arc::new(Inner {
             config,
             store,
@@ -218,7 +176,7 @@ impl AppState {
             ledger,
             ledger_writer: std::sync::Mutex::new(ledger_writer),
             tasks: TaskTracker::new(),
-            shutdown,
+            background,
         })))
     }
 }

@@ -709,3 +709,33 @@ async fn probes_answer_without_a_key() {
     assert_eq!(r["ready"], true);
     assert_eq!(r["store"], true);
 }
+
+#[tokio::test]
+async fn stopping_the_server_ends_every_background_loop_of_its_components() {
+    for budgets in e2e::BUDGET_STORES {
+        let sim = Sim::zero("sim-small").await;
+        let mut c = config(
+            vec![replica("s", &sim.url, "sim-small")],
+            vec![replica("l", &sim.url, "sim-small")],
+        );
+        c.budgets = budgets.config();
+        if budgets == e2e::BudgetKind::Redis {
+            c.cache.redis_urls = vec![e2e::redis_url()];
+        }
+        let app = TestApp::spawn(c, StoreKind::Sqlite).await;
+        let body = json!({"model": "fast", "temperature": 0,
+            "messages": [{"role": "user", "content": "background loops"}]});
+        assert_eq!(app.chat(body).await.status(), 200);
+        let state = app.state.clone();
+        assert!(
+            state.background.running() >= 4,
+            "refreshers and commit loop run"
+        );
+        app.stop().await;
+        assert_eq!(
+            state.background.running(),
+            0,
+            "{budgets:?}: every loop ended"
+        );
+    }
+}

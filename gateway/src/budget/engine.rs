@@ -30,6 +30,8 @@ use crate::config::{BudgetConfig, BudgetStoreKind};
 use crate::ledger::LedgerStore;
 use crate::metrics::Metrics;
 use crate::store::{ApiKey, Store, StoreError};
+use crate::tasks::Background;
+use tokio_util::sync::CancellationToken;
 
 /// How long a counter outlives its window (so `gatewayctl usage` can still read a window that
 /// just ended), ms.
@@ -571,18 +573,42 @@ impl Budgets {
         admission
     }
 
-    /// Settle leases with the shared store every quarter lease period: what their requests
-    /// spent, and what they give back. Runs for the life of the process.
-    pub async fn run_leases(self: Arc<Self>) {
-        let Some(leases) = &self.leases else {
-            return;
-        };
-        let mut tick = tokio::time::interval(Duration::from_millis(leases.tick_ms()));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            self.settle_leases(false).await;
+    /// Start the engine's loops on `background`: batched commits, lease settlement, replay of
+    /// the commit backlog, and the policy refresh every `every`. They end when it stops
+    /// ([`Budgets::flush`] first, so what they hold goes out).
+    pub fn start(self: &Arc<Self>, background: &Background, every: Duration) {
+        let stop = background.stopping().clone();
+        background.spawn(Arc::clone(self).run_commits(stop.clone()));
+        if let Some(leases) = &self.leases {
+            let b = Arc::clone(self);
+            let period = Duration::from_millis(leases.tick_ms());
+            background.every("budget leases", period, move || {
+                let b = Arc::clone(&b);
+                async move {
+                    b.settle_leases(false).await;
+                    Ok::<(), std::convert::Infallible>(())
+                }
+            });
         }
+        if self.shared {
+            let b = Arc::clone(self);
+            background.every(
+                "budget commit replay",
+                Duration::from_millis(500),
+                move || {
+                    let b = Arc::clone(&b);
+                    async move {
+                        b.replay_backlog().await;
+                        Ok::<(), std::convert::Infallible>(())
+                    }
+                },
+            );
+        }
+        let b = Arc::clone(self);
+        background.every("budget policies", every, move || {
+            let b = Arc::clone(&b);
+            async move { b.refresh().await }
+        });
     }
 
     async fn settle_leases(&self, all: bool) {
@@ -893,8 +919,8 @@ impl Budgets {
 
     /// Send commits to the shared store in batches: one script call per tenant for whatever
     /// accumulated while the previous batch was in flight (under load, many requests per round
-    /// trip; at low load, one). Runs for the life of the process.
-    pub async fn run_commits(self: Arc<Self>) {
+    /// trip; at low load, one). Ends when `stop` fires, after sending what is queued.
+    async fn run_commits(self: Arc<Self>, stop: CancellationToken) {
         let Some(mut rx) = self
             .commits_rx
             .lock()
@@ -903,7 +929,14 @@ impl Budgets {
         else {
             return;
         };
-        while let Some(first) = rx.recv().await {
+        loop {
+            let first = tokio::select! {
+                first = rx.recv() => first,
+                _ = stop.cancelled() => rx.try_recv().ok(),
+            };
+            let Some(first) = first else {
+                return;
+            };
             let mut batch = vec![first];
             while batch.len() < COMMIT_BATCH {
                 match rx.try_recv() {

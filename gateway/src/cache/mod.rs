@@ -32,6 +32,7 @@ use crate::config::CacheConfig;
 use crate::metrics::Metrics;
 use crate::openai::{Endpoint, ParsedRequest, Usage};
 use crate::store::{Store, StoreError};
+use crate::tasks::Background;
 use crate::usage::CacheStatus;
 
 pub use crate::types::cache::{CacheMode, CachePolicy};
@@ -225,6 +226,7 @@ impl Cache {
         config: CacheConfig,
         store: Arc<dyn Store>,
         metrics: Metrics,
+        background: &Background,
     ) -> anyhow::Result<Self> {
         let exact = moka::sync::Cache::builder()
             .max_capacity(config.max_bytes)
@@ -242,6 +244,7 @@ impl Cache {
                 config.redis_urls.clone(),
                 Duration::from_millis(config.redis_timeout_ms),
                 metrics.clone(),
+                background.clone(),
             )?)
         };
         let cache = Self {
@@ -255,6 +258,15 @@ impl Cache {
         };
         cache.refresh().await?;
         Ok(cache)
+    }
+
+    /// Reload the policies every `every` until `background` stops.
+    pub fn start(self: &Arc<Self>, background: &Background, every: Duration) {
+        let cache = Arc::clone(self);
+        background.every("cache policies", every, move || {
+            let cache = Arc::clone(&cache);
+            async move { cache.refresh().await }
+        });
     }
 
     /// Reload every tenant's policy (called every `store.key_refresh_ms`).

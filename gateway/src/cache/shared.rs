@@ -18,6 +18,7 @@ use super::Entry;
 use crate::metrics::Metrics;
 use crate::openai::Usage;
 use crate::redis_conn::RedisConn;
+use crate::tasks::Background;
 
 /// How long Redis is skipped after a failed call, ms.
 const BACKOFF_MS: i64 = 1000;
@@ -37,6 +38,8 @@ pub struct Shared {
     redis: Arc<RedisConn>,
     skip_until_ms: Arc<AtomicI64>,
     metrics: Metrics,
+    /// Where writes run (they do not hold up the answer).
+    background: Background,
 }
 
 fn now_ms() -> i64 {
@@ -49,12 +52,18 @@ fn redis_key(tenant_id: &str, key: u128) -> String {
 
 impl Shared {
     /// Answers in Redis at `urls` (one: a node; several: cluster seeds), calls bounded by
-    /// `timeout`.
-    pub fn new(urls: Vec<String>, timeout: Duration, metrics: Metrics) -> anyhow::Result<Self> {
+    /// `timeout`; writes run on `background`.
+    pub fn new(
+        urls: Vec<String>,
+        timeout: Duration,
+        metrics: Metrics,
+        background: Background,
+    ) -> anyhow::Result<Self> {
         Ok(Self {
             redis: Arc::new(RedisConn::new(urls, timeout)?),
             skip_until_ms: Arc::new(AtomicI64::new(0)),
             metrics,
+            background,
         })
     }
 
@@ -139,7 +148,7 @@ impl Shared {
             Arc::clone(&self.skip_until_ms),
             self.metrics.clone(),
         );
-        tokio::spawn(async move {
+        self.background.spawn(async move {
             let call = async {
                 let mut conn = redis.get().await?;
                 redis::cmd("SET")

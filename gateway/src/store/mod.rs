@@ -170,31 +170,6 @@ pub struct NewBudget {
     pub warn_percent: Option<u8>,
 }
 
-/// Run `refresh` every `every` until `shutdown` (the per-replica snapshots of keys and prices).
-/// A failure is logged and retried at the next tick; the last good snapshot stays in force.
-pub async fn refresh_every<F, Fut>(
-    what: &'static str,
-    every: std::time::Duration,
-    shutdown: tokio_util::sync::CancellationToken,
-    mut refresh: F,
-) where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<(), StoreError>>,
-{
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tick.tick() => {
-                if let Err(e) = refresh().await {
-                    tracing::warn!(error = %e, what, "refresh failed; keeping the last snapshot");
-                }
-            }
-        }
-    }
-}
-
 /// Open the store named by `url` (`sqlite://…` or `postgres://…`). SQLite is created and
 /// migrated here; Postgres must have been migrated with `gateway migrate` (checked here).
 pub async fn open(url: &str) -> Result<Arc<dyn Store>, StoreError> {

@@ -1,4 +1,4 @@
-//! Text-side primitives shared by the gateway's router, cache and simulator.
+//! Embedding models, the vector index and the learned models of the gateway's cache.
 //!
 //! - [`bert`]: the transformer sentence embedder (all-MiniLM-L6-v2 on the CPU, with candle).
 //! - `cuda` (feature `cuda`): the transformer, the static table and the vector index on an
@@ -10,10 +10,6 @@
 //! - [`learn`]: the learners it is built from (trees, logistic regression, PCA, grouped folds).
 //! - [`semantic`]: the semantic cache's decision (nearest stored questions, then the verifier).
 //! - [`static_embed`]: the static embedding table distilled from the transformer (microseconds).
-//! - [`prefix`]: prefix block hashing. The gateway cannot see a model server's KV cache, but it
-//!   can describe a prompt as a chain of hashes of fixed-size token blocks, the same way the
-//!   servers key their prefix caches. Two prompts that share their first `k` blocks share their
-//!   first `k` hashes, so a replica that recently saw a hash likely still holds that prefix.
 //!
 //! No HTTP, no storage: a pure library.
 
@@ -23,9 +19,7 @@ pub mod cuda;
 pub mod eval;
 pub mod index;
 pub mod learn;
-pub mod prefix;
 pub mod semantic;
 pub mod static_embed;
 pub mod verifier;
 
-pub use prefix::{prefix_block_hashes, PrefixLru};

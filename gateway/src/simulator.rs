@@ -19,7 +19,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
-use embedder::{prefix_block_hashes, PrefixLru};
+use router::{prefix_block_hashes, PrefixLru};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;

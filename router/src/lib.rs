@@ -5,7 +5,16 @@
 //! passive health checking can take failing replicas out for a cooldown.
 //!
 //! Time is always passed in by the caller (`now: Instant`) so behaviour is testable without sleeps.
+//!
+//! - [`replica`]: replica choice (least in flight, under max concurrency) and passive health.
+//! - [`prefix`]: prefix block hashing. The gateway cannot see a model server's KV cache, but it
+//!   can describe a prompt as a chain of hashes of fixed-size token blocks, the same way the
+//!   servers key their prefix caches. Two prompts that share their first `k` blocks share their
+//!   first `k` hashes, so a replica that recently saw a hash likely still holds that prefix
+//!   (prefix-affinity routing builds on it; the simulator's prefix cache uses it today).
 
+pub mod prefix;
 pub mod replica;
 
+pub use prefix::{prefix_block_hashes, PrefixLru};
 pub use replica::{HealthPolicy, Lease, Replica, ReplicaSet, ReplicaSnapshot};

@@ -1,0 +1,413 @@
+//! Request bodies: typed views of the known fields, checked with the failing field named, over
+//! the JSON object that is forwarded (unknown fields untouched); token estimates and the
+//! canonical fingerprint.
+
+use bytes::Bytes;
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use super::{from_value, json_object, Endpoint};
+use crate::error::ApiError;
+use crate::tokens::Tokenizer;
+
+#[derive(Deserialize)]
+struct CommonView<'a> {
+    model: &'a str,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptionsView>,
+    #[serde(default)]
+    max_tokens: Option<u32>,
+    #[serde(default)]
+    max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    n: Option<u32>,
+}
+
+#[derive(Deserialize)]
+struct StreamOptionsView {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[expect(dead_code, reason = "fields are parsed only to validate their types")]
+struct MessageView<'a> {
+    role: Role,
+    #[serde(default, borrow)]
+    content: Option<ContentView<'a>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Role {
+    System,
+    Developer,
+    User,
+    Assistant,
+    Tool,
+    Function,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+#[expect(dead_code, reason = "parsed only to validate the shape")]
+enum ContentView<'a> {
+    Text(&'a str),
+    Parts(Vec<PartView<'a>>),
+}
+
+/// One content part: an object with a `type`.
+#[derive(Deserialize)]
+#[expect(dead_code, reason = "parsed only to validate the shape")]
+struct PartView<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+}
+
+#[derive(Deserialize)]
+struct ChatView<'a> {
+    #[serde(borrow)]
+    messages: Vec<MessageView<'a>>,
+}
+
+/// A prompt or embedding input: a string, strings, token ids, or arrays of token ids.
+#[derive(Deserialize)]
+#[serde(untagged)]
+#[expect(dead_code, reason = "parsed only to validate the shape")]
+enum PromptView<'a> {
+    Text(&'a str),
+    Texts(Vec<&'a str>),
+    Tokens(Vec<u32>),
+    TokenBatches(Vec<Vec<u32>>),
+}
+
+#[derive(Deserialize)]
+#[expect(dead_code, reason = "parsed only to validate the shape")]
+struct CompletionView<'a> {
+    #[serde(borrow)]
+    prompt: PromptView<'a>,
+}
+
+#[derive(Deserialize)]
+#[expect(dead_code, reason = "parsed only to validate the shape")]
+struct EmbeddingView<'a> {
+    #[serde(borrow)]
+    input: PromptView<'a>,
+}
+
+/// A validated request, ready to forward.
+#[derive(Debug, Clone)]
+pub struct ParsedRequest {
+    /// Which endpoint.
+    pub endpoint: Endpoint,
+    /// The body as received (unknown fields included); `model` is rewritten per upstream.
+    pub body: Map<String, Value>,
+    /// Client-facing model name.
+    pub model: String,
+    /// Whether the client asked for SSE.
+    pub stream: bool,
+    /// Whether the client itself asked for the usage chunk.
+    pub client_wants_usage: bool,
+    /// `max_completion_tokens` or `max_tokens`, if given.
+    pub max_tokens: Option<u32>,
+    /// The last upstream encoding: (upstream model, body bytes).
+    encoded: Option<(String, Bytes)>,
+}
+
+impl ParsedRequest {
+    /// Parse and validate a body for `endpoint`.
+    pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Self, ApiError> {
+        let body = json_object(body)?;
+        let value = Value::Object(body);
+        if value.get("model").is_none() {
+            return Err(ApiError::invalid("model", "missing required field `model`"));
+        }
+        let common: CommonView = from_value(&value)?;
+        if common.model.is_empty() {
+            return Err(ApiError::invalid("model", "`model` must not be empty"));
+        }
+        if common.n == Some(0) {
+            return Err(ApiError::invalid("n", "`n` must be at least 1"));
+        }
+        match endpoint {
+            Endpoint::Chat => {
+                if value.get("messages").is_none() {
+                    return Err(ApiError::invalid(
+                        "messages",
+                        "missing required field `messages`",
+                    ));
+                }
+                let chat: ChatView = from_value(&value)?;
+                if chat.messages.is_empty() {
+                    return Err(ApiError::invalid(
+                        "messages",
+                        "`messages` must not be empty",
+                    ));
+                }
+            }
+            Endpoint::Completions => {
+                if value.get("prompt").is_none() {
+                    return Err(ApiError::invalid(
+                        "prompt",
+                        "missing required field `prompt`",
+                    ));
+                }
+                let _: CompletionView = from_value(&value)?;
+            }
+            Endpoint::Embeddings => {
+                if value.get("input").is_none() {
+                    return Err(ApiError::invalid("input", "missing required field `input`"));
+                }
+                let _: EmbeddingView = from_value(&value)?;
+                if common.stream == Some(true) {
+                    return Err(ApiError::invalid("stream", "embeddings cannot be streamed"));
+                }
+            }
+        }
+        let model = common.model.to_owned();
+        let stream = common.stream.unwrap_or(false);
+        let client_wants_usage = common
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
+        let max_tokens = common.max_completion_tokens.or(common.max_tokens);
+        let Value::Object(mut body) = value else {
+            unreachable!("constructed from an object above")
+        };
+        if stream {
+            // Always learn usage from the upstream; the client's choice is applied on the way back.
+            let options = body
+                .entry("stream_options")
+                .or_insert_with(|| Value::Object(Map::new()));
+            if !options.is_object() {
+                *options = Value::Object(Map::new());
+            }
+            if let Value::Object(o) = options {
+                o.insert("include_usage".into(), Value::Bool(true));
+            }
+        }
+        Ok(Self {
+            endpoint,
+            model,
+            stream,
+            client_wants_usage,
+            max_tokens,
+            body,
+            encoded: None,
+        })
+    }
+
+    /// The body to send upstream: the client's body with `model` replaced by the upstream's name
+    /// (and, for streams, `stream_options.include_usage` on). Encoded once per upstream model, so
+    /// a retry on a replica of the same model reuses the bytes.
+    pub fn upstream_body(&mut self, upstream_model: &str) -> Bytes {
+        if let Some((model, bytes)) = &self.encoded {
+            if model == upstream_model {
+                return bytes.clone();
+            }
+        }
+        self.body
+            .insert("model".into(), Value::String(upstream_model.to_owned()));
+        let bytes = Bytes::from(serde_json::to_vec(&self.body).unwrap_or_default());
+        self.encoded = Some((upstream_model.to_owned(), bytes.clone()));
+        bytes
+    }
+
+    /// Bound the completion length: write `max_tokens` into the field(s) the client used
+    /// (`max_completion_tokens` and/or `max_tokens`; `max_tokens` when it used neither).
+    pub fn set_max_tokens(&mut self, max_tokens: u64) {
+        let mut wrote = false;
+        for field in ["max_completion_tokens", "max_tokens"] {
+            if let Some(v) = self.body.get_mut(field) {
+                *v = Value::from(max_tokens);
+                wrote = true;
+            }
+        }
+        if !wrote {
+            self.body
+                .insert("max_tokens".into(), Value::from(max_tokens));
+        }
+        self.max_tokens = Some(u32::try_from(max_tokens).unwrap_or(u32::MAX));
+        self.encoded = None;
+    }
+
+    /// How many completions one request generates (`n`, or `best_of` for completions).
+    pub fn choices(&self) -> u64 {
+        ["n", "best_of"]
+            .iter()
+            .filter_map(|f| self.body.get(*f).and_then(Value::as_u64))
+            .max()
+            .unwrap_or(1)
+            .max(1)
+    }
+
+    /// Fingerprint of the request: the body with `model` as the client named it, minus the fields
+    /// that do not change the answer (`stream`, `stream_options`, `user`), keys in sorted order.
+    pub fn fingerprint(&self) -> String {
+        let mut canonical = self.body.clone();
+        for k in ["stream", "stream_options", "user"] {
+            canonical.remove(k);
+        }
+        canonical.insert("model".into(), Value::String(self.model.clone()));
+        canonical.insert(
+            "endpoint".into(),
+            Value::String(self.endpoint.label().into()),
+        );
+        let mut canonical = Value::Object(canonical);
+        canonical_numbers(&mut canonical);
+        fingerprint_bytes(&serde_json::to_vec(&canonical).unwrap_or_default())
+    }
+
+    /// The request's `user` field (OpenAI's end-user id), if any.
+    pub fn end_user(&self) -> Option<&str> {
+        self.body.get("user").and_then(Value::as_str)
+    }
+
+    /// Prompt tokens as the gateway counts them (when the upstream reports none).
+    pub fn count_prompt_tokens(&self, tokenizer: &Tokenizer) -> u64 {
+        let n = match self.endpoint {
+            Endpoint::Chat => match self.body.get("messages") {
+                Some(Value::Array(messages)) => tokenizer.count_chat(messages),
+                _ => 0,
+            },
+            Endpoint::Completions => self
+                .body
+                .get("prompt")
+                .map_or(0, |p| count_input(p, tokenizer)),
+            Endpoint::Embeddings => self
+                .body
+                .get("input")
+                .map_or(0, |p| count_input(p, tokenizer)),
+        };
+        n as u64
+    }
+}
+
+/// Write whole-valued floats as integers (`0.0` → `0`), so equal requests hash equally whatever
+/// the client's JSON encoder does with numbers.
+pub fn canonical_numbers(v: &mut Value) {
+    match v {
+        Value::Number(n) => {
+            if let Some(f) = n.as_f64().filter(|f| n.is_f64() && f.fract() == 0.0) {
+                if f.abs() < 9.0e15 {
+                    #[expect(
+                        clippy::cast_possible_truncation,
+                        reason = "checked whole and in range"
+                    )]
+                    let i = f as i64;
+                    *v = Value::from(i);
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(canonical_numbers),
+        Value::Object(map) => map.values_mut().for_each(canonical_numbers),
+        _ => {}
+    }
+}
+
+fn count_input(input: &Value, tokenizer: &Tokenizer) -> usize {
+    match input {
+        Value::String(s) => tokenizer.count(s),
+        Value::Array(items) => items
+            .iter()
+            .map(|i| match i {
+                Value::String(s) => tokenizer.count(s),
+                Value::Number(_) => 1,
+                Value::Array(tokens) => tokens.len(),
+                _ => 0,
+            })
+            .sum(),
+        _ => 0,
+    }
+}
+
+/// First 32 hex digits of SHA-256 of `bytes`.
+pub fn fingerprint_bytes(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(bytes);
+    hex::encode(&digest[..16])
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "tests")]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(endpoint: Endpoint, v: Value) -> Result<ParsedRequest, ApiError> {
+        ParsedRequest::parse(endpoint, v.to_string().as_bytes())
+    }
+
+    #[test]
+    fn invalid_fields_are_named() {
+        let e = parse(
+            Endpoint::Chat,
+            json!({"model": "m", "messages": [{"content": "x"}]}),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&e, ApiError::InvalidRequest { param: Some(p), .. } if p == "messages[0]"),
+            "{e:?}"
+        );
+        let e = parse(
+            Endpoint::Chat,
+            json!({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&e, ApiError::InvalidRequest { param: Some(p), .. } if p == "messages[0].role"),
+            "{e:?}"
+        );
+        let e = parse(Endpoint::Chat, json!({"messages": []})).unwrap_err();
+        assert!(matches!(&e, ApiError::InvalidRequest { param: Some(p), .. } if p == "model"));
+        let e = parse(
+            Endpoint::Chat,
+            json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}),
+        )
+        .unwrap_err();
+        assert!(matches!(&e, ApiError::InvalidRequest { param: Some(p), .. } if p == "max_tokens"));
+        let e = ParsedRequest::parse(Endpoint::Chat, b"{not json").unwrap_err();
+        assert!(matches!(e, ApiError::InvalidJson(_)));
+        let e = parse(Endpoint::Embeddings, json!({"model": "m"})).unwrap_err();
+        assert!(matches!(&e, ApiError::InvalidRequest { param: Some(p), .. } if p == "input"));
+    }
+
+    #[test]
+    fn unknown_fields_survive_and_usage_is_requested_for_streams() {
+        let mut r = parse(
+            Endpoint::Chat,
+            json!({"model": "fast", "messages": [{"role": "user", "content": "hi"}],
+                   "stream": true, "stream_options": {"other": 1}, "brand_new_param": {"x": [1, 2]}}),
+        )
+        .unwrap();
+        assert!(r.stream && !r.client_wants_usage);
+        let up: Value = serde_json::from_slice(&r.upstream_body("real-model")).unwrap();
+        assert_eq!(up["model"], "real-model");
+        assert_eq!(up["brand_new_param"], json!({"x": [1, 2]}));
+        assert_eq!(
+            up["stream_options"],
+            json!({"other": 1, "include_usage": true})
+        );
+    }
+
+    #[test]
+    fn fingerprints_ignore_key_order_and_delivery_fields_but_not_content() {
+        let a = parse(
+            Endpoint::Chat,
+            json!({"model": "fast", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .unwrap();
+        let body = r#"{"messages":[{"content":"hi","role":"user"}],"stream":true,"user":"u1","temperature":0.0,"model":"fast"}"#;
+        let b = ParsedRequest::parse(Endpoint::Chat, body.as_bytes()).unwrap();
+        assert_eq!(a.fingerprint(), b.fingerprint());
+        let c = parse(
+            Endpoint::Chat,
+            json!({"model": "fast", "temperature": 0, "messages": [{"role": "user", "content": "hi!"}]}),
+        )
+        .unwrap();
+        assert_ne!(a.fingerprint(), c.fingerprint());
+        assert_eq!(b.end_user(), Some("u1"));
+    }
+}

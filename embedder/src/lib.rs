@@ -22,4 +22,3 @@ pub mod learn;
 pub mod semantic;
 pub mod static_embed;
 pub mod verifier;
-

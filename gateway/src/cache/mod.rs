@@ -19,6 +19,7 @@
 
 pub mod semantic;
 pub mod shared;
+pub mod tools;
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -25,6 +25,8 @@ use serde_json::Value;
 use sqlx::Connection;
 use tokio::sync::{mpsc, oneshot};
 
+pub mod grafana;
+
 /// The admin token every test gateway uses.
 pub const ADMIN_TOKEN: &str = "test-admin-token";
 
@@ -433,6 +435,43 @@ impl TestApp {
             server.await.expect("server task").expect("server result");
         }
     }
+}
+
+/// Poll `condition` (every 20 ms) until it gives `Some(value)`, and return the value; fail the
+/// test naming `what` when `timeout` passes first. The one way tests wait for something that
+/// happens in the background (a refresh, a flush, a process starting) instead of sleeping.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut condition: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(value) = condition().await {
+            return value;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not within {timeout:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Wait (up to 20 s) until the gateway process `child` answers `GET {base}/healthz`; fail at
+/// once if it exits.
+pub async fn until_healthy(base: &str, child: &mut tokio::process::Child) {
+    eventually(
+        "the gateway answers /healthz",
+        Duration::from_secs(20),
+        || {
+            let exited = child.try_wait().ok().flatten();
+            assert!(exited.is_none(), "the gateway exited: {exited:?}");
+            let url = format!("{base}/healthz");
+            async move { reqwest::get(url).await.ok().map(|_| ()) }
+        },
+    )
+    .await;
 }
 
 /// A user message body for `model`.

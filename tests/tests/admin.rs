@@ -2,7 +2,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use e2e::{chat_body, config, replica, Sim, StoreKind, TestApp, TestStore, ADMIN_TOKEN};
 use reqwest::Method;
@@ -145,12 +145,7 @@ async fn without_an_admin_token_the_real_binary_answers_403_to_every_admin_reque
     let dir = tempfile::tempdir().unwrap();
     let (mut child, port) = serve_with_admin_env(dir.path(), None);
     let base = format!("http://127.0.0.1:{port}");
-    let t = Instant::now();
-    while reqwest::get(format!("{base}/healthz")).await.is_err() {
-        assert!(child.try_wait().unwrap().is_none(), "the gateway exited");
-        assert!(t.elapsed() < Duration::from_secs(20), "the gateway started");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    e2e::until_healthy(&base, &mut child).await;
     let http = reqwest::Client::new();
     for auth in [None, Some("Bearer "), Some("Basic Og==")] {
         let mut req = http.get(format!("{base}/admin/v1/tenants"));
@@ -301,19 +296,12 @@ async fn a_key_revoked_on_one_replica_stops_working_on_another_within_two_second
             .status(),
         200
     );
-    let revoked_at = Instant::now();
-    loop {
-        let status = b.chat(chat_body("fast", "hi")).await.status();
-        if status == 401 {
-            break;
-        }
-        assert!(
-            revoked_at.elapsed() < Duration::from_secs(2),
-            "still accepted after 2 s"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(revoked_at.elapsed() < Duration::from_secs(2));
+    e2e::eventually(
+        "the other replica refuses the revoked key",
+        Duration::from_secs(2),
+        || async { (b.chat(chat_body("fast", "hi")).await.status() == 401).then_some(()) },
+    )
+    .await;
 }
 
 #[tokio::test]

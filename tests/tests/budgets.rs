@@ -94,14 +94,17 @@ async fn events(app: &mut TestApp, n: usize) -> Vec<gateway::usage::UsageEvent> 
 }
 
 async fn wait_reserved_zero(app: &TestApp) -> Vec<Value> {
-    for _ in 0..100 {
-        let u = usage(app).await;
-        if u.iter().all(|r| r["state"]["reserved_tokens"] == 0) {
-            return u;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("reservations never released: {:?}", usage(app).await);
+    e2e::eventually(
+        "every reservation is released",
+        Duration::from_secs(5),
+        || async {
+            let u = usage(app).await;
+            u.iter()
+                .all(|r| r["state"]["reserved_tokens"] == 0)
+                .then_some(u)
+        },
+    )
+    .await
 }
 
 async fn five_hundred_concurrent_requests_hold_the_budget(kind: BudgetKind) {
@@ -491,16 +494,12 @@ async fn policy_changes_reach_another_replica_within_two_seconds() {
     )
     .await;
     let t = Instant::now();
-    loop {
-        if b.chat(chat_body("fast", "hi")).await.status() == 429 {
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(2),
-            "replica b never saw the policy"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    e2e::eventually(
+        "replica b enforces the policy",
+        Duration::from_secs(2),
+        || async { (b.chat(chat_body("fast", "hi")).await.status() == 429).then_some(()) },
+    )
+    .await;
     eprintln!("policy reached the other replica in {:?}", t.elapsed());
 }
 
@@ -559,18 +558,21 @@ async fn a_redis_outage_follows_the_fail_mode_and_loses_nothing() {
         metrics.contains("gateway_budget_store_errors_total{mode=\"open\"}"),
         "{metrics}"
     );
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(s.app.state.budgets.backlog_len() >= 1);
+    let budgets = &s.app.state.budgets;
+    e2e::eventually(
+        "the outage's commits wait in the backlog",
+        Duration::from_secs(5),
+        || async { (budgets.backlog_len() >= 1).then_some(()) },
+    )
+    .await;
 
     redis.resume().unwrap();
-    let t = Instant::now();
-    while s.app.state.budgets.backlog_len() > 0 {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "backlog never replayed"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    e2e::eventually(
+        "the backlog is replayed",
+        Duration::from_secs(10),
+        || async { (budgets.backlog_len() == 0).then_some(()) },
+    )
+    .await;
     let u = wait_reserved_zero(&s.app).await;
     assert_eq!(
         u[0]["state"]["spent_tokens"],
@@ -634,14 +636,8 @@ model = "sim-large"
         .spawn()
         .unwrap();
     let base = format!("http://127.0.0.1:{port}");
-    let t = Instant::now();
-    while reqwest::get(format!("{base}/healthz")).await.is_err() {
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "gateway did not start"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let mut child = child;
+    e2e::until_healthy(&base, &mut child).await;
     Proc {
         base,
         child,
@@ -657,6 +653,30 @@ async fn post_chat(http: &reqwest::Client, base: &str, key: &str, body: &Value) 
         .await
         .map(|r| r.status().as_u16())
         .unwrap_or(0)
+}
+
+/// Wait until every replica at `bases` enforces a budget with room left: a one-token request
+/// with `key` is admitted and names the budget in `x-gateway-budget-policy` (before the
+/// replica's policy refresh it is admitted without one, or refused by the old, spent budget).
+async fn policy_everywhere(http: &reqwest::Client, bases: &[String], key: &str) {
+    for base in bases {
+        e2e::eventually(
+            "every replica enforces the new budget",
+            Duration::from_secs(5),
+            || async {
+                let r = http
+                    .post(format!("{base}/v1/chat/completions"))
+                    .bearer_auth(key)
+                    .json(&body_with_max("fast", "probe", 1))
+                    .send()
+                    .await
+                    .ok()?;
+                (r.status() == 200 && r.headers().contains_key("x-gateway-budget-policy"))
+                    .then_some(())
+            },
+        )
+        .await;
+    }
 }
 
 async fn admin_usage(http: &reqwest::Client, base: &str, tenant: &str) -> Value {
@@ -719,9 +739,8 @@ async fn three_gateway_processes_share_one_budget_and_dead_reservations_expire()
         .await
         .unwrap();
     assert_eq!(r.status(), 201);
-    // Every replica has the policy after one refresh.
-    tokio::time::sleep(Duration::from_millis(600)).await;
     let bases: Vec<String> = procs.iter().map(|p| p.base.clone()).collect();
+    policy_everywhere(&http, &bases, &key).await;
     let tasks: Vec<_> = (0..500)
         .map(|i| {
             let (http, key, base) = (http.clone(), key.clone(), bases[i % 3].clone());
@@ -744,14 +763,15 @@ async fn three_gateway_processes_share_one_budget_and_dead_reservations_expire()
             other => panic!("unexpected status {other}"),
         }
     }
-    let mut state = Value::Null;
-    for _ in 0..100 {
-        state = admin_usage(&http, &bases[1], "acme").await;
-        if state["reserved_tokens"] == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let state = e2e::eventually(
+        "every reservation is released",
+        Duration::from_secs(5),
+        || async {
+            let state = admin_usage(&http, &bases[1], "acme").await;
+            (state["reserved_tokens"] == 0).then_some(state)
+        },
+    )
+    .await;
     let spent = state["spent_tokens"].as_u64().unwrap();
     assert!(spent <= limit, "three replicas spent {spent} of {limit}");
     assert!(ok >= 50, "only {ok} admitted");
@@ -766,7 +786,7 @@ async fn three_gateway_processes_share_one_budget_and_dead_reservations_expire()
         .await
         .unwrap();
     assert_eq!(r.status(), 201);
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    policy_everywhere(&http, &bases, &key).await;
     let doomed = procs[2].base.clone();
     for _ in 0..5 {
         let (http, key, base) = (http.clone(), key.clone(), doomed.clone());
@@ -774,34 +794,29 @@ async fn three_gateway_processes_share_one_budget_and_dead_reservations_expire()
             post_chat(&http, &base, &key, &body_with_max("smart", "wait", 1000)).await
         });
     }
-    let t = Instant::now();
-    loop {
-        let st = admin_usage(&http, &bases[0], "acme").await;
-        if st["reserved_tokens"].as_u64().unwrap() >= 5 * 1000 {
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(5),
-            "not all five reserved: {st}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    e2e::eventually(
+        "all five requests are reserved",
+        Duration::from_secs(5),
+        || async {
+            let st = admin_usage(&http, &bases[0], "acme").await;
+            (st["reserved_tokens"].as_u64().unwrap() >= 5 * 1000).then_some(())
+        },
+    )
+    .await;
     procs[2].child.start_kill().unwrap();
     procs[2].child.wait().await.unwrap();
     let killed = Instant::now();
     let st = admin_usage(&http, &bases[0], "acme").await;
     assert!(st["reserved_tokens"].as_u64().unwrap() >= 5 * 1000);
-    loop {
-        let st = admin_usage(&http, &bases[0], "acme").await;
-        if st["reserved_tokens"] == 0 {
-            break;
-        }
-        assert!(
-            killed.elapsed() < Duration::from_secs(5),
-            "the dead gateway's reservations never expired: {st}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    e2e::eventually(
+        "the dead gateway's reservations expire",
+        Duration::from_secs(5),
+        || async {
+            let st = admin_usage(&http, &bases[0], "acme").await;
+            (st["reserved_tokens"] == 0).then_some(())
+        },
+    )
+    .await;
     eprintln!(
         "dead reservations expired {:?} after the kill",
         killed.elapsed()

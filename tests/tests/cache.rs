@@ -26,6 +26,17 @@ fn deterministic(text: &str) -> Value {
 }
 
 /// A gateway in front of one zero-latency simulator per tier, exact cache only (no model).
+/// Wait (up to 5 minutes: the static table is distilled on first use when scripts/test.sh did
+/// not) until the semantic layer has loaded its model, table and verifier.
+async fn semantic_ready(app: &TestApp) {
+    e2e::eventually(
+        "the semantic layer loads",
+        Duration::from_secs(300),
+        || async { app.state.cache.semantic_ready().then_some(()) },
+    )
+    .await;
+}
+
 async fn exact_app(kind: StoreKind) -> (TestApp, Sim) {
     let sim = Sim::zero("sim-small").await;
     let large = Sim::zero("sim-large").await;
@@ -236,15 +247,23 @@ async fn only_cacheable_requests_use_the_cache_and_never_across_tenants() {
         .await;
     let key: Value = r.json().await.unwrap();
     let secret = key["key"].as_str().unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let r = app
-        .http
-        .post(format!("{}/v1/chat/completions", app.base))
-        .bearer_auth(secret)
-        .json(&deterministic("fresh"))
-        .send()
-        .await
-        .unwrap();
+    let live = &app;
+    let r = e2e::eventually(
+        "the new key is live",
+        Duration::from_secs(5),
+        || async move {
+            let r = live
+                .http
+                .post(format!("{}/v1/chat/completions", live.base))
+                .bearer_auth(secret)
+                .json(&deterministic("fresh"))
+                .send()
+                .await
+                .unwrap();
+            (r.status() != 401).then_some(r)
+        },
+    )
+    .await;
     assert_eq!(r.status(), 200);
     assert_eq!(cache_header(&r), "miss");
     assert_eq!(sim.sim.requests(), 9);
@@ -280,12 +299,12 @@ async fn tenant_policies_from_gatewayctl_switch_modes_and_time_to_live() {
     let sampled = json!({"model": "fast", "messages": [{"role": "user", "content": "sampled"}]});
     assert_eq!(cache_header(&app.chat(sampled.clone()).await), "miss");
     assert_eq!(cache_header(&app.chat(sampled.clone()).await), "hit-exact");
-    tokio::time::sleep(Duration::from_millis(1300)).await;
-    assert_eq!(
-        cache_header(&app.chat(sampled.clone()).await),
-        "miss",
-        "expired after its ttl"
-    );
+    e2e::eventually(
+        "the answer expires after its 1 s ttl",
+        Duration::from_secs(3),
+        || async { (cache_header(&app.chat(sampled.clone()).await) == "miss").then_some(()) },
+    )
+    .await;
     let (ok, out) = app.ctl(&["cache", "show", "--tenant", "acme"]).await;
     assert!(ok && out.contains("exact") && out.contains("yes"), "{out}");
     let (ok, out) = app
@@ -323,11 +342,7 @@ async fn paraphrases_hit_the_semantic_layer_and_near_misses_do_not() {
     // Generous: the static table is distilled on first use when scripts/test.sh did not.
     c.cache.semantic.lookup_timeout_ms = 5_000;
     let mut app = TestApp::spawn(c, StoreKind::Sqlite).await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(300);
-    while !app.state.cache.semantic_ready() {
-        assert!(std::time::Instant::now() < deadline, "semantic layer loads");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    semantic_ready(&app).await;
     let set_precision = async |p: &str| {
         let (ok, out) = app
             .ctl(&["cache", "set", "--tenant", "acme", "--min-precision", p])
@@ -456,11 +471,7 @@ async fn a_saturated_semantic_layer_is_skipped_not_waited_for() {
     // namespace is empty, so it is not even looked up; the paraphrase is shed).
     c.cache.semantic.max_queue = 0;
     let app = TestApp::spawn(c, StoreKind::Sqlite).await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(300);
-    while !app.state.cache.semantic_ready() {
-        assert!(std::time::Instant::now() < deadline, "semantic layer loads");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    semantic_ready(&app).await;
     for text in [
         "How do I learn to cook Italian food at home?",
         "How can I learn to cook Italian food at home?",
@@ -502,21 +513,23 @@ async fn with_redis_a_repeat_hits_on_every_replica() {
     assert_eq!(cache_header(&r), "miss");
     let first: Value = r.json().await.unwrap();
     // The shared copy is written in the background.
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    let second = loop {
-        let r = b
-            .http
-            .post(format!("{}/v1/chat/completions", b.base))
-            .bearer_auth(&a.api_key)
-            .json(&deterministic(&text))
-            .send()
-            .await
-            .unwrap();
-        if cache_header(&r) == "hit-exact" || std::time::Instant::now() > deadline {
-            break r;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let (other, key, text) = (&b, &a.api_key, &text);
+    let second = e2e::eventually(
+        "replica b sees a's answer",
+        Duration::from_secs(5),
+        || async move {
+            let r = other
+                .http
+                .post(format!("{}/v1/chat/completions", other.base))
+                .bearer_auth(key)
+                .json(&deterministic(text))
+                .send()
+                .await
+                .unwrap();
+            (cache_header(&r) == "hit-exact").then_some(r)
+        },
+    )
+    .await;
     assert_eq!(
         cache_header(&second),
         "hit-exact",

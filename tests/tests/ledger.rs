@@ -120,18 +120,11 @@ async fn recent_rows(ledger: &dyn LedgerStore) -> Vec<UsageEvent> {
 }
 
 async fn wait_for_rows(ledger: &dyn LedgerStore, n: u64, within: Duration) {
-    let start = Instant::now();
-    loop {
-        let have = ledger.count().await.unwrap_or(0);
-        if have >= n {
-            return;
-        }
-        assert!(
-            start.elapsed() < within,
-            "ledger has {have} of {n} rows after {within:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let what = format!("the ledger has {n} rows");
+    e2e::eventually(&what, within, || async {
+        (ledger.count().await.unwrap_or(0) >= n).then_some(())
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -257,14 +250,12 @@ async fn a_database_outage_loses_no_row_and_writes_none_twice() {
             .and_then(|v| v.parse::<f64>().ok())
             .unwrap_or(0.0)
     };
-    let waited = Instant::now();
-    while spooled().await == 0.0 {
-        assert!(
-            waited.elapsed() < Duration::from_secs(5),
-            "rows went to the spool during the outage"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    e2e::eventually(
+        "rows go to the spool during the outage",
+        Duration::from_secs(5),
+        || async { (spooled().await > 0.0).then_some(()) },
+    )
+    .await;
     pg.resume().unwrap();
     send(50).await;
     let ledger = gateway::ledger::open(&pg.url).await.unwrap();

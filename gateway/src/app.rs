@@ -9,18 +9,19 @@ use axum::middleware::from_fn_with_state;
 use axum::routing::{delete, get, post, put};
 use axum::Router;
 use tokio::net::TcpListener;
-use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
 
 use crate::config::Config;
+use crate::middleware::request_id::RequestId;
 use crate::state::{AppState, Deps};
 use crate::{middleware, routes};
 
 /// The whole HTTP surface. Layers, outermost first:
-/// 1. `SetRequestIdLayer`: gives every request an `x-request-id` (keeps the client's if sent);
-/// 2. `TraceLayer`: one span per request (method, path) for logs;
-/// 3. `PropagateRequestIdLayer`: copies `x-request-id` onto the response;
-/// 4. per route group: `/v1/*` requires a tenant API key (`middleware::auth::require_api_key` puts the
+/// 1. `middleware::request_id::assign`: mints the request's own `x-request-id` (never the
+///    client's: it keys the ledger row, the budget reservation and replays); a client's
+///    `x-request-id` / `x-client-request-id` is kept as `x-client-request-id`, echoed back;
+/// 2. `TraceLayer`: one span per request (method, path, both ids) for logs;
+/// 3. per route group: `/v1/*` requires a tenant API key (`middleware::auth::require_api_key` puts the
 ///    resolved key in the request extensions); `/admin/v1/*` and `GET /dashboard` (the HTML cost
 ///    dashboard) require the admin token (`middleware::auth::require_admin`: bearer, or HTTP
 ///    Basic auth with the token as password, so a browser can open the dashboard).
@@ -108,11 +109,17 @@ pub fn build_router(state: AppState) -> Router {
         .fallback(routes::health::not_found)
         .method_not_allowed_fallback(routes::health::method_not_allowed)
         .with_state(state)
-        .layer(PropagateRequestIdLayer::x_request_id())
         .layer(TraceLayer::new_for_http().make_span_with(|req: &Request| {
-            tracing::info_span!("request", method = %req.method(), path = %req.uri().path())
+            let ids = req.extensions().get::<RequestId>();
+            tracing::info_span!(
+                "request",
+                method = %req.method(),
+                path = %req.uri().path(),
+                request_id = ids.map_or("", |i| i.id.as_str()),
+                client_request_id = ids.and_then(|i| i.client.as_deref()).unwrap_or(""),
+            )
         }))
-        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+        .layer(axum::middleware::from_fn(middleware::request_id::assign))
 }
 
 /// Serve on `listener` until `shutdown` resolves, then drain: stop accepting, let in-flight

@@ -5,8 +5,12 @@ use axum::http::HeaderName;
 
 /// Request: attribution tags, `k=v` pairs separated by commas.
 pub const TAGS: HeaderName = HeaderName::from_static("x-gateway-tags");
-/// Request and response: the request's id (sent upstream too).
+/// Response (and upstream request): the id the gateway minted for the request. A client's
+/// `x-request-id` is never used as one: it is kept as the correlation id.
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// Request and response: the client's own id for the request (from `x-client-request-id`, or
+/// the `x-request-id` it sent), echoed back and logged.
+pub const CLIENT_REQUEST_ID: HeaderName = HeaderName::from_static("x-client-request-id");
 
 /// Response: the tier that answered (`small`, `large`).
 pub const TIER: HeaderName = HeaderName::from_static("x-gateway-tier");

@@ -936,3 +936,67 @@ async fn streamed_and_abandoned_requests_commit_what_they_used() {
         full.prompt_tokens + full.completion_tokens + cut.prompt_tokens + cut.completion_tokens;
     assert_eq!(u[0]["state"]["spent_tokens"], expected);
 }
+
+/// A client that reuses one `x-request-id` (and one that begins `lease:`) for many concurrent
+/// requests gets each billed and reserved on its own: the gateway mints every id.
+async fn reused_client_request_ids_never_merge_billing(kind: BudgetKind) {
+    let mut s = setup(kind, Deps::default(), |_| {}).await;
+    set_budget(
+        &s.app,
+        json!({"tenant": "acme", "window": "day", "limit_tokens": 1_000_000}),
+    )
+    .await;
+    let n = 40;
+    let sends = (0..n).map(|i| {
+        let app = &s.app;
+        let client_id = if i % 2 == 0 {
+            "same-id"
+        } else {
+            "lease:forged"
+        };
+        async move {
+            let r = app
+                .http
+                .post(format!("{}/v1/chat/completions", app.base))
+                .bearer_auth(&app.api_key)
+                .header("x-request-id", client_id)
+                .json(&body_with_max("fast", "hello there", 20))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            assert_eq!(r.headers()["x-client-request-id"], client_id, "echoed");
+            let id = r.headers()["x-request-id"].to_str().unwrap().to_owned();
+            assert!(id.starts_with("req_"), "{id}");
+            let v: Value = r.json().await.unwrap();
+            (id, v["usage"]["total_tokens"].as_u64().unwrap())
+        }
+    });
+    let answered = futures_util::future::join_all(sends).await;
+    let ids: std::collections::HashSet<&String> = answered.iter().map(|(id, _)| id).collect();
+    assert_eq!(ids.len(), n, "{kind:?}: one gateway id per request");
+    let served: u64 = answered.iter().map(|(_, t)| t).sum();
+    let settled = events(&mut s.app, n).await;
+    let settled_ids: std::collections::HashSet<String> =
+        settled.iter().map(|e| e.request_id.clone()).collect();
+    assert_eq!(
+        settled_ids.len(),
+        n,
+        "{kind:?}: one usage event per request"
+    );
+    let u = wait_reserved_zero(&s.app).await;
+    assert_eq!(
+        u[0]["state"]["spent_tokens"], served,
+        "{kind:?}: every served token is charged, none twice"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reused_client_request_ids_are_billed_one_by_one_in_memory() {
+    reused_client_request_ids_never_merge_billing(BudgetKind::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reused_client_request_ids_are_billed_one_by_one_on_redis() {
+    reused_client_request_ids_never_merge_billing(BudgetKind::Redis).await;
+}

@@ -1,3 +1,4 @@
 //! Request middleware, one file per concern.
 
 pub mod auth;
+pub mod request_id;

@@ -45,6 +45,9 @@ pub enum ApiError {
     /// A uniqueness rule was violated (admin API).
     #[error("{0}")]
     Conflict(String),
+    /// The body is not of a media type the route accepts (admin writes take JSON only).
+    #[error("{0}")]
+    UnsupportedMediaType(String),
     /// The body exceeds `server.max_body_bytes`.
     #[error("request body is larger than the limit of {limit} bytes")]
     PayloadTooLarge {
@@ -115,6 +118,7 @@ impl ApiError {
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::BadGateway { .. } => StatusCode::BAD_GATEWAY,
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::InsufficientQuota { .. } | Self::RateLimited { .. } => {
@@ -137,6 +141,7 @@ impl ApiError {
             Self::MethodNotAllowed(_) => "method_not_allowed",
             Self::Conflict(_) => "conflict",
             Self::PayloadTooLarge { .. } => "payload_too_large",
+            Self::UnsupportedMediaType(_) => "unsupported_media_type",
             Self::BadGateway { .. } => "bad_gateway",
             Self::Unavailable { .. } => "unavailable",
             Self::InsufficientQuota { .. } => "insufficient_quota",
@@ -155,7 +160,8 @@ impl ApiError {
             | Self::NotFound(_)
             | Self::MethodNotAllowed(_)
             | Self::Conflict(_)
-            | Self::PayloadTooLarge { .. } => "invalid_request_error",
+            | Self::PayloadTooLarge { .. }
+            | Self::UnsupportedMediaType(_) => "invalid_request_error",
             Self::Unauthorized(_) => "authentication_error",
             Self::Forbidden(_) => "permission_error",
             Self::BadGateway { .. } | Self::GatewayTimeout(_) | Self::Internal(_) => "api_error",

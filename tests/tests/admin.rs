@@ -323,3 +323,71 @@ async fn deleting_a_tenant_revokes_its_keys_through_the_api() {
         404
     );
 }
+
+#[tokio::test]
+async fn admin_writes_need_a_bearer_token_and_json_so_a_cross_site_form_cannot_send_one() {
+    let sim = Sim::zero("sim-small").await;
+    let app = app_on(TestStore::new(StoreKind::Sqlite).await.unwrap(), true, &sim).await;
+    let url = |path: &str| format!("{}{path}", app.base);
+    // What a browser that opened the dashboard would attach by itself to a cross-site form.
+    let basic = |r: reqwest::RequestBuilder| r.basic_auth("admin", Some(ADMIN_TOKEN));
+    let form = basic(app.http.post(url("/admin/v1/tenants")))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body("name=evil");
+    assert_eq!(form.send().await.unwrap().status(), 401);
+    let json = basic(app.http.post(url("/admin/v1/tenants"))).json(&json!({"name": "evil"}));
+    assert_eq!(
+        json.send().await.unwrap().status(),
+        401,
+        "Basic is for the page only"
+    );
+    let reads = basic(app.http.get(url("/admin/v1/tenants")));
+    assert_eq!(reads.send().await.unwrap().status(), 401);
+    // (This gateway writes no ledger, so the page itself is a 404 once past the credential.)
+    let page = basic(app.http.get(url("/dashboard")));
+    assert_eq!(
+        page.send().await.unwrap().status(),
+        404,
+        "the page takes Basic"
+    );
+
+    // With the bearer token, a body must be JSON (a form cannot send that cross-site).
+    for content_type in ["text/plain", "application/x-www-form-urlencoded"] {
+        let r = app
+            .http
+            .post(url("/admin/v1/tenants"))
+            .bearer_auth(ADMIN_TOKEN)
+            .header("content-type", content_type)
+            .body(r#"{"name": "evil"}"#)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 415, "{content_type}");
+        let v: Value = r.json().await.unwrap();
+        assert!(v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("application/json"));
+    }
+    let r = app
+        .admin(Method::POST, "tenants", Some(json!({"name": "fine"})))
+        .await;
+    assert_eq!(r.status(), 201);
+    let r = app.admin(Method::DELETE, "tenants/fine", None).await;
+    assert!(
+        r.status().is_success(),
+        "a DELETE without a body needs no type"
+    );
+    let (ok, out) = app.ctl(&["tenants", "list"]).await;
+    assert!(ok && out.contains("acme"), "{out}");
+    let list: Value = app
+        .admin(Method::GET, "tenants", None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert!(
+        !list.to_string().contains("evil"),
+        "no forged tenant: {list}"
+    );
+}

@@ -2,8 +2,11 @@
 //! Deny by default: only the routes named in `build_router`'s allowlist skip these layers.
 
 use axum::extract::{Request, State};
-use axum::http::header::{AUTHORIZATION, WWW_AUTHENTICATE};
+use axum::http::header::{
+    AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, TRANSFER_ENCODING, WWW_AUTHENTICATE,
+};
 use axum::http::HeaderValue;
+use axum::http::Method;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use base64::engine::general_purpose::STANDARD;
@@ -42,12 +45,50 @@ pub async fn require_api_key(
 /// The realm browsers show when they prompt for the dashboard's credentials.
 const DASHBOARD_REALM: &str = "Basic realm=\"llm-gateway\"";
 
-/// The admin token a request presents: `Authorization: Bearer <token>`, or HTTP Basic auth
-/// whose password is the token (any user name), so a browser can open `/dashboard`.
+/// Whether `req` may authenticate with HTTP Basic: only reading the dashboard page. A browser
+/// resends Basic credentials by itself, even with a cross-site form, so everything else (every
+/// write above all) takes the token as a bearer, which no other site can make a browser send.
+fn basic_allowed(req: &Request) -> bool {
+    req.method() == Method::GET && req.uri().path().starts_with("/dashboard")
+}
+
+/// Admin writes take JSON bodies only: a cross-site HTML form can post `text/plain` or form
+/// encodings without a preflight, never `application/json`.
+fn json_body_or_none(req: &Request) -> Result<(), ApiError> {
+    if matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS) {
+        return Ok(());
+    }
+    let length = req
+        .headers()
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok());
+    let has_body = match length {
+        Some(n) => n.trim() != "0",
+        None => req.headers().contains_key(TRANSFER_ENCODING),
+    };
+    let json = req
+        .headers()
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|m| m.trim().eq_ignore_ascii_case("application/json"));
+    if has_body && !json {
+        return Err(ApiError::UnsupportedMediaType(
+            "admin requests with a body must send it as Content-Type: application/json".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The admin token a request presents: `Authorization: Bearer <token>`, or (for the dashboard
+/// page only, see [`basic_allowed`]) HTTP Basic auth whose password is the token.
 fn admin_credential(req: &Request) -> Option<String> {
     let value = authorization(req)?;
     if let Some(token) = value.strip_prefix("Bearer ") {
         return Some(token.to_owned());
+    }
+    if !basic_allowed(req) {
+        return None;
     }
     let (scheme, encoded) = value.split_once(' ')?;
     if !scheme.eq_ignore_ascii_case("basic") {
@@ -89,6 +130,9 @@ pub async fn require_admin(State(state): State<AppState>, req: Request, next: Ne
                 .insert(WWW_AUTHENTICATE, HeaderValue::from_static(DASHBOARD_REALM));
         }
         return response;
+    }
+    if let Err(e) = json_body_or_none(&req) {
+        return e.into_response();
     }
     next.run(req).await
 }

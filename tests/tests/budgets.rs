@@ -306,6 +306,35 @@ async fn usd_budgets_and_tag_scopes_apply() {
     assert!(u[0]["state"]["spent_micros"].as_i64().unwrap() <= 200);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_tag_cannot_replace_its_keys_tag_to_escape_a_tag_budget() {
+    let mut s = setup(BudgetKind::Memory, Deps::default(), |_| {}).await;
+    // The harness key is tagged feature=tests.
+    set_budget(
+        &s.app,
+        json!({"tenant": "acme", "scope": "tag:feature=tests", "window": "day",
+               "limit_tokens": 1}),
+    )
+    .await;
+    let escape = s
+        .app
+        .http
+        .post(format!("{}/v1/chat/completions", s.app.base))
+        .bearer_auth(&s.app.api_key)
+        .header("x-gateway-tags", "feature=other, team=search")
+        .json(&body_with_max("fast", "hi", 5))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(escape.status(), 429, "the key's feature tag still applies");
+    let e = events(&mut s.app, 1).await.remove(0);
+    assert_eq!(e.tags["feature"], "tests", "attribution is not forged");
+    assert_eq!(
+        e.tags["team"], "search",
+        "a tag the key does not fix is added"
+    );
+}
+
 /// A sample of the `/metrics` text: the value of the first line starting with `prefix`.
 fn metric(text: &str, prefix: &str) -> f64 {
     text.lines()

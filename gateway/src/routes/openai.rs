@@ -100,7 +100,11 @@ async fn proxy(
     };
     let body = match request_tags(&headers) {
         Ok(tags) => {
-            ctx.tags.extend(tags);
+            // The key's own tags win: a client may add tags, never replace one its key fixes
+            // (or a `tag:` budget could be escaped and attribution forged).
+            for (k, v) in tags {
+                ctx.tags.entry(k).or_insert(v);
+            }
             read_body(body, state.config.server.max_body_bytes).await
         }
         Err(e) => Err(e),

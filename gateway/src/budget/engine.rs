@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use chrono::{DateTime, Utc};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use super::decision::{Admission, Exhausted, Refusal, Tightest, Warning};
@@ -134,7 +134,7 @@ struct Grant<'a> {
 }
 
 /// One row of `gatewayctl usage`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct UsageRow {
     /// The policy.
     pub policy: BudgetPolicy,

@@ -8,10 +8,32 @@
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use chrono::SecondsFormat;
-use serde_json::json;
+use serde::{Deserialize, Serialize};
 
 use crate::budget::{RateKind, Refusal};
 use crate::types::price::Usd;
+
+/// OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`: what every error
+/// response carries, and what `gatewayctl` reads its message from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}
+
+/// The `error` of an [`ErrorBody`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    /// Human-readable explanation.
+    pub message: String,
+    /// OpenAI's error type, e.g. `invalid_request_error`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The offending field, if any.
+    pub param: Option<String>,
+    /// OpenAI's error code, if any.
+    pub code: Option<String>,
+}
 
 /// Errors answered to API clients.
 #[derive(Debug, thiserror::Error)]
@@ -184,21 +206,26 @@ impl ApiError {
         }
     }
 
-    /// The JSON body, as OpenAI shapes it.
-    pub fn body(&self) -> serde_json::Value {
+    /// The body, as OpenAI shapes it.
+    pub fn error_body(&self) -> ErrorBody {
         let param = match self {
             Self::InvalidRequest { param, .. } => param.clone(),
             Self::ModelNotFound(_) => Some("model".to_owned()),
             _ => None,
         };
-        json!({
-            "error": {
-                "message": self.to_string(),
-                "type": self.openai_type(),
-                "param": param,
-                "code": self.code(),
-            }
-        })
+        ErrorBody {
+            error: ErrorDetail {
+                message: self.to_string(),
+                kind: self.openai_type().to_owned(),
+                param,
+                code: self.code().map(str::to_owned),
+            },
+        }
+    }
+
+    /// [`ApiError::error_body`] as JSON.
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::to_value(self.error_body()).unwrap_or_default()
     }
 }
 

@@ -292,7 +292,10 @@ async fn gatewayctl_prints_the_reports_as_tables_csv_and_json() {
         "report", "weekly", "--week", "2026-W47", "--format", "csv",
     ])
     .await;
-    assert!(csv.lines().any(|l| l.starts_with("alpha,0.2400,")), "{csv}");
+    assert!(
+        csv.lines().any(|l| l.starts_with("alpha,0.240000,")),
+        "{csv}"
+    );
     let json = ctl(vec![
         "report", "explain", "--from", "2026-W46", "--to", "2026-W47", "--format", "json",
     ])

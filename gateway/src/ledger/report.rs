@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use chrono::{DateTime, Datelike, Duration, NaiveDate, TimeZone, Utc, Weekday};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::LedgerStore;
 use crate::store::StoreError;
@@ -46,7 +46,7 @@ impl Dimension {
 }
 
 /// Sums over a set of ledger rows. Money in micro-dollars.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Aggregate {
     /// Rows.
     pub requests: i64,
@@ -86,6 +86,17 @@ impl Aggregate {
     /// Total waste.
     pub fn waste(&self) -> i64 {
         self.waste_loops + self.waste_retries + self.waste_errors
+    }
+
+    /// Cost per 1,000 requests, micro-dollars (rounded to the nearest micro-dollar); 0 without
+    /// requests.
+    pub fn cost_per_thousand(&self) -> i64 {
+        if self.requests <= 0 {
+            return 0;
+        }
+        let v = (i128::from(self.cost) * 1000 + i128::from(self.requests) / 2)
+            / i128::from(self.requests);
+        i64::try_from(v).unwrap_or(i64::MAX)
     }
 }
 
@@ -316,7 +327,7 @@ impl std::fmt::Display for IsoWeek {
 }
 
 /// One line of a weekly report: this week and the previous one.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReportLine {
     /// The group's value (tenant name, model, …).
     pub key: String,
@@ -327,7 +338,7 @@ pub struct ReportLine {
 }
 
 /// The weekly cost report.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct WeeklyReport {
     /// The week reported.
     pub week: String,
@@ -412,16 +423,16 @@ pub async fn weekly(
 }
 
 /// One term of an explanation.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Term {
     /// What changed.
-    pub term: &'static str,
+    pub term: String,
     /// Its contribution to the change in cost, micro-dollars (signed).
     pub micros: i64,
 }
 
 /// A contributor to the change (a tenant, tag or session) and its change in cost.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Contributor {
     /// Its value.
     pub key: String,
@@ -432,7 +443,7 @@ pub struct Contributor {
 }
 
 /// Why the cost changed between two weeks.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Explanation {
     /// First week.
     pub from_week: String,
@@ -562,25 +573,25 @@ pub async fn explain(
         .iter()
         .zip(effects)
         .map(|(term, e)| Term {
-            term,
+            term: (*term).to_owned(),
             micros: e.round() as i64,
         })
         .collect();
     terms.push(Term {
-        term: "waste: agent loops",
+        term: "waste: agent loops".into(),
         micros: t1.waste_loops - t0.waste_loops,
     });
     terms.push(Term {
-        term: "waste: retry storms",
+        term: "waste: retry storms".into(),
         micros: t1.waste_retries - t0.waste_retries,
     });
     terms.push(Term {
-        term: "waste: failed requests",
+        term: "waste: failed requests".into(),
         micros: t1.waste_errors - t0.waste_errors,
     });
     let explained: i64 = terms.iter().map(|t| t.micros).sum();
     terms.push(Term {
-        term: "rounding",
+        term: "rounding".into(),
         micros: (t1.cost - t0.cost) - explained,
     });
 
@@ -638,7 +649,7 @@ fn add(a: Aggregate, b: &Aggregate) -> Aggregate {
 }
 
 /// A repeated request at a steady cadence: an agent stuck in a loop, seen in billing data.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LoopFinding {
     /// API key id.
     pub key_id: String,
@@ -768,5 +779,16 @@ mod tests {
             .to_string(),
             "2026-W53"
         );
+    }
+
+    #[test]
+    fn cost_per_thousand_requests_rounds() {
+        let a = Aggregate {
+            requests: 3,
+            cost: 1_000,
+            ..Aggregate::default()
+        };
+        assert_eq!(a.cost_per_thousand(), 333_333);
+        assert_eq!(Aggregate::default().cost_per_thousand(), 0);
     }
 }

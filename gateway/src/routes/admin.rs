@@ -7,16 +7,18 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde::Deserialize;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
 use crate::keys;
-use crate::ledger::report::{self, IsoWeek};
-use crate::pricing::{usd_to_micros, Price};
-use crate::routes::{ledger, parse_json, read_body, tenant, week, ADMIN_BODY_LIMIT};
+use crate::ledger::report::{self, Explanation, IsoWeek, LoopFinding, WeeklyReport};
+use crate::pricing::{usd_to_micros, MicrosPerMtok, Price};
+use crate::routes::ADMIN_BODY_LIMIT;
+use crate::routes::{ledger, parse_json, read_body, tenant, week, List, ListObject};
 use crate::state::AppState;
-use crate::store::NewKey;
+use crate::store::{ApiKey, NewKey, Tenant};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -52,22 +54,36 @@ pub async fn create_tenant(
 }
 
 /// `GET /admin/v1/tenants`
-pub async fn list_tenants(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
-    let tenants = state.store.list_tenants().await?;
-    Ok(Json(json!({"object": "list", "data": tenants})))
+pub async fn list_tenants(State(state): State<AppState>) -> Result<Json<List<Tenant>>, ApiError> {
+    Ok(Json(List::new(state.store.list_tenants().await?)))
+}
+
+/// Body of `DELETE /admin/v1/tenants/{id or name}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeletedTenant {
+    /// The tenant's id.
+    pub id: String,
+    /// Its name.
+    pub name: String,
+    /// Always `true`.
+    pub deleted: bool,
 }
 
 /// `DELETE /admin/v1/tenants/{id or name}`: deletes the tenant and revokes its keys.
 pub async fn delete_tenant(
     State(state): State<AppState>,
     Path(id_or_name): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<DeletedTenant>, ApiError> {
     let t = tenant(&state, &id_or_name).await?;
     if !state.store.delete_tenant(&t.id).await? {
         return Err(ApiError::NotFound(format!("no tenant {id_or_name:?}")));
     }
     state.auth.forget_tenant(&t.id);
-    Ok(Json(json!({"id": t.id, "name": t.name, "deleted": true})))
+    Ok(Json(DeletedTenant {
+        id: t.id,
+        name: t.name,
+        deleted: true,
+    }))
 }
 
 #[derive(Deserialize)]
@@ -78,6 +94,17 @@ struct CreateKey {
     name: Option<String>,
     #[serde(default)]
     tags: BTreeMap<String, String>,
+}
+
+/// Body of `POST /admin/v1/keys`: the key's metadata and, this once, its secret.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreatedKey {
+    /// The stored metadata.
+    #[serde(flatten)]
+    pub meta: ApiKey,
+    /// The secret (`sk-gw-…`), never shown again.
+    #[serde(rename = "key")]
+    pub secret: String,
 }
 
 /// `POST /admin/v1/keys {"tenant", "name"?, "tags"?}` → 201 with the secret `key` (shown once).
@@ -101,8 +128,10 @@ pub async fn create_key(State(state): State<AppState>, body: Body) -> Result<Res
             tags: req.tags,
         })
         .await?;
-    let mut body = serde_json::to_value(&key).map_err(ApiError::internal)?;
-    body["key"] = Value::String(generated.secret);
+    let body = CreatedKey {
+        meta: key,
+        secret: generated.secret,
+    };
     Ok((StatusCode::CREATED, Json(body)).into_response())
 }
 
@@ -117,25 +146,34 @@ pub struct KeyFilter {
 pub async fn list_keys(
     State(state): State<AppState>,
     Query(filter): Query<KeyFilter>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<List<ApiKey>>, ApiError> {
     let tenant_id = match &filter.tenant {
         Some(t) => Some(tenant(&state, t).await?.id),
         None => None,
     };
     let keys = state.store.list_keys(tenant_id.as_deref()).await?;
-    Ok(Json(json!({"object": "list", "data": keys})))
+    Ok(Json(List::new(keys)))
+}
+
+/// Body of `DELETE /admin/v1/keys/{id}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RevokedKey {
+    /// The key's id.
+    pub id: String,
+    /// Always `true`.
+    pub revoked: bool,
 }
 
 /// `DELETE /admin/v1/keys/{id}`: revoke; every replica drops it within `store.key_refresh_ms`.
 pub async fn revoke_key(
     State(state): State<AppState>,
     Path(id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<RevokedKey>, ApiError> {
     if !state.store.revoke_key(&id).await? {
         return Err(ApiError::NotFound(format!("no live key {id:?}")));
     }
     state.auth.forget(&id);
-    Ok(Json(json!({"id": id, "revoked": true})))
+    Ok(Json(RevokedKey { id, revoked: true }))
 }
 
 /// `GET /admin/v1/replicas`: routing state of every replica.
@@ -174,18 +212,41 @@ struct SetPrice {
     effective_from: Option<chrono::DateTime<chrono::Utc>>,
 }
 
-fn price_json(p: &Price) -> Value {
-    let usd = |micros: i64| micros as f64 / 1e6;
-    json!({
-        "model": p.model,
-        "effective_from": p.effective_from,
-        "input_usd_per_mtok": usd(p.input),
-        "output_usd_per_mtok": usd(p.output),
-        "cached_input_usd_per_mtok": usd(p.cached_input),
-        "input_micros_per_mtok": p.input,
-        "output_micros_per_mtok": p.output,
-        "cached_input_micros_per_mtok": p.cached_input,
-    })
+/// A [`Price`] as the admin API shows it: per 1M tokens, in USD and in micro-dollars.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PriceView {
+    /// Served model name.
+    pub model: String,
+    /// When the price starts to apply.
+    pub effective_from: DateTime<Utc>,
+    /// USD per 1M uncached input tokens.
+    pub input_usd_per_mtok: f64,
+    /// USD per 1M output tokens.
+    pub output_usd_per_mtok: f64,
+    /// USD per 1M cached input tokens.
+    pub cached_input_usd_per_mtok: f64,
+    /// Micro-dollars per 1M uncached input tokens.
+    pub input_micros_per_mtok: MicrosPerMtok,
+    /// Micro-dollars per 1M output tokens.
+    pub output_micros_per_mtok: MicrosPerMtok,
+    /// Micro-dollars per 1M cached input tokens.
+    pub cached_input_micros_per_mtok: MicrosPerMtok,
+}
+
+impl From<&Price> for PriceView {
+    fn from(p: &Price) -> Self {
+        let usd = |micros: i64| micros as f64 / 1e6;
+        Self {
+            model: p.model.clone(),
+            effective_from: p.effective_from,
+            input_usd_per_mtok: usd(p.input),
+            output_usd_per_mtok: usd(p.output),
+            cached_input_usd_per_mtok: usd(p.cached_input),
+            input_micros_per_mtok: p.input,
+            output_micros_per_mtok: p.output,
+            cached_input_micros_per_mtok: p.cached_input,
+        }
+    }
 }
 
 /// `POST /admin/v1/prices`: add a price (USD per 1M tokens) effective now or at `effective_from`.
@@ -211,19 +272,15 @@ pub async fn set_price(State(state): State<AppState>, body: Body) -> Result<Resp
     };
     state.store.insert_price(&price).await?;
     state.prices.refresh().await?;
-    Ok((StatusCode::CREATED, Json(price_json(&price))).into_response())
+    Ok((StatusCode::CREATED, Json(PriceView::from(&price))).into_response())
 }
 
 /// `GET /admin/v1/prices`: every price with its history.
-pub async fn list_prices(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
-    let prices: Vec<Value> = state
-        .store
-        .list_prices()
-        .await?
-        .iter()
-        .map(price_json)
-        .collect();
-    Ok(Json(json!({"object": "list", "data": prices})))
+pub async fn list_prices(State(state): State<AppState>) -> Result<Json<List<PriceView>>, ApiError> {
+    let prices = state.store.list_prices().await?;
+    Ok(Json(List::new(
+        prices.iter().map(PriceView::from).collect(),
+    )))
 }
 
 /// Query of the report endpoints.
@@ -247,37 +304,51 @@ pub struct ReportQuery {
 pub async fn weekly_report(
     State(state): State<AppState>,
     Query(q): Query<ReportQuery>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<WeeklyReport>, ApiError> {
     let current = IsoWeek::containing(chrono::Utc::now());
     let w = week("week", q.week.as_deref(), current)?;
     let report = report::weekly(ledger(&state)?, w, q.tenant.as_deref()).await?;
-    Ok(Json(
-        serde_json::to_value(report).map_err(ApiError::internal)?,
-    ))
+    Ok(Json(report))
 }
 
 /// `GET /admin/v1/reports/explain?from=2026-W47&to=2026-W48[&tenant=…]`
 pub async fn explain_report(
     State(state): State<AppState>,
     Query(q): Query<ReportQuery>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Explanation>, ApiError> {
     let current = IsoWeek::containing(chrono::Utc::now());
     let to = week("to", q.to.as_deref(), current)?;
     let from = week("from", q.from.as_deref(), to.previous())?;
     let e = report::explain(ledger(&state)?, from, to, q.tenant.as_deref()).await?;
-    Ok(Json(serde_json::to_value(e).map_err(ApiError::internal)?))
+    Ok(Json(e))
+}
+
+/// Body of `GET /admin/v1/reports/loops`: the loops found since `since`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LoopsReport {
+    /// Always `"list"`.
+    pub object: ListObject,
+    /// Start of the look-back.
+    pub since: DateTime<Utc>,
+    /// Least repeats of the same request counted as a loop.
+    pub min_repeats: usize,
+    /// The loops found.
+    pub data: Vec<LoopFinding>,
 }
 
 /// `GET /admin/v1/reports/loops[?hours=24&min_repeats=5]`
 pub async fn loops_report(
     State(state): State<AppState>,
     Query(q): Query<ReportQuery>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<LoopsReport>, ApiError> {
     let now = chrono::Utc::now();
     let since = now - chrono::Duration::hours(i64::from(q.hours.unwrap_or(24)));
     let min = q.min_repeats.unwrap_or(5).max(2);
     let found = report::loops(ledger(&state)?, since, now, min, 0.5).await?;
-    Ok(Json(
-        json!({"object": "list", "since": since, "min_repeats": min, "data": found}),
-    ))
+    Ok(Json(LoopsReport {
+        object: ListObject::List,
+        since,
+        min_repeats: min,
+        data: found,
+    }))
 }

@@ -7,17 +7,17 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde::Deserialize;
-use serde_json::{json, Value};
+use embedder::verifier::CurvePoint;
+use serde::{Deserialize, Serialize};
 
-use crate::budget::engine::limit_from;
-use crate::budget::{Action, FailMode, Limit, RateLimit, Scope, Window};
+use crate::budget::engine::{limit_from, UsageRow};
+use crate::budget::{Action, BudgetPolicy, FailMode, Limit, RateLimit, Scope, Window};
 use crate::cache::CachePolicy;
 use crate::error::ApiError;
-use crate::routes::{parse_json, read_body};
+use crate::routes::{parse_json, read_body, List, ListObject};
 use crate::routes::{tenant, ADMIN_BODY_LIMIT};
 use crate::state::AppState;
-use crate::store::NewBudget;
+use crate::store::{NewBudget, Tenant};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -144,22 +144,31 @@ async fn tenant_filter(state: &AppState, f: &TenantFilter) -> Result<Option<Stri
 pub async fn list_budgets(
     State(state): State<AppState>,
     Query(f): Query<TenantFilter>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<List<BudgetPolicy>>, ApiError> {
     let tenant_id = tenant_filter(&state, &f).await?;
     let data = state.store.list_budgets(tenant_id.as_deref()).await?;
-    Ok(Json(json!({"object": "list", "data": data})))
+    Ok(Json(List::new(data)))
+}
+
+/// Body of `DELETE /admin/v1/budgets/{id}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeletedBudget {
+    /// The policy's id.
+    pub id: String,
+    /// Always `true`.
+    pub deleted: bool,
 }
 
 /// `DELETE /admin/v1/budgets/{id}`
 pub async fn delete_budget(
     State(state): State<AppState>,
     Path(id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<DeletedBudget>, ApiError> {
     if !state.store.delete_budget(&id).await? {
         return Err(ApiError::NotFound(format!("no budget {id:?}")));
     }
     refresh(&state).await?;
-    Ok(Json(json!({"id": id, "deleted": true})))
+    Ok(Json(DeletedBudget { id, deleted: true }))
 }
 
 /// Query of `GET /admin/v1/usage`.
@@ -168,11 +177,22 @@ pub struct UsageQuery {
     tenant: String,
 }
 
+/// Body of `GET /admin/v1/usage`: a tenant's budgets in their current windows.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TenantUsage {
+    /// Always `"list"`.
+    pub object: ListObject,
+    /// The tenant.
+    pub tenant: Tenant,
+    /// One row per policy.
+    pub data: Vec<UsageRow>,
+}
+
 /// `GET /admin/v1/usage?tenant=…`: spent, reserved and remaining per policy and window.
 pub async fn usage(
     State(state): State<AppState>,
     Query(q): Query<UsageQuery>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<TenantUsage>, ApiError> {
     let t = tenant(&state, &q.tenant).await?;
     let rows = state
         .budgets
@@ -182,7 +202,11 @@ pub async fn usage(
             message: format!("cannot read budget counters: {e}"),
             retry_after: 1,
         })?;
-    Ok(Json(json!({"object": "list", "tenant": t, "data": rows})))
+    Ok(Json(TenantUsage {
+        object: ListObject::List,
+        tenant: t,
+        data: rows,
+    }))
 }
 
 #[derive(Deserialize)]
@@ -201,7 +225,7 @@ struct SetRateLimit {
 pub async fn set_rate_limit(
     State(state): State<AppState>,
     body: Body,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<RateLimit>, ApiError> {
     let req: SetRateLimit = parse_json(&read_body(body, ADMIN_BODY_LIMIT).await?)?;
     let t = tenant(&state, &req.tenant).await?;
     if req.rpm.is_none() && req.tpm.is_none() {
@@ -230,17 +254,17 @@ pub async fn set_rate_limit(
     };
     state.store.set_rate_limit(&limit).await?;
     refresh(&state).await?;
-    Ok(Json(json!(limit)))
+    Ok(Json(limit))
 }
 
 /// `GET /admin/v1/rate-limits[?tenant=…]`
 pub async fn list_rate_limits(
     State(state): State<AppState>,
     Query(f): Query<TenantFilter>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<List<RateLimit>>, ApiError> {
     let tenant_id = tenant_filter(&state, &f).await?;
     let data = state.store.list_rate_limits(tenant_id.as_deref()).await?;
-    Ok(Json(json!({"object": "list", "data": data})))
+    Ok(Json(List::new(data)))
 }
 
 /// Query of `DELETE /admin/v1/rate-limits`.
@@ -250,11 +274,22 @@ pub struct RateLimitTarget {
     key: Option<String>,
 }
 
+/// Body of `DELETE /admin/v1/rate-limits`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeletedRateLimit {
+    /// The tenant's id.
+    pub tenant: String,
+    /// The key's id; `None` for the tenant's own limit.
+    pub key: Option<String>,
+    /// Always `true`.
+    pub deleted: bool,
+}
+
 /// `DELETE /admin/v1/rate-limits?tenant=…[&key=…]`
 pub async fn delete_rate_limit(
     State(state): State<AppState>,
     Query(q): Query<RateLimitTarget>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<DeletedRateLimit>, ApiError> {
     let t = tenant(&state, &q.tenant).await?;
     if !state
         .store
@@ -264,7 +299,11 @@ pub async fn delete_rate_limit(
         return Err(ApiError::NotFound("no such rate limit".into()));
     }
     refresh(&state).await?;
-    Ok(Json(json!({"tenant": t.id, "key": q.key, "deleted": true})))
+    Ok(Json(DeletedRateLimit {
+        tenant: t.id,
+        key: q.key,
+        deleted: true,
+    }))
 }
 
 #[derive(Deserialize)]
@@ -273,35 +312,66 @@ struct SetFailMode {
     mode: String,
 }
 
+/// Body of `PUT /admin/v1/tenants/{tenant}/fail-mode`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantFailMode {
+    /// The tenant's id.
+    pub tenant: String,
+    /// Its fail mode now.
+    pub fail_mode: FailMode,
+}
+
 /// `PUT /admin/v1/tenants/{tenant}/fail-mode {"mode": "open"|"closed"}`
 pub async fn set_fail_mode(
     State(state): State<AppState>,
     Path(id_or_name): Path<String>,
     body: Body,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<TenantFailMode>, ApiError> {
     let req: SetFailMode = parse_json(&read_body(body, ADMIN_BODY_LIMIT).await?)?;
     let mode = FailMode::parse(&req.mode)
         .ok_or_else(|| ApiError::invalid("mode", "use `open` or `closed`"))?;
     let t = tenant(&state, &id_or_name).await?;
     state.store.set_fail_mode(&t.id, mode).await?;
     refresh(&state).await?;
-    Ok(Json(json!({"tenant": t.id, "fail_mode": mode})))
+    Ok(Json(TenantFailMode {
+        tenant: t.id,
+        fail_mode: mode,
+    }))
 }
 
-/// A tenant's cache policy as stored, as in force, and where it lands on the verifier's curve.
-fn cache_policy_view(state: &AppState, tenant_id: &str, own: Option<&CachePolicy>) -> Value {
+/// Body of the `/admin/v1/tenants/{tenant}/cache-policy` endpoints: a tenant's cache policy as
+/// stored, as in force, and where it lands on the verifier's curve.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CachePolicyView {
+    /// The tenant's id.
+    pub tenant: String,
+    /// Its own policy; `None`: the config's defaults.
+    pub policy: Option<CachePolicy>,
+    /// The policy in force (its own over the defaults).
+    pub effective: CachePolicy,
+    /// Whether this replica's semantic layer is loaded.
+    pub semantic_ready: bool,
+    /// The verifier curve's point for the effective `min_precision` (`None` when the semantic
+    /// layer is not ready or the curve never reaches it).
+    pub verifier_point: Option<CurvePoint>,
+}
+
+fn cache_policy_view(
+    state: &AppState,
+    tenant_id: &str,
+    own: Option<CachePolicy>,
+) -> CachePolicyView {
     let effective = state.cache.policy(tenant_id);
-    let point = effective
+    let verifier_point = effective
         .min_precision
-        .and_then(|p| state.cache.curve_point(p))
-        .map(|p| json!({"threshold": p.threshold, "precision": p.precision, "recall": p.recall}));
-    json!({
-        "tenant": tenant_id,
-        "policy": own,
-        "effective": effective,
-        "semantic_ready": state.cache.semantic_ready(),
-        "verifier_point": point,
-    })
+        .and_then(|p| state.cache.curve_point(p));
+    CachePolicyView {
+        tenant: tenant_id.to_owned(),
+        policy: own,
+        effective,
+        semantic_ready: state.cache.semantic_ready(),
+        verifier_point,
+    }
 }
 
 /// `PUT /admin/v1/tenants/{tenant}/cache-policy {"mode", "ttl_secs", "min_precision",
@@ -310,7 +380,7 @@ pub async fn set_cache_policy(
     State(state): State<AppState>,
     Path(id_or_name): Path<String>,
     body: Body,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<CachePolicyView>, ApiError> {
     let policy: CachePolicy = parse_json(&read_body(body, ADMIN_BODY_LIMIT).await?)?;
     if let Some(p) = policy.min_precision {
         if !(0.0..=1.0).contains(&p) {
@@ -326,14 +396,14 @@ pub async fn set_cache_policy(
     let t = tenant(&state, &id_or_name).await?;
     state.store.set_cache_policy(&t.id, &policy).await?;
     state.cache.refresh().await?;
-    Ok(Json(cache_policy_view(&state, &t.id, Some(&policy))))
+    Ok(Json(cache_policy_view(&state, &t.id, Some(policy))))
 }
 
 /// `GET /admin/v1/tenants/{tenant}/cache-policy`
 pub async fn get_cache_policy(
     State(state): State<AppState>,
     Path(id_or_name): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<CachePolicyView>, ApiError> {
     let t = tenant(&state, &id_or_name).await?;
     let own = state
         .store
@@ -342,14 +412,14 @@ pub async fn get_cache_policy(
         .into_iter()
         .find(|(id, _)| *id == t.id)
         .map(|(_, p)| p);
-    Ok(Json(cache_policy_view(&state, &t.id, own.as_ref())))
+    Ok(Json(cache_policy_view(&state, &t.id, own)))
 }
 
 /// `DELETE /admin/v1/tenants/{tenant}/cache-policy`: back to the config's defaults.
 pub async fn delete_cache_policy(
     State(state): State<AppState>,
     Path(id_or_name): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<CachePolicyView>, ApiError> {
     let t = tenant(&state, &id_or_name).await?;
     if !state.store.delete_cache_policy(&t.id).await? {
         return Err(ApiError::NotFound(

@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
 use crate::error::ApiError;
-use crate::ledger::report::{self, Aggregate, Explanation, IsoWeek, ReportLine, WeeklyReport};
+use crate::ledger::report::{self, Explanation, IsoWeek, ReportLine, WeeklyReport};
 use crate::routes::{ledger, week};
 use crate::state::AppState;
 use crate::types::price::Usd;
@@ -113,15 +113,6 @@ fn percent(this: i64, previous: i64) -> String {
     }
 }
 
-/// Cost per 1,000 requests, micro-dollars (rounded to the nearest micro-dollar).
-fn per_thousand(a: &Aggregate) -> i64 {
-    if a.requests <= 0 {
-        return 0;
-    }
-    let v = (i128::from(a.cost) * 1000 + i128::from(a.requests) / 2) / i128::from(a.requests);
-    i64::try_from(v).unwrap_or(i64::MAX)
-}
-
 /// Render the whole page.
 fn render(
     r: &WeeklyReport,
@@ -198,8 +189,8 @@ fn headline(total: &ReportLine) -> String {
     out.push_str(&card_money(
         "cost-per-1k",
         "Cost per 1k requests",
-        per_thousand(a),
-        per_thousand(b),
+        a.cost_per_thousand(),
+        b.cost_per_thousand(),
     ));
     out.push_str(&card_money("saved", "Cache savings", a.saved, b.saved));
     out.push_str(&card_money("waste", "Waste", a.waste(), b.waste()));
@@ -304,7 +295,7 @@ fn explanation(e: &Explanation) -> String {
         out.push_str(&format!(
             r#"<tr data-term="{term}" data-cost-micros="{micros}"><td>{term}</td><td class="num">{amount}</td></tr>
 "#,
-            term = escape(t.term),
+            term = escape(&t.term),
             micros = t.micros,
             amount = usd_change(t.micros),
         ));
@@ -385,16 +376,5 @@ mod tests {
             "&lt;a href=&quot;x&quot;&gt;&#39;&amp;&#39;&lt;/a&gt;"
         );
         assert_eq!(url_encode("a b&c"), "a%20b%26c");
-    }
-
-    #[test]
-    fn cost_per_thousand_requests_rounds() {
-        let a = Aggregate {
-            requests: 3,
-            cost: 1_000,
-            ..Aggregate::default()
-        };
-        assert_eq!(per_thousand(&a), 333_333);
-        assert_eq!(per_thousand(&Aggregate::default()), 0);
     }
 }

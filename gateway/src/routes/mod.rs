@@ -10,6 +10,7 @@ pub mod openai;
 use axum::body::Body;
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
 use crate::ledger::report::IsoWeek;
@@ -38,6 +39,34 @@ pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     let value: serde_json::Value =
         serde_json::from_slice(body).map_err(|e| ApiError::InvalidJson(e.to_string()))?;
     crate::openai::from_value(&value)
+}
+
+/// The `object` of a list body: always `"list"`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ListObject {
+    /// `"list"`.
+    #[default]
+    List,
+}
+
+/// An admin list body: `{"object": "list", "data": [...]}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct List<T> {
+    /// Always `"list"`.
+    pub object: ListObject,
+    /// The items.
+    pub data: Vec<T>,
+}
+
+impl<T> List<T> {
+    /// A list of `data`.
+    pub fn new(data: Vec<T>) -> Self {
+        Self {
+            object: ListObject::List,
+            data,
+        }
+    }
 }
 
 /// Admin request bodies are small.

@@ -14,6 +14,17 @@ pub enum CacheMode {
     Semantic,
 }
 
+impl CacheMode {
+    /// Lowercase name, as stored and typed.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Off => "off",
+            Self::Exact => "exact",
+            Self::Semantic => "semantic",
+        }
+    }
+}
+
 /// A tenant's cache policy; fields left out take the config's defaults.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

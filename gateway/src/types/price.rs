@@ -55,14 +55,21 @@ impl Price {
 }
 
 /// Micro-dollars shown as USD with all six decimals: `1.250000`, `-0.000001`; with `{:#}` the
-/// dollar sign too: `$1.250000`, `-$0.000001`. The one USD formatter of headers, errors, the
+/// dollar sign too: `$1.250000`, `-$0.000001`; with `{:+}` a sign on every amount, for changes:
+/// `+1.250000`, `+0.000000`, `-0.000001`. The one USD formatter of headers, errors, the
 /// dashboard and `gatewayctl`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Usd(pub i64);
 
 impl std::fmt::Display for Usd {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let sign = if self.0 < 0 { "-" } else { "" };
+        let sign = if self.0 < 0 {
+            "-"
+        } else if f.sign_plus() {
+            "+"
+        } else {
+            ""
+        };
         let dollar = if f.alternate() { "$" } else { "" };
         let m = self.0.unsigned_abs();
         write!(f, "{sign}{dollar}{}.{:06}", m / 1_000_000, m % 1_000_000)
@@ -78,5 +85,8 @@ mod tests {
         assert_eq!(Usd(1_250_000).to_string(), "1.250000");
         assert_eq!(format!("{:#}", Usd(-1)), "-$0.000001");
         assert_eq!(format!("{:#}", Usd(i64::MIN)), "-$9223372036854.775808");
+        assert_eq!(format!("{:+}", Usd(1_250_000)), "+1.250000");
+        assert_eq!(format!("{:+}", Usd(0)), "+0.000000");
+        assert_eq!(format!("{:+#}", Usd(-1)), "-$0.000001");
     }
 }

@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use chrono::{DateTime, Utc};
-use serde::Serialize;
 use tokio::sync::mpsc;
 
 use super::decision::{Admission, Exhausted, Refusal, Tightest, Warning};

@@ -1,9 +1,11 @@
 //! Usage views: what each budget of a tenant has spent, reserved and left (`gatewayctl usage`).
 
+use serde::{Deserialize, Serialize};
+
 use super::*;
 
 /// One row of `gatewayctl usage`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct UsageRow {
     /// The policy.
     pub policy: BudgetPolicy,

@@ -1,0 +1,92 @@
+//! `gatewayctl keys …`: create, list and revoke API keys.
+
+use std::collections::BTreeMap;
+
+use clap::Subcommand;
+use reqwest::Method;
+use serde_json::json;
+
+use super::{opt, query, time, Admin, Answer, Reply};
+use crate::routes::admin::{CreatedKey, RevokedKey};
+use crate::store::ApiKey;
+
+/// `gatewayctl keys …`
+#[derive(Debug, Subcommand)]
+pub enum KeyCommand {
+    /// Create a key; the secret is printed once.
+    Create {
+        /// Tenant id or name.
+        #[arg(long)]
+        tenant: String,
+        /// Label for the key.
+        #[arg(long)]
+        name: Option<String>,
+        /// Attribution tag `key=value` (repeatable).
+        #[arg(long = "tag", value_parser = parse_tag)]
+        tags: Vec<(String, String)>,
+    },
+    /// List keys.
+    List {
+        /// Only this tenant's keys (id or name).
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// Revoke a key (takes effect on every replica within the key refresh interval).
+    Revoke {
+        /// Key id (`key_…`).
+        id: String,
+    },
+}
+
+fn parse_tag(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .ok_or_else(|| format!("expected key=value, got {s:?}"))
+}
+
+impl KeyCommand {
+    /// Call the admin API and render its answer.
+    pub(super) async fn run(self, admin: &Admin) -> anyhow::Result<Reply> {
+        Ok(match self {
+            Self::Create { tenant, name, tags } => {
+                let tags: BTreeMap<String, String> = tags.into_iter().collect();
+                let body = json!({"tenant": tenant, "name": name, "tags": tags});
+                let a: Answer<CreatedKey> = admin.call(Method::POST, "keys", Some(body)).await?;
+                let h = format!(
+                    "created key {} for tenant {}\n\n    {}\n\nStore it now: it is not shown again.",
+                    a.body.meta.id, a.body.meta.tenant_name, a.body.secret
+                );
+                a.reply(h)
+            }
+            Self::List { tenant } => {
+                let path = query("keys", &[("tenant", tenant.as_deref())]);
+                let header = &["ID", "TENANT", "NAME", "KEY", "TAGS", "STATUS", "CREATED"];
+                admin.list(&path, header, row).await?
+            }
+            Self::Revoke { id } => {
+                let a: Answer<RevokedKey> = admin
+                    .call(Method::DELETE, &format!("keys/{id}"), None)
+                    .await?;
+                a.reply(format!("revoked key {id}"))
+            }
+        })
+    }
+}
+
+fn row(k: &ApiKey) -> Vec<String> {
+    let tags: Vec<String> = k.tags.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let status = if k.revoked_at.is_some() {
+        "revoked"
+    } else {
+        "active"
+    };
+    vec![
+        k.id.clone(),
+        k.tenant_name.clone(),
+        opt(k.name.as_deref()),
+        format!("{}…", k.prefix),
+        tags.join(","),
+        status.into(),
+        time(&k.created_at),
+    ]
+}

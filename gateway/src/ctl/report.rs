@@ -1,0 +1,239 @@
+//! `gatewayctl report …`: cost reports from the ledger (weekly, explain, loops).
+
+use clap::Subcommand;
+use reqwest::Method;
+
+use super::{query, Admin, Answer, Report, Section};
+use crate::ledger::report::{Explanation, ReportLine, WeeklyReport};
+use crate::routes::admin::LoopsReport;
+use crate::types::price::Usd;
+
+/// `gatewayctl report …`
+#[derive(Debug, Subcommand)]
+pub enum ReportCommand {
+    /// Cost, requests, tokens, cache savings and waste by tenant, model, tier and feature, with
+    /// the change from the previous week.
+    Weekly {
+        /// ISO week, e.g. 2026-W48 (default: this week).
+        #[arg(long)]
+        week: Option<String>,
+        /// Only this tenant.
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// Why the cost changed between two weeks: additive terms and top contributors.
+    Explain {
+        /// First week (default: the week before --to).
+        #[arg(long)]
+        from: Option<String>,
+        /// Second week (default: this week).
+        #[arg(long)]
+        to: Option<String>,
+        /// Only this tenant.
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// Keys/sessions repeating the same request at a steady cadence (agent loops), with cost.
+    Loops {
+        /// Look back this many hours.
+        #[arg(long, default_value_t = 24)]
+        hours: u32,
+        /// Least repeats of the same request.
+        #[arg(long, default_value_t = 5)]
+        min_repeats: usize,
+    },
+}
+
+const WEEKLY_HEADER: &[&str] = &[
+    "KEY",
+    "COST $",
+    "CHANGE",
+    "REQUESTS",
+    "$/1K REQ",
+    "PROMPT TOK",
+    "COMPL TOK",
+    "CACHE SAVED $",
+    "WASTE $ (LOOPS/RETRIES/ERRORS)",
+];
+
+impl ReportCommand {
+    /// Call the admin API and lay its report out in sections.
+    pub(super) async fn run(self, admin: &Admin) -> anyhow::Result<Report> {
+        Ok(match self {
+            Self::Weekly { week, tenant } => {
+                let path = query(
+                    "reports/weekly",
+                    &[("week", week.as_deref()), ("tenant", tenant.as_deref())],
+                );
+                let a: Answer<WeeklyReport> = admin.call(Method::GET, &path, None).await?;
+                let r = &a.body;
+                let mut sections = vec![Section {
+                    title: format!("Week {} (vs {})", r.week, r.previous_week),
+                    header: WEEKLY_HEADER,
+                    rows: vec![weekly_row(&r.total)],
+                }];
+                for (dim, lines) in &r.by {
+                    sections.push(Section {
+                        title: format!("By {dim}"),
+                        header: WEEKLY_HEADER,
+                        rows: lines.iter().map(weekly_row).collect(),
+                    });
+                }
+                Report {
+                    json: a.json,
+                    sections,
+                }
+            }
+            Self::Explain { from, to, tenant } => {
+                let path = query(
+                    "reports/explain",
+                    &[
+                        ("from", from.as_deref()),
+                        ("to", to.as_deref()),
+                        ("tenant", tenant.as_deref()),
+                    ],
+                );
+                let a: Answer<Explanation> = admin.call(Method::GET, &path, None).await?;
+                Report {
+                    sections: explain_sections(&a.body),
+                    json: a.json,
+                }
+            }
+            Self::Loops { hours, min_repeats } => {
+                let (hours, min_repeats) = (hours.to_string(), min_repeats.to_string());
+                let path = query(
+                    "reports/loops",
+                    &[
+                        ("hours", Some(hours.as_str())),
+                        ("min_repeats", Some(min_repeats.as_str())),
+                    ],
+                );
+                let a: Answer<LoopsReport> = admin.call(Method::GET, &path, None).await?;
+                let rows = a
+                    .body
+                    .data
+                    .iter()
+                    .map(|f| {
+                        vec![
+                            f.tenant.clone(),
+                            f.key_id.clone(),
+                            f.session.clone(),
+                            f.fingerprint.clone(),
+                            f.requests.to_string(),
+                            format!("{:.1}", f.mean_interval_secs),
+                            Usd(f.cost_micros).to_string(),
+                        ]
+                    })
+                    .collect();
+                Report {
+                    json: a.json,
+                    sections: vec![Section {
+                        title: "Repeated requests at a steady cadence".into(),
+                        header: &[
+                            "TENANT",
+                            "KEY",
+                            "SESSION",
+                            "FINGERPRINT",
+                            "REPEATS",
+                            "EVERY (s)",
+                            "COST $",
+                        ],
+                        rows,
+                    }],
+                }
+            }
+        })
+    }
+}
+
+fn weekly_row(l: &ReportLine) -> Vec<String> {
+    let t = &l.this;
+    vec![
+        l.key.clone(),
+        Usd(t.cost).to_string(),
+        change(t.cost, l.previous.cost),
+        t.requests.to_string(),
+        Usd(t.cost_per_thousand()).to_string(),
+        t.prompt_tokens.to_string(),
+        t.completion_tokens.to_string(),
+        Usd(t.saved).to_string(),
+        format!(
+            "{}/{}/{}",
+            Usd(t.waste_loops),
+            Usd(t.waste_retries),
+            Usd(t.waste_errors)
+        ),
+    ]
+}
+
+fn explain_sections(e: &Explanation) -> Vec<Section> {
+    let total = e.to_micros - e.from_micros;
+    let terms = e
+        .terms
+        .iter()
+        .map(|t| {
+            let share = if total != 0 {
+                format!("{:.0}%", t.micros as f64 * 100.0 / total as f64)
+            } else {
+                "-".into()
+            };
+            vec![t.term.clone(), format!("{:+}", Usd(t.micros)), share]
+        })
+        .collect();
+    let mut sections = vec![Section {
+        title: format!(
+            "Cost {} → {}: {:#} → {:#} ({:+})",
+            e.from_week,
+            e.to_week,
+            Usd(e.from_micros),
+            Usd(e.to_micros),
+            Usd(total)
+        ),
+        header: &["TERM", "CHANGE $", "SHARE"],
+        rows: terms,
+    }];
+    for (dim, contributors) in &e.top {
+        let rows = contributors
+            .iter()
+            .map(|c| {
+                vec![
+                    c.key.clone(),
+                    Usd(c.from_micros).to_string(),
+                    Usd(c.to_micros).to_string(),
+                    format!("{:+}", Usd(c.to_micros - c.from_micros)),
+                ]
+            })
+            .collect();
+        sections.push(Section {
+            title: format!("Top contributors by {dim}"),
+            header: &["KEY", "FROM $", "TO $", "CHANGE $"],
+            rows,
+        });
+    }
+    sections
+}
+
+/// The relative change from `prev` to `this`: `+12.5%`, `0%`, or `new` from nothing.
+fn change(this: i64, prev: i64) -> String {
+    if prev == 0 {
+        if this == 0 {
+            "0%".into()
+        } else {
+            "new".into()
+        }
+    } else {
+        format!("{:+.1}%", (this - prev) as f64 * 100.0 / prev as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn changes_are_relative_and_new_from_nothing() {
+        assert_eq!(change(150, 100), "+50.0%");
+        assert_eq!(change(0, 0), "0%");
+        assert_eq!(change(1, 0), "new");
+    }
+}

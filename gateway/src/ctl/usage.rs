@@ -1,0 +1,47 @@
+//! `gatewayctl usage`: a tenant's budgets in their current windows (spent, reserved, remaining,
+//! reset time).
+
+use reqwest::Method;
+
+use super::{opt, query, table, time, Admin, Answer, Reply};
+use crate::budget::engine::UsageRow;
+use crate::routes::budgets::TenantUsage;
+use crate::types::price::Usd;
+
+/// Call the admin API for `tenant`'s usage and render it.
+pub(super) async fn run(admin: &Admin, tenant: &str) -> anyhow::Result<Reply> {
+    let path = query("usage", &[("tenant", Some(tenant))]);
+    let a: Answer<TenantUsage> = admin.call(Method::GET, &path, None).await?;
+    let h = table(
+        &[
+            "BUDGET",
+            "SCOPE",
+            "WINDOW",
+            "ACTION",
+            "SPENT (TOK / USD)",
+            "RESERVED",
+            "REMAINING",
+            "RESETS AT",
+        ],
+        a.body.data.iter().map(row).collect(),
+    );
+    Ok(a.reply(h))
+}
+
+fn row(r: &UsageRow) -> Vec<String> {
+    let (p, st) = (&r.policy, &r.state);
+    vec![
+        p.id.clone(),
+        p.scope.label(),
+        p.window.as_str().into(),
+        p.action.as_str().into(),
+        format!("{} / {}", st.spent_tokens, Usd(st.spent_micros)),
+        format!("{} / {}", st.reserved_tokens, Usd(st.reserved_micros)),
+        format!(
+            "{} / {}",
+            opt(r.remaining_tokens),
+            opt(r.remaining_micros.map(Usd))
+        ),
+        time(&r.resets_at),
+    ]
+}

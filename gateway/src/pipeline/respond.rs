@@ -160,9 +160,7 @@ pub(super) fn buffered(
         ..
     } = call;
     let target = pool.target(lease);
-    event.tier = Some(pool.tier.as_str().to_owned());
-    event.replica = Some(target.name.clone());
-    event.served_model = Some(target.model.clone());
+    served_by(&mut event, pool, target);
     event.status = status.as_u16();
     event.latency_ms = ms_since(ctx.started);
     event.ttft_ms = Some(event.latency_ms);
@@ -231,6 +229,13 @@ fn cache_entry(
     }
 }
 
+/// Who answered, on the event: tier, replica and served model.
+fn served_by(event: &mut UsageEvent, pool: &TierPool, target: &Target) {
+    event.tier = Some(pool.tier.as_str().to_owned());
+    event.replica = Some(target.name.clone());
+    event.served_model = Some(target.model.clone());
+}
+
 fn apply_usage(event: &mut UsageEvent, usage: Usage, source: UsageSource) {
     event.prompt_tokens = usage.prompt_tokens;
     event.completion_tokens = usage.completion_tokens;
@@ -257,9 +262,7 @@ pub(super) fn streamed(
         ..
     } = call;
     let target = pool.target(&lease);
-    event.tier = Some(pool.tier.as_str().to_owned());
-    event.replica = Some(target.name.clone());
-    event.served_model = Some(target.model.clone());
+    served_by(&mut event, pool, target);
     let mut headers = HeaderMap::new();
     headers.insert(
         header::CONTENT_TYPE,

@@ -388,6 +388,17 @@ impl TestApp {
         self.post("/v1/chat/completions", &body).await
     }
 
+    /// `POST /v1/chat/completions` with another API key (a second key, or another replica's).
+    pub async fn chat_as(&self, key: &str, body: &Value) -> reqwest::Response {
+        self.http
+            .post(format!("{}/v1/chat/completions", self.base))
+            .bearer_auth(key)
+            .json(body)
+            .send()
+            .await
+            .expect("request sent")
+    }
+
     /// Call the admin API.
     pub async fn admin(
         &self,

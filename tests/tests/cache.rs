@@ -252,14 +252,7 @@ async fn only_cacheable_requests_use_the_cache_and_never_across_tenants() {
         "the new key is live",
         Duration::from_secs(5),
         || async move {
-            let r = live
-                .http
-                .post(format!("{}/v1/chat/completions", live.base))
-                .bearer_auth(secret)
-                .json(&deterministic("fresh"))
-                .send()
-                .await
-                .unwrap();
+            let r = live.chat_as(secret, &deterministic("fresh")).await;
             (r.status() != 401).then_some(r)
         },
     )
@@ -518,14 +511,7 @@ async fn with_redis_a_repeat_hits_on_every_replica() {
         "replica b sees a's answer",
         Duration::from_secs(5),
         || async move {
-            let r = other
-                .http
-                .post(format!("{}/v1/chat/completions", other.base))
-                .bearer_auth(key)
-                .json(&deterministic(text))
-                .send()
-                .await
-                .unwrap();
+            let r = other.chat_as(key, &deterministic(text)).await;
             (cache_header(&r) == "hit-exact").then_some(r)
         },
     )

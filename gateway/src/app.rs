@@ -130,10 +130,8 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let app = build_router(state.clone());
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .context("HTTP server failed")?;
+    let limits = crate::server::Limits::from_config(&state.config.server);
+    crate::server::serve(listener, app, limits, shutdown).await;
     state.tasks.close();
     let grace = Duration::from_secs(state.config.server.shutdown_grace_secs);
     if tokio::time::timeout(grace, state.tasks.wait())

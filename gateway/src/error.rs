@@ -70,6 +70,12 @@ pub enum ApiError {
     /// The body is not of a media type the route accepts (admin writes take JSON only).
     #[error("{0}")]
     UnsupportedMediaType(String),
+    /// The body did not arrive within `server.body_read_timeout_ms`.
+    #[error("the request body was not received within {secs} s (server.body_read_timeout_ms)")]
+    RequestTimeout {
+        /// The configured deadline, in seconds.
+        secs: f64,
+    },
     /// The body exceeds `server.max_body_bytes`.
     #[error("request body is larger than the limit of {limit} bytes")]
     PayloadTooLarge {
@@ -140,6 +146,7 @@ impl ApiError {
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::BadGateway { .. } => StatusCode::BAD_GATEWAY,
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -163,6 +170,7 @@ impl ApiError {
             Self::MethodNotAllowed(_) => "method_not_allowed",
             Self::Conflict(_) => "conflict",
             Self::PayloadTooLarge { .. } => "payload_too_large",
+            Self::RequestTimeout { .. } => "request_timeout",
             Self::UnsupportedMediaType(_) => "unsupported_media_type",
             Self::BadGateway { .. } => "bad_gateway",
             Self::Unavailable { .. } => "unavailable",
@@ -183,6 +191,7 @@ impl ApiError {
             | Self::MethodNotAllowed(_)
             | Self::Conflict(_)
             | Self::PayloadTooLarge { .. }
+            | Self::RequestTimeout { .. }
             | Self::UnsupportedMediaType(_) => "invalid_request_error",
             Self::Unauthorized(_) => "authentication_error",
             Self::Forbidden(_) => "permission_error",
@@ -199,6 +208,7 @@ impl ApiError {
             Self::Unauthorized(_) => Some("invalid_api_key"),
             Self::ModelNotFound(_) => Some("model_not_found"),
             Self::PayloadTooLarge { .. } => Some("request_too_large"),
+            Self::RequestTimeout { .. } => Some("request_timeout"),
             Self::InvalidJson(_) => Some("invalid_json"),
             Self::InsufficientQuota { .. } => Some("insufficient_quota"),
             Self::RateLimited { .. } => Some("rate_limit_exceeded"),

@@ -3,6 +3,7 @@
 //!
 //! Module map (dependencies point downwards):
 //! - [`app`]: the one `build_router`, `serve`/`run` — the request path in one place;
+//! - [`server`]: the listener: connection cap, header and body read deadlines, draining;
 //! - [`state`]: [`AppState`], the shared state handlers and the pipeline take, and its builder;
 //! - [`routes`]: thin axum handlers for `/v1`, `/admin/v1` and the probes;
 //! - [`pipeline`]: the request pipeline (route → forward with failover → settle);
@@ -29,6 +30,7 @@ pub mod pipeline;
 pub mod pricing;
 pub mod redis_conn;
 pub mod routes;
+pub mod server;
 pub mod simulator;
 pub mod state;
 pub mod store;

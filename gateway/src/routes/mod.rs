@@ -18,18 +18,25 @@ use crate::ledger::LedgerStore;
 use crate::state::AppState;
 use crate::store::{StoreError, Tenant};
 
-/// Read a request body up to `limit` bytes (413 in OpenAI shape beyond it).
+/// Read a request body up to `limit` bytes (413 in OpenAI shape beyond it; 408 when it does not
+/// arrive within `server.body_read_timeout_ms`, see [`crate::server::DeadlineBody`]).
 pub async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
     axum::body::to_bytes(body, limit).await.map_err(|e| {
-        let too_large = std::error::Error::source(&e)
-            .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
-        if too_large {
-            ApiError::PayloadTooLarge { limit }
-        } else {
-            ApiError::InvalidRequest {
-                message: format!("could not read the request body: {e}"),
-                param: None,
+        let mut cause = std::error::Error::source(&e);
+        while let Some(c) = cause {
+            if c.is::<http_body_util::LengthLimitError>() {
+                return ApiError::PayloadTooLarge { limit };
             }
+            if let Some(d) = c.downcast_ref::<crate::server::BodyDeadline>() {
+                return ApiError::RequestTimeout {
+                    secs: d.0.as_secs_f64(),
+                };
+            }
+            cause = c.source();
+        }
+        ApiError::InvalidRequest {
+            message: format!("could not read the request body: {e}"),
+            param: None,
         }
     })
 }

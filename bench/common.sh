@@ -16,35 +16,63 @@ trap cleanup EXIT
 
 wait_port() { for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 never opened" >&2; exit 1; }
 
-# start_gateway NAME PORT UPSTREAM_PORT EXTRA_TOML: a gateway (embedded SQLite store, ledger off,
-# both tiers on the simulator at UPSTREAM_PORT serving `sim-small`, model `fast`), with tenant
-# `bench` and its key in $WORK/NAME.key. EXTRA_TOML is appended to the config.
-start_gateway() {
-  cat >"$WORK/$1.toml" <<EOF
+# gateway_toml PORT UPSTREAM_PORT DB LEDGER_BODY: the benchmark gateway's configuration on stdout
+# (embedded SQLite store at DB, both tiers on the simulator at UPSTREAM_PORT serving `sim-small`,
+# model `fast`, priced; LEDGER_BODY is the body of its [ledger] section).
+gateway_toml() {
+  cat <<EOF
 [server]
-listen = "127.0.0.1:$2"
+listen = "127.0.0.1:$1"
 [store]
-url = "sqlite://$WORK/$1.db"
+url = "sqlite://$3"
 [admin]
 token = "$ADMIN"
 [tiers.small]
-replicas = [{ name = "sim", url = "http://127.0.0.1:$3/v1", model = "sim-small", max_concurrency = 4096 }]
+replicas = [{ name = "sim", url = "http://127.0.0.1:$2/v1", model = "sim-small", max_concurrency = 4096 }]
 [tiers.large]
-replicas = [{ name = "sim-l", url = "http://127.0.0.1:$3/v1", model = "sim-small", max_concurrency = 4096 }]
+replicas = [{ name = "sim-l", url = "http://127.0.0.1:$2/v1", model = "sim-small", max_concurrency = 4096 }]
 [models]
 fast = "small"
 [prices.sim-small]
 input = 0.15
 output = 0.60
 [ledger]
-enabled = false
 $4
 EOF
+}
+
+# bench_key URL [BIN_DIR]: create tenant `bench` on the gateway at URL and print a key of it,
+# with BIN_DIR's gatewayctl (default: this checkout's).
+bench_key() {
+  local ctl="${2:-$BIN}/gatewayctl"
+  GATEWAY_URL=$1 GATEWAY_ADMIN_TOKEN=$ADMIN "$ctl" tenants create bench >/dev/null
+  GATEWAY_URL=$1 GATEWAY_ADMIN_TOKEN=$ADMIN "$ctl" --json keys create --tenant bench |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["key"])'
+}
+
+# start_gateway NAME PORT UPSTREAM_PORT EXTRA_TOML: a gateway with the ledger off (see
+# gateway_toml), with tenant `bench` and its key in $WORK/NAME.key. EXTRA_TOML is appended to the
+# config.
+start_gateway() {
+  { gateway_toml "$2" "$3" "$WORK/$1.db" "enabled = false"; echo "$4"; } >"$WORK/$1.toml"
   RUST_LOG=warn "$BIN/gateway" serve --config "$WORK/$1.toml" >"$WORK/$1.log" 2>&1 &
   PIDS+=($!)
   wait_port "$2"
   export GATEWAY_URL="http://127.0.0.1:$2" GATEWAY_ADMIN_TOKEN=$ADMIN
-  "$BIN/gatewayctl" tenants create bench >/dev/null
-  "$BIN/gatewayctl" --json keys create --tenant bench |
-    python3 -c 'import json,sys; print(json.load(sys.stdin)["key"])' >"$WORK/$1.key"
+  bench_key "$GATEWAY_URL" >"$WORK/$1.key"
+}
+
+# wrk_post KEY BODY: a wrk script on stdout that POSTs JSON BODY with bearer KEY and, when done,
+# prints one line "WRK <requests> <seconds> <errors>".
+wrk_post() {
+  cat <<EOF
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer $1"
+wrk.body = '$2'
+done = function(summary, latency, requests)
+  io.write(string.format("WRK %d %.3f %d\\n", summary.requests, summary.duration / 1e6,
+    summary.errors.status + summary.errors.connect + summary.errors.timeout))
+end
+EOF
 }

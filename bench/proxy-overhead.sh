@@ -64,22 +64,7 @@ nginx -c "$WORK/nginx.conf"
 wait_port "$P_NGINX"
 
 # The gateway: embedded SQLite store, both tiers on the simulator, one worker thread per core.
-cat >"$WORK/gateway.toml" <<EOF
-[server]
-listen = "127.0.0.1:$P_GW"
-[store]
-url = "sqlite://$WORK/gateway.db"
-[admin]
-token = "$ADMIN"
-[tiers.small]
-replicas = [{ name = "sim", url = "http://127.0.0.1:$P_UP/v1", model = "sim-small", max_concurrency = 4096 }]
-[tiers.large]
-replicas = [{ name = "sim-l", url = "http://127.0.0.1:$P_UP/v1", model = "sim-small", max_concurrency = 4096 }]
-[models]
-fast = "small"
-[ledger]
-spool_dir = "$WORK/spool"
-EOF
+gateway_toml "$P_GW" "$P_UP" "$WORK/gateway.db" "spool_dir = \"$WORK/spool\"" >"$WORK/gateway.toml"
 RUST_LOG=warn "$BIN/gateway" serve --config "$WORK/gateway.toml" >"$WORK/gateway.log" 2>&1 &
 GW_PID=$!
 PIDS+=($GW_PID)
@@ -90,9 +75,7 @@ sed -e "s/127.0.0.1:$P_GW/127.0.0.1:$P_GW_NOLEDGER/" -e 's/^\[ledger\]$/[ledger]
 RUST_LOG=warn "$BIN/gateway" serve --config "$WORK/gateway-noledger.toml" >"$WORK/gateway-noledger.log" 2>&1 &
 PIDS+=($!)
 wait_port "$P_GW_NOLEDGER"
-export GATEWAY_URL="http://127.0.0.1:$P_GW" GATEWAY_ADMIN_TOKEN=$ADMIN
-"$BIN/gatewayctl" tenants create bench >/dev/null
-KEY=$("$BIN/gatewayctl" --json keys create --tenant bench | python3 -c 'import json,sys; print(json.load(sys.stdin)["key"])')
+KEY=$(bench_key "http://127.0.0.1:$P_GW")
 
 rss_kib() { awk '/VmRSS/ {print $2}' "/proc/$1/status"; }
 RSS_IDLE=$(rss_kib "$GW_PID")
@@ -130,16 +113,7 @@ for name in direct nginx gateway gateway-noledger; do
   fi
   run "sat-$name" "$url" "$body" -z "$SAT_DURATION" -c "$CONNS"
   [ "$name" = gateway ] && kill "$SAMPLER" 2>/dev/null || true
-  cat >"$WORK/wrk-$name.lua" <<EOF
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-wrk.headers["Authorization"] = "Bearer $KEY"
-wrk.body = '$body'
-done = function(summary, latency, requests)
-  io.write(string.format("WRK %d %.3f %d\\n", summary.requests, summary.duration / 1e6,
-    summary.errors.status + summary.errors.connect + summary.errors.timeout))
-end
-EOF
+  wrk_post "$KEY" "$body" >"$WORK/wrk-$name.lua"
   wrk -t2 -c"$CONNS" -d"$SAT_DURATION" -s "$WORK/wrk-$name.lua" "$url" | grep '^WRK' >"$WORK/wrk-$name.txt"
 done
 RSS_LOAD=$(cat "$WORK/rss_peak" 2>/dev/null || echo 0)

@@ -70,6 +70,9 @@ pub enum AttemptError {
     /// The connection broke or the response was malformed.
     #[error("transport error: {0}")]
     Transport(String),
+    /// The response body is larger than `upstream.max_response_bytes`.
+    #[error("response body larger than upstream.max_response_bytes = {0}")]
+    TooLarge(usize),
 }
 
 impl AttemptError {
@@ -79,7 +82,14 @@ impl AttemptError {
             Self::Connect(_) => "connect",
             Self::Timeout => "timeout",
             Self::Transport(_) => "transport",
+            Self::TooLarge(_) => "too_large",
         }
+    }
+
+    /// Whether the replica is to blame (and another one is worth trying): not for an answer
+    /// that is merely too large, which any replica would give again.
+    pub fn is_replica_failure(&self) -> bool {
+        !matches!(self, Self::TooLarge(_))
     }
 }
 
@@ -202,13 +212,15 @@ impl Upstreams {
             .collect()
     }
 
-    /// Send one request to the leased replica and wait for the response headers (first byte).
+    /// Send one request to the leased replica and wait up to `first_byte` for the response
+    /// headers.
     pub async fn send(
         &self,
         target: &Target,
         endpoint: Endpoint,
         body: Bytes,
         request_id: &str,
+        first_byte: Duration,
     ) -> Result<UpstreamResponse, AttemptError> {
         let mut req = Request::post(target.uris[endpoint as usize].clone())
             .header(CONTENT_TYPE, HeaderValue::from_static("application/json"));
@@ -221,8 +233,7 @@ impl Upstreams {
         let req = req
             .body(Full::new(body))
             .map_err(|e| AttemptError::Transport(e.to_string()))?;
-        match tokio::time::timeout(self.config.first_byte_timeout(), self.client.request(req)).await
-        {
+        match tokio::time::timeout(first_byte, self.client.request(req)).await {
             Err(_) => Err(AttemptError::Timeout),
             Ok(Ok(resp)) => Ok(resp),
             Ok(Err(e)) if e.is_connect() => Err(AttemptError::Connect(error_chain(&e))),
@@ -231,15 +242,20 @@ impl Upstreams {
     }
 }
 
-/// Read a whole response body before `deadline`.
+/// Read a whole response body of at most `limit` bytes before `deadline`.
 pub async fn read_body(
     resp: UpstreamResponse,
     deadline: Instant,
+    limit: usize,
 ) -> Result<(http::response::Parts, Bytes), AttemptError> {
     let (parts, body) = resp.into_parts();
+    let body = http_body_util::Limited::new(body, limit);
     match tokio::time::timeout_at(deadline.into(), body.collect()).await {
         Err(_) => Err(AttemptError::Timeout),
-        Ok(Err(e)) => Err(AttemptError::Transport(error_chain(&e))),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(AttemptError::TooLarge(limit))
+        }
+        Ok(Err(e)) => Err(AttemptError::Transport(error_chain(e.as_ref()))),
         Ok(Ok(collected)) => Ok((parts, collected.to_bytes())),
     }
 }

@@ -1,5 +1,7 @@
 //! Replica choice within one tier: least in-flight requests among healthy replicas, bounded by
-//! each replica's maximum concurrency, with passive health (consecutive failures trip a cooldown).
+//! each replica's maximum concurrency, with passive health: consecutive failures trip a cooldown,
+//! after which the replica is half-open and exactly one request probes it (success closes the
+//! breaker, failure trips another cooldown) while every other request keeps going elsewhere.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -10,7 +12,7 @@ use std::time::{Duration, Instant};
 pub struct HealthPolicy {
     /// Consecutive failures that take a replica out of rotation.
     pub failure_threshold: u32,
-    /// How long a tripped replica stays out before it is tried again (half-open).
+    /// How long a tripped replica stays out before one probe request is let through (half-open).
     pub cooldown: Duration,
 }
 
@@ -33,6 +35,8 @@ pub struct Replica {
     consecutive_failures: AtomicU32,
     /// Nanoseconds after the set's epoch until which the replica is out; 0 = not tripped.
     down_until_ns: AtomicU64,
+    /// The token of the lease probing a half-open replica; 0 = no probe in flight.
+    probe: AtomicU64,
 }
 
 impl Replica {
@@ -56,6 +60,17 @@ impl Replica {
     }
 }
 
+/// Where a replica's circuit breaker stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Breaker {
+    /// Taking requests.
+    Closed,
+    /// Tripped, cooling down: no requests.
+    Open,
+    /// Cooled down: one probe request at a time.
+    HalfOpen,
+}
+
 /// A point-in-time view of one replica, for metrics and the admin API.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReplicaSnapshot {
@@ -77,6 +92,8 @@ pub struct ReplicaSet {
     epoch: Instant,
     /// Rotates the starting point of the scan so ties spread round-robin.
     next: AtomicUsize,
+    /// Source of probe tokens (never 0).
+    probes: AtomicU64,
 }
 
 /// A concurrency slot on one replica. Dropping it frees the slot; report the outcome with
@@ -85,6 +102,8 @@ pub struct ReplicaSet {
 pub struct Lease {
     replica: Arc<Replica>,
     index: usize,
+    /// Non-zero when this lease is the probe of a half-open replica.
+    probe: u64,
 }
 
 impl Lease {
@@ -97,10 +116,30 @@ impl Lease {
     pub fn index(&self) -> usize {
         self.index
     }
+
+    /// Whether this lease is the one probe of a half-open replica.
+    pub fn is_probe(&self) -> bool {
+        self.probe != 0
+    }
+
+    /// Give up the probe slot, if this lease holds it.
+    fn end_probe(&self) {
+        if self.probe != 0 {
+            let _ = self.replica.probe.compare_exchange(
+                self.probe,
+                0,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+        }
+    }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        // A probe that ended without an outcome (the request was abandoned) frees the slot for
+        // the next one.
+        self.end_probe();
         self.replica.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -117,6 +156,7 @@ impl ReplicaSet {
                     in_flight: AtomicU32::new(0),
                     consecutive_failures: AtomicU32::new(0),
                     down_until_ns: AtomicU64::new(0),
+                    probe: AtomicU64::new(0),
                 })
             })
             .collect();
@@ -125,6 +165,7 @@ impl ReplicaSet {
             policy,
             epoch: Instant::now(),
             next: AtomicUsize::new(0),
+            probes: AtomicU64::new(1),
         }
     }
 
@@ -143,13 +184,24 @@ impl ReplicaSet {
     }
 
     fn is_healthy(&self, replica: &Replica, now: Instant) -> bool {
+        self.state(replica, now) != Breaker::Open
+    }
+
+    fn state(&self, replica: &Replica, now: Instant) -> Breaker {
         let down_until = replica.down_until_ns.load(Ordering::Acquire);
-        down_until == 0 || self.nanos_since_epoch(now) >= down_until
+        if down_until == 0 {
+            Breaker::Closed
+        } else if self.nanos_since_epoch(now) >= down_until {
+            Breaker::HalfOpen
+        } else {
+            Breaker::Open
+        }
     }
 
     /// Lease the healthy replica with the fewest requests in flight, skipping replicas whose
-    /// index is in `exclude` (already tried for this request) and replicas at their concurrency
-    /// limit. Ties go round-robin. `None` when no replica can take the request.
+    /// index is in `exclude` (already tried for this request), replicas at their concurrency
+    /// limit, and half-open replicas whose one probe is already in flight. Ties go round-robin.
+    /// `None` when no replica can take the request.
     pub fn choose(&self, now: Instant, exclude: &[usize]) -> Option<Lease> {
         let n = self.replicas.len();
         if n == 0 {
@@ -163,8 +215,14 @@ impl ReplicaSet {
             for offset in 0..n {
                 let index = (start + offset) % n;
                 let replica = &self.replicas[index];
-                if exclude.contains(&index) || !self.is_healthy(replica, now) {
+                if exclude.contains(&index) {
                     continue;
+                }
+                match self.state(replica, now) {
+                    Breaker::Closed => {}
+                    Breaker::Open => continue,
+                    Breaker::HalfOpen if replica.probe.load(Ordering::Acquire) != 0 => continue,
+                    Breaker::HalfOpen => {}
                 }
                 let load = replica.in_flight();
                 if load >= replica.max_concurrency {
@@ -176,11 +234,32 @@ impl ReplicaSet {
             }
             let (index, _) = best?;
             let replica = &self.replicas[index];
+            let probe = if self.state(replica, now) == Breaker::HalfOpen {
+                let token = self.probes.fetch_add(1, Ordering::Relaxed);
+                if replica
+                    .probe
+                    .compare_exchange(0, token, Ordering::AcqRel, Ordering::Acquire)
+                    .is_err()
+                {
+                    // Another request took the probe between the scan and here.
+                    continue;
+                }
+                token
+            } else {
+                0
+            };
             if replica.try_acquire() {
                 return Some(Lease {
                     replica: Arc::clone(replica),
                     index,
+                    probe,
                 });
+            }
+            if probe != 0 {
+                let _ =
+                    replica
+                        .probe
+                        .compare_exchange(probe, 0, Ordering::AcqRel, Ordering::Acquire);
             }
         }
         None
@@ -191,6 +270,7 @@ impl ReplicaSet {
         let replica = &self.replicas[lease.index];
         replica.consecutive_failures.store(0, Ordering::Release);
         replica.down_until_ns.store(0, Ordering::Release);
+        lease.end_probe();
     }
 
     /// The request on `lease` failed at the replica (connect error, 5xx, timeout). Returns `true`
@@ -198,9 +278,10 @@ impl ReplicaSet {
     pub fn record_failure(&self, lease: &Lease, now: Instant) -> bool {
         let replica = &self.replicas[lease.index];
         let failures = replica.consecutive_failures.fetch_add(1, Ordering::AcqRel) + 1;
-        if failures >= self.policy.failure_threshold {
+        if failures >= self.policy.failure_threshold || lease.is_probe() {
             let until = self.nanos_since_epoch(now + self.policy.cooldown).max(1);
             replica.down_until_ns.store(until, Ordering::Release);
+            lease.end_probe();
             return true;
         }
         false
@@ -301,6 +382,57 @@ mod tests {
         s.record_success(&probe);
         assert_eq!(s.snapshot(later)[0].consecutive_failures, 0);
         assert!(s.snapshot(later)[0].healthy);
+    }
+
+    #[test]
+    fn a_half_open_replica_takes_one_probe_at_a_time() {
+        let s = set(2, 10);
+        let now = Instant::now();
+        let lease = s.choose(now, &[1]).unwrap();
+        s.record_failure(&lease, now);
+        assert!(s.record_failure(&lease, now));
+        drop(lease);
+        let later = now + Duration::from_secs(6);
+        let probe = s.choose(later, &[1]).unwrap();
+        assert_eq!(probe.index(), 0);
+        assert!(probe.is_probe());
+        // While the probe is out, everyone else goes to replica 1, however loaded it is.
+        let others: Vec<_> = (0..5).map(|_| s.choose(later, &[]).unwrap()).collect();
+        assert!(others.iter().all(|l| l.index() == 1 && !l.is_probe()));
+        assert!(s.choose(later, &[1]).is_none(), "no second probe");
+        // A probe abandoned without an outcome frees the slot for the next one.
+        drop(probe);
+        let probe = s.choose(later, &[1]).unwrap();
+        assert!(probe.is_probe());
+        s.record_success(&probe);
+        drop(probe);
+        let a = s.choose(later, &[1]).unwrap();
+        let b = s.choose(later, &[1]).unwrap();
+        assert!(!a.is_probe() && !b.is_probe(), "closed again: no probing");
+    }
+
+    #[test]
+    fn a_failed_probe_opens_the_breaker_for_another_cooldown() {
+        let s = ReplicaSet::new(
+            [("r0".to_owned(), 10)],
+            HealthPolicy {
+                failure_threshold: 5,
+                cooldown: Duration::from_secs(5),
+            },
+        );
+        let now = Instant::now();
+        let lease = s.choose(now, &[]).unwrap();
+        for _ in 0..5 {
+            s.record_failure(&lease, now);
+        }
+        drop(lease);
+        // Tripped; once cooled down, the probe's failure trips it again on its own.
+        let later = now + Duration::from_secs(6);
+        let probe = s.choose(later, &[]).unwrap();
+        assert!(s.record_failure(&probe, later));
+        drop(probe);
+        assert!(s.choose(later, &[]).is_none(), "open for another cooldown");
+        assert!(s.choose(later + Duration::from_secs(6), &[]).is_some());
     }
 
     #[test]

@@ -467,6 +467,53 @@ async fn rate_limits_answer_429_with_retry_after() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_refused_before_admission_still_count_against_the_request_rate() {
+    for kind in BUDGET_STORES {
+        let s = setup(kind, Deps::default(), |_| {}).await;
+        let r = s
+            .app
+            .admin(
+                Method::PUT,
+                "rate-limits",
+                Some(json!({"tenant": "acme", "rpm": 3})),
+            )
+            .await;
+        assert_eq!(r.status(), 200);
+        let url = format!("{}/v1/chat/completions", s.app.base);
+        let mut statuses = Vec::new();
+        for i in 0..6 {
+            let resp = if i % 2 == 0 {
+                s.app.chat(chat_body("no-such-model", "hi")).await
+            } else {
+                s.app
+                    .http
+                    .post(&url)
+                    .bearer_auth(&s.app.api_key)
+                    .body("{not json")
+                    .send()
+                    .await
+                    .unwrap()
+            };
+            statuses.push(resp.status().as_u16());
+        }
+        assert_eq!(
+            statuses,
+            [404, 400, 404, 429, 429, 429],
+            "{kind:?}: malformed and unknown-model requests spend the request rate"
+        );
+        let r = s.app.chat(chat_body("fast", "hi")).await;
+        assert_eq!(
+            r.status(),
+            429,
+            "{kind:?}: and so do the good ones after them"
+        );
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "rate_limit_exceeded");
+        wait_reserved_zero(&s.app).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_rebuilds_spend_from_the_ledger() {
     let small = Sim::zero("sim-small").await;
     let large = Sim::zero("sim-large").await;

@@ -11,7 +11,7 @@ use async_openai::types::chat::{
 };
 use async_openai::types::completions::CreateCompletionRequestArgs;
 use async_openai::types::embeddings::CreateEmbeddingRequestArgs;
-use e2e::{chat_body, config, replica, Sim, StoreKind, TestApp};
+use e2e::{chat_body, config, eventually, replica, Sim, StoreKind, TestApp};
 use futures_util::StreamExt;
 use gateway::simulator::{SimOptions, SimProfile};
 use gateway::usage::UsageSource;
@@ -303,6 +303,61 @@ async fn bad_requests_get_openai_shaped_errors_naming_the_problem() {
         (404, Some("model_not_found"))
     );
 
+    for (body, param) in [
+        (chat_body(&"m".repeat(300), "hi"), "model"),
+        (
+            json!({"model": "fast", "n": 1000, "messages": [{"role": "user", "content": "hi"}]}),
+            "n",
+        ),
+        (
+            json!({"model": "fast", "max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}),
+            "max_tokens",
+        ),
+        (
+            json!({"model": "fast", "messages": [{"role": "user"}]}),
+            "messages[0].content",
+        ),
+        (
+            json!({"model": "fast", "user": "u".repeat(300), "messages": [{"role": "user", "content": "hi"}]}),
+            "user",
+        ),
+    ] {
+        let (st, b) = error_of(s.app.chat(body).await).await;
+        assert_eq!(
+            (st, b["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{b}"
+        );
+    }
+    // An assistant turn that calls a tool may come without content.
+    let tool_turn = json!({"model": "fast", "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]});
+    assert_eq!(s.app.chat(tool_turn).await.status(), 200);
+    let tags = (0..20)
+        .map(|i| format!("t{i}=v"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let (st, b) = error_of(
+        s.app
+            .http
+            .post(&url)
+            .bearer_auth(&s.app.api_key)
+            .header("x-gateway-tags", tags)
+            .json(&chat_body("fast", "hi"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        (st, b["error"]["param"].as_str()),
+        (400, Some("x-gateway-tags")),
+        "{b}"
+    );
+
     let big = chat_body("fast", &"x".repeat(4096));
     let (st, b) = error_of(s.app.chat(big).await).await;
     assert_eq!(
@@ -323,14 +378,21 @@ async fn bad_requests_get_openai_shaped_errors_naming_the_problem() {
     let (st, b) = error_of(get).await;
     assert_eq!(st, 405, "{b}");
 
-    for _ in 0..5 {
+    // Eleven rejections settled (and the one tool turn answered among them).
+    let mut answered = 0;
+    for _ in 0..12 {
         let e = s.app.next_event().await;
+        if e.status == 200 {
+            answered += 1;
+            continue;
+        }
         assert!(
             e.error_kind.is_some() && e.status >= 400,
             "rejections are settled too: {e:?}"
         );
         assert_eq!(e.prompt_tokens + e.completion_tokens, 0);
     }
+    assert_eq!(answered, 1);
 }
 
 #[tokio::test]
@@ -502,6 +564,147 @@ async fn a_slow_first_byte_is_a_504() {
     let app = TestApp::spawn(c, StoreKind::Sqlite).await;
     let (st, b) = error_of(app.chat(chat_body("fast", "hi")).await).await;
     assert_eq!(st, 504, "{b}");
+}
+
+/// A wiremock upstream answering every POST with `completion_json` after `delay`.
+async fn delayed_upstream(delay: Duration) -> MockServer {
+    let up = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .set_body_json(completion_json("m"))
+                .set_delay(delay),
+        )
+        .mount(&up)
+        .await;
+    up
+}
+
+async fn requests_to(up: &MockServer) -> usize {
+    up.received_requests().await.map_or(0, |r| r.len())
+}
+
+#[tokio::test]
+async fn a_hung_tier_costs_one_first_byte_budget_not_one_timeout_per_attempt() {
+    let hung = delayed_upstream(Duration::from_secs(10)).await;
+    let url = format!("{}/v1", hung.uri());
+    // Three attempts (two small replicas, then the large tier), 600 ms each, sharing 900 ms.
+    let mut c = config(
+        vec![replica("h1", &url, "m"), replica("h2", &url, "m")],
+        vec![replica("h3", &url, "m")],
+    );
+    c.upstream.first_byte_timeout_ms = 600;
+    c.upstream.first_byte_budget_ms = 900;
+    let app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    let started = std::time::Instant::now();
+    let (st, b) = error_of(app.chat(chat_body("fast", "hi")).await).await;
+    let took = started.elapsed();
+    assert_eq!(st, 504, "{b}");
+    assert!(
+        took >= Duration::from_millis(850) && took < Duration::from_millis(1500),
+        "504 after {took:?}: the attempts share a 900 ms first-byte budget (1.8 s if each had its own)"
+    );
+    assert_eq!(
+        requests_to(&hung).await,
+        2,
+        "600 ms, then the 300 ms left; no third attempt"
+    );
+}
+
+#[tokio::test]
+async fn streams_fail_over_at_their_own_shorter_first_byte_timeout() {
+    let slow = delayed_upstream(Duration::from_millis(1500)).await;
+    let url = format!("{}/v1", slow.uri());
+    let mut c = config(vec![replica("s", &url, "m")], vec![replica("l", &url, "m")]);
+    c.upstream.stream_first_byte_timeout_ms = 300;
+    c.upstream.first_byte_timeout_ms = 5_000;
+    c.upstream.first_byte_budget_ms = 5_000;
+    c.upstream.fallback_to_other_tier = false;
+    let app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    let mut body = chat_body("fast", "hi");
+    body["stream"] = json!(true);
+    let started = std::time::Instant::now();
+    let (st, b) = error_of(app.chat(body).await).await;
+    assert_eq!(
+        st, 504,
+        "a stream's headers did not come within 300 ms: {b}"
+    );
+    assert!(started.elapsed() < Duration::from_millis(1400));
+    // The same answer, not streamed, is waited for: it is the whole generation.
+    assert_eq!(app.chat(chat_body("fast", "hi")).await.status(), 200);
+}
+
+#[tokio::test]
+async fn after_the_cooldown_one_probe_goes_to_a_tripped_replica_while_the_rest_go_elsewhere() {
+    let hung = delayed_upstream(Duration::from_secs(10)).await;
+    let healthy = delayed_upstream(Duration::from_millis(100)).await;
+    let mut c = config(
+        vec![
+            replica("hung", &format!("{}/v1", hung.uri()), "m"),
+            replica("ok", &format!("{}/v1", healthy.uri()), "m"),
+        ],
+        vec![replica("l", &format!("{}/v1", healthy.uri()), "m")],
+    );
+    c.upstream.first_byte_timeout_ms = 300;
+    c.upstream.failure_threshold = 1;
+    c.upstream.cooldown_ms = 400;
+    let app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    // Trip `hung`: every request goes there or to `ok`; send until it has been tried once.
+    eventually(
+        "the hung replica is tried and tripped",
+        Duration::from_secs(10),
+        || async {
+            assert_eq!(app.chat(chat_body("fast", "hi")).await.status(), 200);
+            (requests_to(&hung).await == 1).then_some(())
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Cooled down: eight requests at once, and only one of them may probe the hung replica.
+    let answers =
+        futures_util::future::join_all((0..8).map(|_| app.chat(chat_body("fast", "hi")))).await;
+    assert!(answers.iter().all(|r| r.status() == 200));
+    assert_eq!(
+        requests_to(&hung).await,
+        2,
+        "one probe after the cooldown, not every request at once"
+    );
+}
+
+#[tokio::test]
+async fn an_answer_over_max_response_bytes_is_a_502_and_not_retried() {
+    let up = MockServer::start().await;
+    let mut big = completion_json("m");
+    big["choices"][0]["message"]["content"] = json!("x".repeat(300_000));
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(200).set_body_json(big))
+        .expect(1)
+        .mount(&up)
+        .await;
+    let url = format!("{}/v1", up.uri());
+    let mut c = config(
+        vec![replica("a", &url, "m"), replica("b", &url, "m")],
+        vec![replica("c", &url, "m")],
+    );
+    c.upstream.max_response_bytes = 100_000;
+    let app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    let (st, b) = error_of(app.chat(chat_body("fast", "hi")).await).await;
+    assert_eq!(st, 502);
+    assert!(
+        b["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("upstream.max_response_bytes = 100000"),
+        "{b}"
+    );
+    let replicas = app.state.upstreams.snapshot(std::time::Instant::now());
+    assert!(
+        replicas
+            .iter()
+            .flat_map(|(_, r)| r)
+            .all(|r| r.consecutive_failures == 0),
+        "not held against the replica: {replicas:?}"
+    );
 }
 
 #[tokio::test]
@@ -680,6 +883,14 @@ async fn metrics_expose_every_defined_name_after_traffic() {
     assert!(
         text.contains(
             "gateway_requests_total{model=\"fast\",status=\"200\",tenant=\"acme\",tier=\"small\"}"
+        ),
+        "{text}"
+    );
+    // A name the configuration does not know is one `unknown` label, never the client's text.
+    assert!(!text.contains("nope"), "{text}");
+    assert!(
+        text.contains(
+            "gateway_requests_total{model=\"unknown\",status=\"404\",tenant=\"acme\",tier=\"none\"}"
         ),
         "{text}"
     );

@@ -113,6 +113,21 @@ impl Config {
         if self.server.max_body_bytes == 0 {
             return Err(invalid("server.max_body_bytes", "must be greater than 0"));
         }
+        for (field, value) in [
+            ("server.max_connections", self.server.max_connections as u64),
+            (
+                "server.header_read_timeout_ms",
+                self.server.header_read_timeout_ms,
+            ),
+            (
+                "server.body_read_timeout_ms",
+                self.server.body_read_timeout_ms,
+            ),
+        ] {
+            if value == 0 {
+                return Err(invalid(field, "must be greater than 0"));
+            }
+        }
         if !(self.store.url.starts_with("sqlite:") || self.store.url.starts_with("postgres")) {
             return Err(invalid(
                 "store.url",
@@ -127,6 +142,21 @@ impl Config {
         }
         if self.upstream.failure_threshold == 0 {
             return Err(invalid("upstream.failure_threshold", "must be at least 1"));
+        }
+        let up = &self.upstream;
+        for (field, value) in [
+            ("upstream.first_byte_timeout_ms", up.first_byte_timeout_ms),
+            (
+                "upstream.stream_first_byte_timeout_ms",
+                up.stream_first_byte_timeout_ms,
+            ),
+            ("upstream.first_byte_budget_ms", up.first_byte_budget_ms),
+            ("upstream.total_timeout_ms", up.total_timeout_ms),
+            ("upstream.max_response_bytes", up.max_response_bytes as u64),
+        ] {
+            if value == 0 {
+                return Err(invalid(field, "must be greater than 0"));
+            }
         }
         for tier in Tier::ALL {
             if !self.tiers.contains_key(&tier) {

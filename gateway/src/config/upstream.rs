@@ -20,8 +20,18 @@ pub enum DisconnectPolicy {
 pub struct UpstreamConfig {
     /// TCP (and TLS) connect timeout, ms.
     pub connect_timeout_ms: u64,
-    /// Time from sending the request to the response headers, ms.
+    /// Per attempt, time from sending a non-streamed request to the response headers, ms. Model
+    /// servers send those headers once the whole answer is generated, so this bounds generation.
     pub first_byte_timeout_ms: u64,
+    /// Per attempt, time from sending a streamed request to the response headers, ms. Model
+    /// servers send those as soon as they accept the request, so a replica that does not is hung.
+    pub stream_first_byte_timeout_ms: u64,
+    /// Waiting for response headers across all attempts of one request, ms: once it is spent
+    /// the request fails (504) instead of trying another replica, so a hung tier costs at most
+    /// this long, not attempts × first-byte timeout.
+    pub first_byte_budget_ms: u64,
+    /// Largest non-streamed response body accepted from a model server, bytes (502 above).
+    pub max_response_bytes: usize,
     /// Longest silence between two chunks of a streamed body, ms.
     pub idle_timeout_ms: u64,
     /// Whole exchange, ms.
@@ -45,6 +55,9 @@ impl Default for UpstreamConfig {
         Self {
             connect_timeout_ms: 2_000,
             first_byte_timeout_ms: 60_000,
+            stream_first_byte_timeout_ms: 15_000,
+            first_byte_budget_ms: 60_000,
+            max_response_bytes: 32 * 1024 * 1024,
             idle_timeout_ms: 60_000,
             total_timeout_ms: 600_000,
             retries_same_tier: 1,
@@ -62,9 +75,17 @@ impl UpstreamConfig {
     pub fn connect_timeout(&self) -> Duration {
         Duration::from_millis(self.connect_timeout_ms)
     }
-    /// First-byte timeout as a duration.
-    pub fn first_byte_timeout(&self) -> Duration {
-        Duration::from_millis(self.first_byte_timeout_ms)
+    /// One attempt's first-byte timeout as a duration (streamed or not).
+    pub fn first_byte_timeout(&self, stream: bool) -> Duration {
+        Duration::from_millis(if stream {
+            self.stream_first_byte_timeout_ms
+        } else {
+            self.first_byte_timeout_ms
+        })
+    }
+    /// The first-byte budget shared by a request's attempts, as a duration.
+    pub fn first_byte_budget(&self) -> Duration {
+        Duration::from_millis(self.first_byte_budget_ms)
     }
     /// Idle-between-chunks timeout as a duration.
     pub fn idle_timeout(&self) -> Duration {

@@ -23,7 +23,16 @@ struct CommonView<'a> {
     max_completion_tokens: Option<u32>,
     #[serde(default)]
     n: Option<u32>,
+    #[serde(default)]
+    user: Option<&'a str>,
 }
+
+/// Longest accepted `model` name, in bytes: it is stored in the ledger and echoed in errors.
+pub const MAX_MODEL_LEN: usize = 256;
+/// Longest accepted `user`, in bytes: it becomes the ledger's `user` tag.
+pub const MAX_USER_LEN: usize = 256;
+/// Most choices one request may ask for (`n`), as OpenAI allows.
+pub const MAX_CHOICES: u32 = 128;
 
 #[derive(Deserialize)]
 struct StreamOptionsView {
@@ -32,11 +41,14 @@ struct StreamOptionsView {
 }
 
 #[derive(Deserialize)]
-#[expect(dead_code, reason = "fields are parsed only to validate their types")]
 struct MessageView<'a> {
     role: Role,
     #[serde(default, borrow)]
     content: Option<ContentView<'a>>,
+    #[serde(default)]
+    tool_calls: Option<serde::de::IgnoredAny>,
+    #[serde(default)]
+    function_call: Option<serde::de::IgnoredAny>,
 }
 
 #[derive(Deserialize)]
@@ -128,8 +140,37 @@ impl ParsedRequest {
         if common.model.is_empty() {
             return Err(ApiError::invalid("model", "`model` must not be empty"));
         }
+        if common.model.len() > MAX_MODEL_LEN {
+            return Err(ApiError::invalid(
+                "model",
+                format!("`model` is longer than {MAX_MODEL_LEN} bytes"),
+            ));
+        }
         if common.n == Some(0) {
             return Err(ApiError::invalid("n", "`n` must be at least 1"));
+        }
+        if common.n.is_some_and(|n| n > MAX_CHOICES) {
+            return Err(ApiError::invalid(
+                "n",
+                format!("`n` must be at most {MAX_CHOICES}"),
+            ));
+        }
+        for (field, value) in [
+            ("max_tokens", common.max_tokens),
+            ("max_completion_tokens", common.max_completion_tokens),
+        ] {
+            if value == Some(0) {
+                return Err(ApiError::invalid(
+                    field,
+                    format!("`{field}` must be at least 1"),
+                ));
+            }
+        }
+        if common.user.is_some_and(|u| u.len() > MAX_USER_LEN) {
+            return Err(ApiError::invalid(
+                "user",
+                format!("`user` is longer than {MAX_USER_LEN} bytes"),
+            ));
         }
         match endpoint {
             Endpoint::Chat => {
@@ -145,6 +186,17 @@ impl ParsedRequest {
                         "messages",
                         "`messages` must not be empty",
                     ));
+                }
+                for (i, m) in chat.messages.iter().enumerate() {
+                    // Only an assistant turn that calls a tool may come without content.
+                    let calls = m.tool_calls.is_some() || m.function_call.is_some();
+                    if m.content.is_none() && !(matches!(m.role, Role::Assistant) && calls) {
+                        return Err(ApiError::invalid(
+                            format!("messages[{i}].content"),
+                            "missing required field `content` (only an assistant message with \
+                             `tool_calls` may omit it)",
+                        ));
+                    }
                 }
             }
             Endpoint::Completions => {

@@ -31,18 +31,26 @@ enum Buffered {
     Failed(AttemptError),
 }
 
-async fn read_all(resp: UpstreamResponse, deadline: Instant) -> Buffered {
-    match upstream::read_body(resp, deadline).await {
+async fn read_all(resp: UpstreamResponse, deadline: Instant, limit: usize) -> Buffered {
+    match upstream::read_body(resp, deadline, limit).await {
         Ok((parts, body)) => Buffered::Done(parts.status, parts.headers, body),
         Err(e) => Buffered::Failed(e),
     }
 }
 
 /// Try the planned tiers until one answers; respond with its answer, or settle the last error.
+///
+/// Time limits: each attempt waits for response headers up to its first-byte timeout
+/// (`upstream.stream_first_byte_timeout_ms` for streams, `first_byte_timeout_ms` otherwise),
+/// but never beyond what is left of the first-byte budget the attempts share
+/// (`first_byte_budget_ms`); the whole exchange ends at `total_timeout_ms`.
 pub(super) async fn forward(mut call: Call) -> Response {
     // The pools are borrowed from this handle while the call itself moves on to respond.
     let state = call.state.clone();
-    let deadline = call.ctx.started + state.upstreams.config().total_timeout();
+    let up = state.upstreams.config();
+    let deadline = call.ctx.started + up.total_timeout();
+    let mut first_byte_left = up.first_byte_budget();
+    let limit = up.max_response_bytes;
     let mut tried: Vec<(Tier, usize)> = Vec::new();
     let mut last_error: Option<ApiError> = None;
     let mut attempts = 0u32;
@@ -62,15 +70,21 @@ pub(super) async fn forward(mut call: Call) -> Response {
         attempts += 1;
         let target = pool.target(&lease);
         let body = call.req.upstream_body(&target.model);
+        let wait = up
+            .first_byte_timeout(call.req.stream)
+            .min(first_byte_left)
+            .min(deadline.saturating_duration_since(Instant::now()));
+        let sent = Instant::now();
         let outcome = state
             .upstreams
-            .send(target, call.req.endpoint, body, &call.ctx.request_id)
+            .send(target, call.req.endpoint, body, &call.ctx.request_id, wait)
             .await;
+        first_byte_left = first_byte_left.saturating_sub(sent.elapsed());
         let failure: Result<(), (String, &'static str, ApiError)> = match outcome {
             Ok(resp) if resp.status().is_server_error() => {
                 let status = resp.status();
                 // Read (and discard) the error body so the connection can be reused.
-                let _ = read_all(resp, deadline).await;
+                let _ = read_all(resp, deadline, limit).await;
                 Err((
                     format!("status {status}"),
                     "status_5xx",
@@ -84,11 +98,23 @@ pub(super) async fn forward(mut call: Call) -> Response {
                 call.event.retries = attempts - 1;
                 return respond::streamed(call, pool, lease, resp, deadline);
             }
-            Ok(resp) => match read_all(resp, deadline).await {
+            Ok(resp) => match read_all(resp, deadline, limit).await {
                 Buffered::Done(status, headers, body) => {
                     pool.set.record_success(&lease);
                     call.event.retries = attempts - 1;
                     return respond::buffered(call, pool, &lease, status, &headers, body);
+                }
+                Buffered::Failed(e) if !e.is_replica_failure() => {
+                    // Any replica would answer the same: no failover, and no mark against it.
+                    pool.set.record_success(&lease);
+                    tracing::warn!(
+                        request_id = %call.ctx.request_id,
+                        replica = %target.name,
+                        error = %e,
+                        "upstream answer refused"
+                    );
+                    last_error = Some(attempt_error(&e));
+                    break;
                 }
                 Buffered::Failed(e) => Err((e.to_string(), e.kind(), attempt_error(&e))),
             },
@@ -111,7 +137,7 @@ pub(super) async fn forward(mut call: Call) -> Response {
             );
             last_error = Some(api_error);
         }
-        if Instant::now() >= deadline {
+        if Instant::now() >= deadline || first_byte_left.is_zero() {
             break;
         }
     }
@@ -146,6 +172,12 @@ fn attempt_error(e: &AttemptError) -> ApiError {
         },
         AttemptError::Transport(_) => ApiError::BadGateway {
             message: "the connection to the model server failed".into(),
+        },
+        AttemptError::TooLarge(limit) => ApiError::BadGateway {
+            message: format!(
+                "the model server's answer is larger than upstream.max_response_bytes = {limit} \
+                 bytes"
+            ),
         },
     }
 }

@@ -91,13 +91,13 @@ pub async fn run(
         Ok(r) => r,
         Err(e) => {
             event.fingerprint = crate::openai::fingerprint_bytes(&body);
-            return settle::reject(&state, &ctx, event, e, None);
+            return refuse(&state, &ctx, event, e).await;
         }
     };
     record_request(&mut event, &req);
     let Some(target) = state.config.resolve_model(&req.model) else {
         let e = ApiError::ModelNotFound(req.model.clone());
-        return settle::reject(&state, &ctx, event, e, None);
+        return refuse(&state, &ctx, event, e).await;
     };
     let mut call = Call::new(state, ctx, req, event, target);
     // Guard seat: agent loops and client retries are checked here, before any cost.
@@ -119,14 +119,49 @@ pub async fn run(
     response
 }
 
-/// Answer an error found before the body was parsed (unreadable body, bad tags header).
-pub fn reject_early(
+/// Answer an error found before the body was parsed (unreadable or late body, bad tags header).
+pub async fn reject_early(
     state: &AppState,
     ctx: &RequestContext,
     endpoint: Endpoint,
     e: ApiError,
 ) -> Response {
-    settle::reject(state, ctx, new_event(ctx, endpoint), e, None)
+    refuse(state, ctx, new_event(ctx, endpoint), e).await
+}
+
+/// Answer a request refused before admission, and settle it. It still counts against the
+/// tenant's request-rate limits (one request, no tokens), so malformed or unknown-model requests
+/// cannot be sent without limit: once the limit is spent they get its 429 instead. A budget
+/// store that cannot be reached never turns the refusal into anything else.
+async fn refuse(
+    state: &AppState,
+    ctx: &RequestContext,
+    event: UsageEvent,
+    mut e: ApiError,
+) -> Response {
+    let mut reservation = None;
+    let plan = state
+        .budgets
+        .plan(&ctx.key, &event.tags)
+        .and_then(crate::budget::engine::Plan::requests_only);
+    if let Some(plan) = plan {
+        let input = AdmitInput {
+            rid: ctx.request_id.clone(),
+            prompt_tokens: 0,
+            max_tokens: None,
+            generates: false,
+            choices: 1,
+            price: ReservePrice::default(),
+            small_price: ReservePrice::default(),
+            primary_is_small: true,
+        };
+        match state.budgets.admit(&plan, input).await {
+            Ok(mut admission) => reservation = admission.reservation.take(),
+            Err(refusal @ crate::budget::Refusal::RateLimited { .. }) => e = refusal.into(),
+            Err(_) => {}
+        }
+    }
+    settle::reject(state, ctx, event, e, reservation)
 }
 
 impl Call {

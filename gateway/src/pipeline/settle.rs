@@ -61,18 +61,17 @@ pub fn settle(state: &AppState, mut event: UsageEvent, reservation: Option<Reser
     let m = &state.metrics;
     let tier = event.tier.as_deref().unwrap_or("none");
     let status = event.status.to_string();
+    // Only names the configuration knows become label values: anything a client can type
+    // would grow /metrics without bound.
+    let requested = if state.config.resolve_model(&event.requested_model).is_some() {
+        event.requested_model.as_str()
+    } else {
+        "unknown"
+    };
     m.requests
-        .with_label_values(&[
-            event.tenant_name.as_str(),
-            event.requested_model.as_str(),
-            tier,
-            status.as_str(),
-        ])
+        .with_label_values(&[event.tenant_name.as_str(), requested, tier, status.as_str()])
         .inc();
-    let model = event
-        .served_model
-        .as_deref()
-        .unwrap_or(event.requested_model.as_str());
+    let model = event.served_model.as_deref().unwrap_or(requested);
     for (kind, n) in [
         ("prompt", event.prompt_tokens),
         ("completion", event.completion_tokens),

@@ -49,6 +49,9 @@ pub async fn embeddings(
     proxy(state, key, headers, body, Endpoint::Embeddings).await
 }
 
+/// Most tags one request's `x-gateway-tags` may carry (each is stored on its ledger row).
+const MAX_REQUEST_TAGS: usize = 16;
+
 /// Parse `x-gateway-tags: feature=search, user=42`.
 fn request_tags(headers: &HeaderMap) -> Result<BTreeMap<String, String>, ApiError> {
     let mut tags = BTreeMap::new();
@@ -69,6 +72,12 @@ fn request_tags(headers: &HeaderMap) -> Result<BTreeMap<String, String>, ApiErro
             return Err(bad());
         }
         tags.insert(k.to_owned(), v.to_owned());
+        if tags.len() > MAX_REQUEST_TAGS {
+            return Err(ApiError::invalid(
+                headers::TAGS.as_str(),
+                format!("at most {MAX_REQUEST_TAGS} tags"),
+            ));
+        }
     }
     Ok(tags)
 }
@@ -114,7 +123,7 @@ async fn proxy(
     let handle = state.tasks.spawn(async move {
         match body {
             Ok(body) => pipeline::run(task_state, ctx, endpoint, body).await,
-            Err(e) => pipeline::reject_early(&task_state, &ctx, endpoint, e),
+            Err(e) => pipeline::reject_early(&task_state, &ctx, endpoint, e).await,
         }
     });
     handle

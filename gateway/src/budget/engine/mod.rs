@@ -62,6 +62,15 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// Only the plan's request-rate limits (`None` when it has none): what a request refused
+    /// before admission (unparsable, unknown model) is still counted against, so such requests
+    /// cannot be sent without limit.
+    pub fn requests_only(mut self) -> Option<Plan> {
+        self.policies.clear();
+        self.rates.retain(|(r, _)| r.kind == RateKind::Requests);
+        (!self.rates.is_empty()).then_some(self)
+    }
+
     /// Whether anything may lower `max_tokens` (so the forwarded request must carry one).
     pub fn bounds_output(&self) -> bool {
         self.policies.iter().any(|p| p.action != Action::Flag)

@@ -5,18 +5,37 @@
 //! keys of this length). Each replica holds a snapshot of live keys behind an `ArcSwap`, reloaded
 //! every `store.key_refresh_ms`, so a revocation reaches every replica within one refresh; a key
 //! created on another replica is found by a direct store lookup on first use.
+//!
+//! That lookup is the only store work an unauthenticated client can cause, so it is bounded: a
+//! key the store said is unknown is remembered until the next refresh (a negative cache, capped),
+//! at most [`LOOKUP_CONCURRENCY`] lookups run at once (more are answered 503 without one), each
+//! waits at most [`LOOKUP_TIMEOUT`], and after a failed lookup none is tried for
+//! [`LOOKUP_BACKOFF`]: during a database outage unknown keys get a quick 503 (Retry-After) and
+//! the keys in the snapshot keep working.
 
-use std::collections::HashMap;
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use rand::distr::{Alphanumeric, SampleString};
 use sha2::{Digest, Sha256};
 
+use prometheus::IntCounterVec;
+use tokio::sync::Semaphore;
+
 use crate::error::ApiError;
 use crate::store::{ApiKey, Store, StoreError};
 use crate::tasks::Background;
+
+/// Store lookups of keys missing from the snapshot that may run at once.
+pub const LOOKUP_CONCURRENCY: usize = 4;
+/// Longest wait for one lookup.
+pub const LOOKUP_TIMEOUT: Duration = Duration::from_secs(1);
+/// After a failed lookup, how long misses are answered 503 without trying the store.
+pub const LOOKUP_BACKOFF: Duration = Duration::from_secs(1);
+/// Most unknown key hashes remembered between two refreshes.
+pub const NEGATIVE_CAPACITY: usize = 10_000;
 
 /// Prefix of every tenant API key.
 pub const KEY_PREFIX: &str = "sk-gw-";
@@ -57,6 +76,13 @@ pub fn hash(secret: &str) -> String {
 pub struct Authenticator {
     store: Arc<dyn Store>,
     snapshot: ArcSwap<HashMap<String, Arc<ApiKey>>>,
+    /// Hashes the store said are unknown, since the last refresh.
+    unknown: Mutex<HashSet<String>>,
+    lookups: Semaphore,
+    /// Until when misses skip the store (it just failed).
+    backoff_until: Mutex<Option<Instant>>,
+    /// `gateway_key_lookups_total` by outcome.
+    outcomes: IntCounterVec,
 }
 
 impl std::fmt::Debug for Authenticator {
@@ -68,11 +94,16 @@ impl std::fmt::Debug for Authenticator {
 }
 
 impl Authenticator {
-    /// Load the first snapshot.
-    pub async fn new(store: Arc<dyn Store>) -> Result<Self, StoreError> {
+    /// Load the first snapshot; lookups of keys missing from it are counted in `outcomes`
+    /// (label `outcome`: found, unknown, cached_unknown, busy, error, skipped).
+    pub async fn new(store: Arc<dyn Store>, outcomes: IntCounterVec) -> Result<Self, StoreError> {
         let auth = Self {
             store,
             snapshot: ArcSwap::from_pointee(HashMap::new()),
+            unknown: Mutex::new(HashSet::new()),
+            lookups: Semaphore::new(LOOKUP_CONCURRENCY),
+            backoff_until: Mutex::new(None),
+            outcomes,
         };
         auth.refresh().await?;
         Ok(auth)
@@ -95,6 +126,11 @@ impl Authenticator {
             .map(|(hash, key)| (hash, Arc::new(key)))
             .collect();
         self.snapshot.store(Arc::new(map));
+        // A key created since is in the new snapshot; the rest may be asked about again.
+        self.unknown
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         Ok(())
     }
 
@@ -140,23 +176,68 @@ impl Authenticator {
         if let Some(key) = self.snapshot.load().get(&hash) {
             return Ok(Arc::clone(key));
         }
-        let found = self
-            .store
-            .find_active_key(&hash)
-            .await
-            .map_err(ApiError::internal)?;
-        let Some(key) = found else {
-            return Err(ApiError::Unauthorized(
-                "incorrect API key provided, or the key was revoked".into(),
-            ));
-        };
-        let key = Arc::new(key);
+        let key = self.look_up(hash.clone()).await?;
         self.snapshot.rcu(|map| {
             let mut map = HashMap::clone(map);
             map.insert(hash.clone(), Arc::clone(&key));
             map
         });
         Ok(key)
+    }
+
+    /// The bounded store lookup of a key missing from the snapshot.
+    async fn look_up(&self, hash: String) -> Result<Arc<ApiKey>, ApiError> {
+        let unknown =
+            || ApiError::Unauthorized("incorrect API key provided, or the key was revoked".into());
+        let unverifiable = |why: &str| ApiError::Unavailable {
+            message: format!("this API key cannot be verified right now ({why}); retry shortly"),
+            retry_after: 1,
+        };
+        let count = |outcome: &str| self.outcomes.with_label_values(&[outcome]).inc();
+        if self.lock_unknown().contains(&hash) {
+            count("cached_unknown");
+            return Err(unknown());
+        }
+        let backing_off = self
+            .backoff_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some_and(|until| Instant::now() < until);
+        if backing_off {
+            count("skipped");
+            return Err(unverifiable("the key store is unreachable"));
+        }
+        let Ok(_permit) = self.lookups.try_acquire() else {
+            count("busy");
+            return Err(unverifiable("too many unknown keys at once"));
+        };
+        match tokio::time::timeout(LOOKUP_TIMEOUT, self.store.find_active_key(&hash)).await {
+            Ok(Ok(Some(key))) => {
+                count("found");
+                Ok(Arc::new(key))
+            }
+            Ok(Ok(None)) => {
+                count("unknown");
+                let mut set = self.lock_unknown();
+                if set.len() < NEGATIVE_CAPACITY {
+                    set.insert(hash);
+                }
+                Err(unknown())
+            }
+            failed => {
+                count("error");
+                if let Ok(Err(e)) = &failed {
+                    tracing::warn!(error = %e, "key lookup failed");
+                }
+                *self.backoff_until.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some(Instant::now() + LOOKUP_BACKOFF);
+                Err(unverifiable("the key store is unreachable"))
+            }
+        }
+    }
+
+    fn lock_unknown(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.unknown.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

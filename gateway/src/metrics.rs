@@ -26,6 +26,9 @@ pub mod names {
     pub const HEALTHY: &str = "gateway_replica_healthy";
     /// Requests rejected before reaching an upstream, by error kind.
     pub const REJECTED: &str = "gateway_rejected_requests_total";
+    /// Store lookups of API keys missing from the snapshot, by outcome (found, unknown,
+    /// cached_unknown, busy, error, skipped).
+    pub const KEY_LOOKUPS: &str = "gateway_key_lookups_total";
     /// Ledger rows waiting in the in-memory queue.
     pub const LEDGER_QUEUE: &str = "gateway_ledger_queue_depth";
     /// Ledger rows waiting in the disk spool (database unreachable).
@@ -73,6 +76,7 @@ pub mod names {
         IN_FLIGHT,
         HEALTHY,
         REJECTED,
+        KEY_LOOKUPS,
         LEDGER_QUEUE,
         LEDGER_SPOOLED,
         LEDGER_ROWS,
@@ -112,6 +116,8 @@ pub struct Metrics {
     pub healthy: IntGaugeVec,
     /// See [`names::REJECTED`].
     pub rejected: IntCounterVec,
+    /// See [`names::KEY_LOOKUPS`].
+    pub key_lookups: IntCounterVec,
     /// See [`names::LEDGER_QUEUE`].
     pub ledger_queue: IntGauge,
     /// See [`names::LEDGER_SPOOLED`].
@@ -197,6 +203,23 @@ impl Metrics {
             ),
             &["kind"],
         )?;
+        let key_lookups = IntCounterVec::new(
+            Opts::new(
+                names::KEY_LOOKUPS,
+                "Store lookups of API keys missing from the key snapshot, by outcome.",
+            ),
+            &["outcome"],
+        )?;
+        for outcome in [
+            "found",
+            "unknown",
+            "cached_unknown",
+            "busy",
+            "error",
+            "skipped",
+        ] {
+            key_lookups.with_label_values(&[outcome]);
+        }
         let ledger_queue = IntGauge::new(names::LEDGER_QUEUE, "Ledger rows queued in memory.")?;
         let ledger_spooled = IntGauge::new(
             names::LEDGER_SPOOLED,
@@ -310,6 +333,7 @@ impl Metrics {
         registry.register(Box::new(in_flight.clone()))?;
         registry.register(Box::new(healthy.clone()))?;
         registry.register(Box::new(rejected.clone()))?;
+        registry.register(Box::new(key_lookups.clone()))?;
         Ok(Self {
             registry,
             requests,
@@ -320,6 +344,7 @@ impl Metrics {
             in_flight,
             healthy,
             rejected,
+            key_lookups,
             ledger_queue,
             ledger_spooled,
             ledger_rows,

@@ -91,11 +91,17 @@ impl AppState {
         config.validate()?;
         let store = match deps.store {
             Some(s) => s,
-            None => store::open(&config.store.url)
-                .await
-                .with_context(|| format!("opening store {}", redact_url(&config.store.url)))?,
+            None => store::open(&config.store.url).await.with_context(|| {
+                format!(
+                    "opening store.url = {} (a replica starts only once the database \
+                         answers: it needs the key snapshot)",
+                    redact_url(&config.store.url)
+                )
+            })?,
         };
-        let auth = Arc::new(Authenticator::new(Arc::clone(&store)).await?);
+        let metrics = Metrics::new()?;
+        let auth =
+            Arc::new(Authenticator::new(Arc::clone(&store), metrics.key_lookups.clone()).await?);
         let upstreams = Upstreams::new(&config)?;
         for tier in config.tiers.keys() {
             if let Some(t) = upstreams.tier(*tier) {
@@ -109,7 +115,6 @@ impl AppState {
             )
             .await?,
         );
-        let metrics = Metrics::new()?;
         let (sink, ledger, ledger_writer): (SharedSink, _, _) = match deps.sink {
             Some(sink) => (sink, None, None),
             None if config.ledger.enabled => {

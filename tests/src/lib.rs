@@ -507,6 +507,40 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
+/// A free loopback port (bound, noted, released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// Start the real `gateway serve --config FILE` with `toml` written to `dir/gateway.toml`,
+/// with `env` set (a `None` value removes the variable); its output goes to `dir/gateway.log`
+/// (a pipe nobody reads would stall a chatty process), killed on drop.
+pub fn serve_binary(
+    dir: &std::path::Path,
+    toml: &str,
+    env: &[(&str, Option<&str>)],
+) -> tokio::process::Child {
+    let path = dir.join("gateway.toml");
+    std::fs::write(&path, toml).expect("write the gateway config");
+    let log = std::fs::File::create(dir.join("gateway.log")).expect("create the gateway log");
+    let mut cmd = tokio::process::Command::new(binary("gateway"));
+    cmd.args(["serve", "--config"])
+        .arg(&path)
+        .stdout(log.try_clone().expect("log file"))
+        .stderr(log)
+        .kill_on_drop(true);
+    for (name, value) in env {
+        match value {
+            Some(v) => cmd.env(name, v),
+            None => cmd.env_remove(name),
+        };
+    }
+    cmd.spawn().expect("start gateway serve")
+}
+
 /// A private Postgres server (Debian's binaries) in a temporary directory on a free port, that a
 /// test can stop and start again (database outages). Stopped when dropped.
 pub struct PrivatePostgres {

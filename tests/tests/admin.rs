@@ -77,11 +77,7 @@ fn serve_with_admin_env(
     token: Option<&str>,
 ) -> (tokio::process::Child, u16) {
     gateway::telemetry::install_crypto_provider();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = e2e::free_port();
     let toml = format!(
         r#"
 [server]
@@ -104,19 +100,8 @@ model = "sim-large"
         db = dir.join("g.db").display(),
         spool = dir.join("spool").display(),
     );
-    let path = dir.join("gateway.toml");
-    std::fs::write(&path, toml).unwrap();
-    let mut cmd = tokio::process::Command::new(e2e::binary("gateway"));
-    cmd.args(["serve", "--config"])
-        .arg(&path)
-        .env_remove("GATEWAY__ADMIN__TOKEN")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true);
-    if let Some(token) = token {
-        cmd.env("GATEWAY__ADMIN__TOKEN", token);
-    }
-    (cmd.spawn().unwrap(), port)
+    let child = e2e::serve_binary(dir, &toml, &[("GATEWAY__ADMIN__TOKEN", token)]);
+    (child, port)
 }
 
 #[tokio::test]
@@ -124,12 +109,13 @@ async fn an_empty_or_short_admin_token_refuses_to_start_naming_the_setting() {
     for token in ["", "hunter2"] {
         let dir = tempfile::tempdir().unwrap();
         let (child, port) = serve_with_admin_env(dir.path(), Some(token));
-        let out = tokio::time::timeout(Duration::from_secs(20), child.wait_with_output())
+        let mut child = child;
+        let status = tokio::time::timeout(Duration::from_secs(20), child.wait())
             .await
             .expect("the gateway exits instead of serving")
             .unwrap();
-        let text = e2e::output_text(&out);
-        assert!(!out.status.success(), "{token:?} started:\n{text}");
+        let text = std::fs::read_to_string(dir.path().join("gateway.log")).unwrap();
+        assert!(!status.success(), "{token:?} started:\n{text}");
         assert!(text.contains("admin.token"), "{token:?}:\n{text}");
         assert!(
             reqwest::get(format!("http://127.0.0.1:{port}/admin/v1/tenants"))

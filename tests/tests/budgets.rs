@@ -666,11 +666,7 @@ struct Proc {
 
 async fn gateway_process(store_url: &str, redis: &str, small: &str, large: &str, ttl: u64) -> Proc {
     let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = e2e::free_port();
     let toml = format!(
         r#"
 [server]
@@ -701,18 +697,8 @@ model = "sim-large"
         token = e2e::ADMIN_TOKEN,
         spool = dir.path().join("spool").display(),
     );
-    let path = dir.path().join("gateway.toml");
-    std::fs::write(&path, toml).unwrap();
-    let child = tokio::process::Command::new(e2e::binary("gateway"))
-        .args(["serve", "--config"])
-        .arg(&path)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let mut child = e2e::serve_binary(dir.path(), &toml, &[]);
     let base = format!("http://127.0.0.1:{port}");
-    let mut child = child;
     e2e::until_healthy(&base, &mut child).await;
     Proc {
         base,

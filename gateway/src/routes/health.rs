@@ -14,9 +14,18 @@ pub async fn healthz() -> &'static str {
     "ok"
 }
 
-/// `GET /readyz`: the store answers and every tier has a replica in rotation.
+/// How long `/readyz` waits for the store's answer (a load balancer's probe must not hang).
+const STORE_PING_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// `GET /readyz`: whether this replica can serve, which is whether every tier has a replica in
+/// rotation. The store's state is reported but does not decide: while the database is down,
+/// requests are still served (keys from the snapshot, ledger rows to the spool), and a probe
+/// that failed on it would have a load balancer pull every replica at once.
 pub async fn readyz(State(state): State<AppState>) -> Response {
-    let store_ok = state.store.ping().await.is_ok();
+    let store_ok = matches!(
+        tokio::time::timeout(STORE_PING_TIMEOUT, state.store.ping()).await,
+        Ok(Ok(()))
+    );
     let now = std::time::Instant::now();
     let tiers: serde_json::Map<String, serde_json::Value> = state
         .upstreams
@@ -33,7 +42,7 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
     let tiers_ok = tiers
         .values()
         .all(|t| t["healthy_replicas"].as_u64().unwrap_or(0) > 0);
-    let status = if store_ok && tiers_ok {
+    let status = if tiers_ok {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE

@@ -36,8 +36,9 @@ impl Background {
         self.tracker.spawn(task);
     }
 
-    /// Run `job` every `period` until stopped; a failure is logged (naming `what`) and the job
-    /// runs again at the next tick.
+    /// Run `job` every `period` until stopped, the first time one period from now (components
+    /// load their first state when they are built); a failure is logged (naming `what`) and the
+    /// job runs again at the next tick.
     pub fn every<F, Fut, E>(&self, what: &'static str, period: Duration, mut job: F)
     where
         F: FnMut() -> Fut + Send + 'static,
@@ -46,7 +47,7 @@ impl Background {
     {
         let stop = self.stop.clone();
         self.tracker.spawn(async move {
-            let mut tick = tokio::time::interval(period);
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tokio::select! {
@@ -95,11 +96,11 @@ mod tests {
             }
         });
         tokio::time::sleep(Duration::from_millis(3_500)).await;
-        assert_eq!(runs.load(Ordering::SeqCst), 4, "at 0, 1, 2 and 3 s");
+        assert_eq!(runs.load(Ordering::SeqCst), 3, "at 1, 2 and 3 s");
         assert_eq!(bg.running(), 1);
         assert!(bg.stop(Duration::from_secs(1)).await);
         assert_eq!(bg.running(), 0);
         tokio::time::sleep(Duration::from_secs(5)).await;
-        assert_eq!(runs.load(Ordering::SeqCst), 4, "no runs after the stop");
+        assert_eq!(runs.load(Ordering::SeqCst), 3, "no runs after the stop");
     }
 }

@@ -515,6 +515,33 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// A minimal `gateway serve` config: listening on `port`, the store at `store_url`, the ledger
+/// spooling under `dir`, the cache off, and both tiers on a port nothing answers (for tests of
+/// start-up and of the admin surface, which need no model server).
+pub fn offline_toml(port: u16, store_url: &str, dir: &std::path::Path) -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:{port}"
+[store]
+url = "{store_url}"
+[ledger]
+spool_dir = "{spool}"
+[cache]
+mode = "off"
+[[tiers.small.replicas]]
+name = "s1"
+url = "http://127.0.0.1:9/v1"
+model = "sim-small"
+[[tiers.large.replicas]]
+name = "l1"
+url = "http://127.0.0.1:9/v1"
+model = "sim-large"
+"#,
+        spool = dir.join("spool").display(),
+    )
+}
+
 /// Start the real `gateway serve --config FILE` with `toml` written to `dir/gateway.toml`,
 /// with `env` set (a `None` value removes the variable); its output goes to `dir/gateway.log`
 /// (a pipe nobody reads would stall a chatty process), killed on drop.
@@ -605,6 +632,13 @@ impl PrivatePostgres {
 
     fn data(&self) -> String {
         self.dir.path().join("data").display().to_string()
+    }
+
+    /// [`PrivatePostgres::start`], then apply the gateway's migrations.
+    pub async fn start_migrated() -> anyhow::Result<Self> {
+        let pg = Self::start()?;
+        gateway::store::postgres::PostgresStore::migrate(&pg.url).await?;
+        Ok(pg)
     }
 
     /// Start the (stopped) server again.

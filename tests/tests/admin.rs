@@ -78,28 +78,8 @@ fn serve_with_admin_env(
 ) -> (tokio::process::Child, u16) {
     gateway::telemetry::install_crypto_provider();
     let port = e2e::free_port();
-    let toml = format!(
-        r#"
-[server]
-listen = "127.0.0.1:{port}"
-[store]
-url = "sqlite://{db}"
-[ledger]
-spool_dir = "{spool}"
-[cache]
-mode = "off"
-[[tiers.small.replicas]]
-name = "s1"
-url = "http://127.0.0.1:9/v1"
-model = "sim-small"
-[[tiers.large.replicas]]
-name = "l1"
-url = "http://127.0.0.1:9/v1"
-model = "sim-large"
-"#,
-        db = dir.join("g.db").display(),
-        spool = dir.join("spool").display(),
-    );
+    let db = format!("sqlite://{}", dir.join("g.db").display());
+    let toml = e2e::offline_toml(port, &db, dir);
     let child = e2e::serve_binary(dir, &toml, &[("GATEWAY__ADMIN__TOKEN", token)]);
     (child, port)
 }

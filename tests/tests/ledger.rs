@@ -200,10 +200,7 @@ async fn requests_are_costed_at_the_price_in_force_including_cached_tokens() {
 
 #[tokio::test]
 async fn a_database_outage_loses_no_row_and_writes_none_twice() {
-    let pg = PrivatePostgres::start().unwrap();
-    gateway::store::postgres::PostgresStore::migrate(&pg.url)
-        .await
-        .unwrap();
+    let pg = PrivatePostgres::start_migrated().await.unwrap();
     let sim = Sim::zero("sim-small").await;
     let mut c = config(
         vec![replica("s", &sim.url, "sim-small")],

@@ -23,10 +23,7 @@ fn random_key(i: usize) -> String {
 
 #[tokio::test]
 async fn unknown_keys_are_bounded_and_the_database_does_not_decide_readiness() {
-    let pg = PrivatePostgres::start().unwrap();
-    gateway::store::postgres::PostgresStore::migrate(&pg.url)
-        .await
-        .unwrap();
+    let pg = PrivatePostgres::start_migrated().await.unwrap();
     let sim = Sim::zero("sim-small").await;
     let mut c = config(
         vec![replica("s", &sim.url, "sim-small")],
@@ -113,24 +110,10 @@ async fn a_replica_started_while_the_database_is_down_exits_naming_store_url() {
     let port = e2e::free_port();
     // A Postgres URL nothing listens on.
     let db_port = e2e::free_port();
-    let toml = format!(
-        r#"
-[server]
-listen = "127.0.0.1:{port}"
-[store]
-url = "postgres://postgres@127.0.0.1:{db_port}/test"
-[ledger]
-spool_dir = "{spool}"
-[[tiers.small.replicas]]
-name = "s1"
-url = "http://127.0.0.1:9/v1"
-model = "sim-small"
-[[tiers.large.replicas]]
-name = "l1"
-url = "http://127.0.0.1:9/v1"
-model = "sim-large"
-"#,
-        spool = dir.path().join("spool").display(),
+    let toml = e2e::offline_toml(
+        port,
+        &format!("postgres://postgres@127.0.0.1:{db_port}/test"),
+        dir.path(),
     );
     let mut child = e2e::serve_binary(dir.path(), &toml, &[]);
     let status = tokio::time::timeout(Duration::from_secs(20), child.wait())

@@ -767,6 +767,29 @@ pub fn redis_url() -> String {
     std::env::var("TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
 }
 
+/// Delete every key of `tenant_id` from the shared Redis (all of a tenant's budget keys carry
+/// its hash tag), as a Redis restart without persistence would; returns how many went.
+pub async fn redis_lose_tenant(tenant_id: &str) -> usize {
+    let client = redis::Client::open(redis_url()).expect("redis url");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis connection");
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("gw:{{{tenant_id}}}:*"))
+        .query_async(&mut conn)
+        .await
+        .expect("KEYS");
+    if !keys.is_empty() {
+        let _: () = redis::cmd("DEL")
+            .arg(&keys)
+            .query_async(&mut conn)
+            .await
+            .expect("DEL");
+    }
+    keys.len()
+}
+
 /// Where budget counters live in a test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BudgetKind {

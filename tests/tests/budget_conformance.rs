@@ -69,6 +69,7 @@ impl Case {
             units: 1,
             lease: false,
             lease_quiet_ms: 0,
+            seeded_only: false,
             counters,
             rates: vec![],
         }
@@ -424,6 +425,58 @@ async fn seeding_only_fills_missing_counters(kind: BudgetKind) {
     );
 }
 
+async fn seeded_only_reservations_wait_for_the_ledger_seed(kind: BudgetKind) {
+    let c = Case::new(kind);
+    let budget = c.counter("b", Mode::Enforce, Some(1000), None);
+    let mut r = c.request("r1", 100, 500, vec![budget.clone()]);
+    r.seeded_only = true;
+    // A counter never seeded (a new window, or one the store lost) admits nothing.
+    assert!(
+        matches!(
+            c.store.reserve(&r).await.unwrap(),
+            Outcome::Unseeded { index: 0 }
+        ),
+        "{kind:?}"
+    );
+    // Spend committed while it was unseeded (a request reserved before a loss) is kept: the
+    // seed takes the larger of that and the ledger's total, never their sum.
+    let mut late = c.commit("late", &r, 300, 3);
+    late.unreserved = true;
+    assert!(c.store.commit(&late).await.unwrap());
+    assert!(
+        matches!(c.store.reserve(&r).await.unwrap(), Outcome::Unseeded { .. }),
+        "{kind:?}: a commit does not seed"
+    );
+    assert!(c
+        .store
+        .seed(&c.tenant, &budget.key, 200, 2, *NOW_MS + DAY)
+        .await
+        .unwrap());
+    let s = c.peek(&budget, *NOW_MS).await;
+    assert_eq!((s.spent_tokens, s.spent_micros), (300, 3), "{kind:?}");
+    assert_eq!(
+        granted(&c.store.reserve(&r).await.unwrap()),
+        500,
+        "{kind:?}"
+    );
+    let seeded_again = c
+        .store
+        .seed(&c.tenant, &budget.key, 900, 9, *NOW_MS + DAY)
+        .await
+        .unwrap();
+    assert!(!seeded_again, "{kind:?}: seeded once");
+    let mut bigger = c.request("r2", 100, 500, vec![budget.clone()]);
+    bigger.seeded_only = true;
+    // 300 spent + 600 reserved by r1: 100 left for r2's prompt, nothing for its output.
+    assert!(
+        matches!(
+            c.store.reserve(&bigger).await.unwrap(),
+            Outcome::Rejected { .. }
+        ),
+        "{kind:?}"
+    );
+}
+
 async fn leases_settle_in_running_totals_once(kind: BudgetKind) {
     let c = Case::new(kind);
     let budget = c.counter("b", Mode::Enforce, Some(10_000), Some(1_000_000));
@@ -680,6 +733,7 @@ mod conformance {
         downgrade_and_flag_modes,
         rate_limits_are_smooth,
         seeding_only_fills_missing_counters,
+        seeded_only_reservations_wait_for_the_ledger_seed,
         unreserved_commits_apply_once,
         leases_settle_in_running_totals_once,
         expired_leases_release_and_still_count_their_spend,

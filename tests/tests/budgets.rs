@@ -513,8 +513,8 @@ async fn requests_refused_before_admission_still_count_against_the_request_rate(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restart_rebuilds_spend_from_the_ledger() {
+/// A priced config on two simulators whose ledger spools under the returned directory.
+async fn ledger_setup() -> (gateway::Config, (Sim, Sim), tempfile::TempDir) {
     let small = Sim::zero("sim-small").await;
     let large = Sim::zero("sim-large").await;
     let dir = tempfile::tempdir().unwrap();
@@ -524,6 +524,70 @@ async fn a_restart_rebuilds_spend_from_the_ledger() {
     );
     priced(&mut c);
     c.ledger.spool_dir = dir.path().join("spool");
+    (c, (small, large), dir)
+}
+
+/// Chats with `max_tokens` 40 until one is refused (at most `cap`); the tokens served.
+async fn spend_until_refused(app: &TestApp, cap: usize) -> u64 {
+    let mut served = 0;
+    for i in 0..cap {
+        let r = app.chat(body_with_max("fast", &format!("q{i}"), 40)).await;
+        if r.status() != 200 {
+            assert_eq!(r.status(), 429);
+            return served;
+        }
+        let v: Value = r.json().await.unwrap();
+        served += v["usage"]["total_tokens"].as_u64().unwrap();
+    }
+    panic!("never refused in {cap} requests (served {served} tokens)");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_losing_its_data_mid_window_reseeds_from_the_ledger() {
+    let (mut c, _sims, _dir) = ledger_setup().await;
+    c.budgets = BudgetKind::Redis.config();
+    c.ledger.flush_ms = 20;
+    let store = TestStore::new(StoreKind::Sqlite).await.unwrap();
+    let app = TestApp::spawn_with_ledger(c, store).await;
+    let limit = 950;
+    set_budget(
+        &app,
+        json!({"tenant": "acme", "window": "month", "limit_tokens": limit}),
+    )
+    .await;
+    let before = spend_until_refused(&app, 100).await;
+    wait_reserved_zero(&app).await;
+    // The ledger has every served request before Redis loses its data.
+    let ledger = gateway::ledger::open(&app.store.url).await.unwrap();
+    e2e::eventually(
+        "the ledger has the spend",
+        Duration::from_secs(10),
+        || async {
+            let spend = ledger
+                .spend_since(chrono::Utc::now() - chrono::Duration::days(40))
+                .await
+                .unwrap();
+            (spend.iter().map(|r| r.tokens).sum::<u64>() == before).then_some(())
+        },
+    )
+    .await;
+    assert!(e2e::redis_lose_tenant(&app.tenant_id).await > 0);
+    let after = spend_until_refused(&app, 100).await;
+    assert!(
+        before + after <= limit,
+        "{before} tokens before the loss and {after} after, against a {limit}-token budget"
+    );
+    let u = wait_reserved_zero(&app).await;
+    assert_eq!(
+        u[0]["state"]["spent_tokens"].as_u64().unwrap(),
+        before + after
+    );
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_rebuilds_spend_from_the_ledger() {
+    let (c, _sims, _dir) = ledger_setup().await;
     let store = TestStore::new(StoreKind::Sqlite).await.unwrap();
     let app = TestApp::spawn_with_ledger(c.clone(), store).await;
     set_budget(

@@ -265,7 +265,7 @@ impl Slot {
                 ..
             } => Room::of(req, counters, Some(rate_room)),
             Outcome::Rejected { counters, .. } => Room::of(req, counters, None),
-            Outcome::Downgrade { .. } | Outcome::RateLimited { .. } => {
+            Outcome::Downgrade { .. } | Outcome::RateLimited { .. } | Outcome::Unseeded { .. } => {
                 self.refused(req.now_ms, 0);
                 return;
             }
@@ -387,6 +387,7 @@ impl Leases {
             units: n,
             lease: true,
             lease_quiet_ms: 0,
+            seeded_only: false,
             ..req.clone()
         })
     }
@@ -499,6 +500,7 @@ mod tests {
             units: 1,
             lease: false,
             lease_quiet_ms: 0,
+            seeded_only: false,
             counters: vec![CounterSpec {
                 key: "gw:{t}:bud:b:0".into(),
                 mode: Mode::Enforce,

@@ -29,6 +29,8 @@ struct Counter {
     /// No new lease before this time (a request was refused while leases held room), ms.
     lease_quiet_until_ms: i64,
     expire_at_ms: i64,
+    /// Seeded from the ledger (see `ReserveRequest::seeded_only`).
+    seeded: bool,
 }
 
 /// Whether a reservation id names a replica's lease (as `lua/common.lua` decides).
@@ -167,6 +169,15 @@ impl MemoryStore {
     fn reserve_now(&self, req: &ReserveRequest) -> Outcome {
         let mut inner = self.lock();
         inner.sweep(req.now_ms);
+        if req.seeded_only {
+            let unseeded = req
+                .counters
+                .iter()
+                .position(|c| !inner.counters.get(&c.key).is_some_and(|c| c.seeded));
+            if let Some(index) = unseeded {
+                return Outcome::Unseeded { index };
+            }
+        }
         let states: Vec<CounterState> = req
             .counters
             .iter()
@@ -376,24 +387,15 @@ impl BudgetStore for MemoryStore {
         expire_at_ms: i64,
     ) -> Result<bool, BudgetError> {
         let mut inner = self.lock();
-        if inner.counters.contains_key(key) {
+        let c = inner.counters.entry(key.to_owned()).or_default();
+        if c.seeded {
             return Ok(false);
         }
-        inner.counters.insert(
-            key.to_owned(),
-            Counter {
-                state: CounterState {
-                    spent_tokens: tokens,
-                    spent_micros: micros,
-                    ..Default::default()
-                },
-                reservations: HashMap::new(),
-                expired: HashSet::new(),
-                settled: HashMap::new(),
-                lease_quiet_until_ms: 0,
-                expire_at_ms,
-            },
-        );
+        // Commits made before the seed are in the counter; the ledger may hold them too.
+        c.state.spent_tokens = c.state.spent_tokens.max(tokens);
+        c.state.spent_micros = c.state.spent_micros.max(micros);
+        c.expire_at_ms = c.expire_at_ms.max(expire_at_ms);
+        c.seeded = true;
         Ok(true)
     }
 }

@@ -118,6 +118,10 @@ pub struct ReserveRequest {
     pub counters: Vec<CounterSpec>,
     /// Rate limiters, all of which must admit.
     pub rates: Vec<RateSpec>,
+    /// Refuse with [`Outcome::Unseeded`] when a counter was never seeded from the ledger: new
+    /// (a window's first request), or lost with the store's data (a Redis restart without
+    /// persistence). The engine then seeds it and asks again, so budgets survive such a loss.
+    pub seeded_only: bool,
 }
 
 impl ReserveRequest {
@@ -191,6 +195,12 @@ pub enum Outcome {
     /// Downgrade counter `index` is at its limit: retry on the small tier with `downgraded`.
     /// Nothing was reserved.
     Downgrade {
+        /// Which counter.
+        index: usize,
+    },
+    /// Counter `index` was not seeded from the ledger (see [`ReserveRequest::seeded_only`]).
+    /// Nothing was reserved.
+    Unseeded {
         /// Which counter.
         index: usize,
     },
@@ -294,8 +304,9 @@ pub trait BudgetStore: Send + Sync + 'static {
         keys: &[String],
         now_ms: i64,
     ) -> Result<Vec<CounterState>, BudgetError>;
-    /// Set a counter's spent totals if the counter does not exist yet (rebuild from the ledger).
-    /// Returns whether it was set.
+    /// Seed a counter from the ledger unless it is seeded already: its spent totals become the
+    /// larger of what it holds (commits since its data was lost) and the ledger's, and it is
+    /// marked seeded. Returns whether it was seeded now.
     async fn seed(
         &self,
         tenant_id: &str,
@@ -467,6 +478,7 @@ mod tests {
             lease_quiet_ms: 0,
             counters: vec![],
             rates: vec![],
+            seeded_only: false,
         };
         let state = CounterState {
             spent_tokens: 600,

@@ -136,6 +136,7 @@ impl BudgetStore for RedisStore {
             .arg(req.units)
             .arg(u8::from(req.lease))
             .arg(req.lease_quiet_ms)
+            .arg(u8::from(req.seeded_only))
             .arg(req.counters.len());
         for c in &req.counters {
             let mode = match c.mode {
@@ -185,6 +186,7 @@ impl BudgetStore for RedisStore {
                 index: index(*a),
                 retry_after_ms: *b,
             },
+            4 => Outcome::Unseeded { index: index(*a) },
             other => return Err(BudgetError::Protocol(format!("reserve status {other}"))),
         })
     }

@@ -24,14 +24,19 @@ struct Grant<'a> {
 }
 
 impl Budgets {
+    /// The reservation for `input` under `plan`; `share` scales every limit (the local fail-open
+    /// store's share), and only the shared store's counters must be seeded from the ledger
+    /// (the local one counts this replica's fail-open spend from zero).
     fn request(
         &self,
         plan: &Plan,
         input: &AdmitInput,
         now: DateTime<Utc>,
         downgraded: bool,
-        share: f64,
+        share: Option<f64>,
     ) -> ReserveRequest {
+        let seeded_only = share.is_none();
+        let share = share.unwrap_or(1.0);
         let price = if downgraded && !input.primary_is_small {
             input.small_price
         } else {
@@ -90,10 +95,32 @@ impl Budgets {
             lease_quiet_ms: self.leases.as_ref().map_or(0, |l| 2 * l.drain_ms()),
             counters,
             rates,
+            seeded_only,
         }
     }
 
     async fn reserve_in(
+        &self,
+        store: &dyn BudgetStore,
+        plan: &Plan,
+        req: &ReserveRequest,
+    ) -> Result<Outcome, BudgetError> {
+        let out = self.reserve_once(store, req).await?;
+        let Outcome::Unseeded { index } = out else {
+            return Ok(out);
+        };
+        // The counter is new to this window, or the store lost it: seed it from the ledger
+        // before admitting anything against it, then ask again.
+        self.reseed(store, plan, index, req.now_ms).await?;
+        match self.reserve_once(store, req).await? {
+            Outcome::Unseeded { .. } => Err(BudgetError::Protocol(
+                "a counter stayed unseeded after seeding it".into(),
+            )),
+            out => Ok(out),
+        }
+    }
+
+    async fn reserve_once(
         &self,
         store: &dyn BudgetStore,
         req: &ReserveRequest,
@@ -114,13 +141,13 @@ impl Budgets {
         plan: &Plan,
         input: &AdmitInput,
         now: DateTime<Utc>,
-        share: f64,
+        share: Option<f64>,
     ) -> Result<(ReserveRequest, Outcome, bool), BudgetError> {
         let req = self.request(plan, input, now, false, share);
-        let outcome = self.reserve_in(store, &req).await?;
+        let outcome = self.reserve_in(store, plan, &req).await?;
         if let Outcome::Downgrade { .. } = outcome {
             let req = self.request(plan, input, now, true, share);
-            let outcome = self.reserve_in(store, &req).await?;
+            let outcome = self.reserve_in(store, plan, &req).await?;
             return Ok((req, outcome, true));
         }
         Ok((req, outcome, false))
@@ -136,12 +163,12 @@ impl Budgets {
     ) -> Result<Shared, BudgetError> {
         let Some(leases) = &self.leases else {
             let (req, outcome, downgraded) = self
-                .reserve_with(&*self.store, plan, input, now, 1.0)
+                .reserve_with(&*self.store, plan, input, now, None)
                 .await?;
             return Ok(Shared::Reserved(req, outcome, downgraded));
         };
         let now_ms = ms(now);
-        let req = self.request(plan, input, now, false, 1.0);
+        let req = self.request(plan, input, now, false, None);
         let need = Need::of(&req);
         let slot = leases.slot(&req);
         if let Some(taken) = slot.take(need, now_ms) {
@@ -158,7 +185,7 @@ impl Budgets {
                 return Err(BudgetError::Unavailable);
             }
             if let Some(lease_req) = leases.lease_request(&slot, &req, need, self.ttl_ms) {
-                let outcome = match self.reserve_in(&*self.store, &lease_req).await {
+                let outcome = match self.reserve_in(&*self.store, plan, &lease_req).await {
                     Ok(o) => o,
                     Err(e) => {
                         // The lease may have been made with its answer lost: close it once
@@ -181,7 +208,7 @@ impl Budgets {
             }
         }
         let (req, outcome, downgraded) = self
-            .reserve_with(&*self.store, plan, input, now, 1.0)
+            .reserve_with(&*self.store, plan, input, now, None)
             .await?;
         if !downgraded {
             slot.observe(&req, &outcome);
@@ -200,7 +227,7 @@ impl Budgets {
             let wait = u64::try_from(leases.drain_ms()).unwrap_or(0);
             tokio::time::sleep(Duration::from_millis(wait)).await;
             let (req, outcome, downgraded) = self
-                .reserve_with(&*self.store, plan, input, self.clock.now(), 1.0)
+                .reserve_with(&*self.store, plan, input, self.clock.now(), None)
                 .await?;
             if !downgraded {
                 slot.observe(&req, &outcome);
@@ -269,7 +296,7 @@ impl Budgets {
                 let share = self.config.fail_open_share;
                 // The local store never fails.
                 let (req, outcome, downgraded) = self
-                    .reserve_with(&self.local, plan, &input, now, share)
+                    .reserve_with(&self.local, plan, &input, now, Some(share))
                     .await
                     .map_err(Refusal::Internal)?;
                 (req, outcome, downgraded, true)
@@ -297,6 +324,11 @@ impl Budgets {
                 // Only possible if the policy changed between the two calls; treat as exhausted.
                 self.decision(plan, "rejected");
                 Err(self.exhausted(plan, &req, index, &[], now))
+            }
+            Outcome::Unseeded { .. } => {
+                // reserve_in seeds and asks again; a second `Unseeded` is an error there.
+                self.decision(plan, "store_unavailable");
+                Err(Refusal::StoreUnavailable)
             }
             Outcome::RateLimited {
                 index,

@@ -38,6 +38,8 @@ use tokio_util::sync::CancellationToken;
 const COUNTER_GRACE_MS: i64 = 86_400_000;
 /// After a shared-store failure, skip it for this long before trying again, ms.
 const STORE_BACKOFF_MS: i64 = 1_000;
+/// How long a reseed of one (policy, window) stands in for another one, ms.
+const RESEED_MEMORY_MS: i64 = 1_000;
 /// Most commits held for replay while the shared store is unreachable.
 const MAX_BACKLOG: usize = 1_000_000;
 /// Most commits sent to the shared store in one batch.
@@ -145,6 +147,9 @@ pub struct Budgets {
     pending: AtomicUsize,
     /// Serialises [`Budgets::refresh`].
     refreshing: tokio::sync::Mutex<()>,
+    /// Serialises reseeds of counters the store reports unseeded, and remembers when each
+    /// (policy, window start) was last reseeded, so a burst of requests costs one ledger query.
+    reseeding: tokio::sync::Mutex<HashMap<(String, i64), i64>>,
     /// Leases in the shared store (`None`: every request reserves on its own).
     leases: Option<Leases>,
 }
@@ -204,6 +209,7 @@ impl Budgets {
             commits_rx: Mutex::new(Some(commits_rx)),
             pending: AtomicUsize::new(0),
             refreshing: tokio::sync::Mutex::new(()),
+            reseeding: tokio::sync::Mutex::new(HashMap::new()),
             config,
             store,
             shared,
@@ -261,8 +267,53 @@ impl Budgets {
         Ok(())
     }
 
-    /// Seed the current window of each policy from the ledger (a no-op where a counter exists).
+    /// Seed counter `index` of `plan` (its policy's current window) from the ledger, after the
+    /// store reported it unseeded: a window's first request, or a counter the store lost (Redis
+    /// restarted without persistence). What the ledger has not written yet (its queue, its
+    /// spool) is not counted: that, at most, is what such a loss can let through.
+    async fn reseed(
+        &self,
+        store: &dyn BudgetStore,
+        plan: &Plan,
+        index: usize,
+        now_ms: i64,
+    ) -> Result<(), BudgetError> {
+        let Some(policy) = plan.policies.get(index) else {
+            return Err(BudgetError::Protocol(format!(
+                "unseeded counter {index} of {} policies",
+                plan.policies.len()
+            )));
+        };
+        let start = ms(policy.window.start(self.clock.now()));
+        let mut recent = self.reseeding.lock().await;
+        recent.retain(|_, at| now_ms - *at < RESEED_MEMORY_MS);
+        if recent.contains_key(&(policy.id.clone(), start)) {
+            // Seeded a moment ago by a request that waited here first.
+            return Ok(());
+        }
+        tracing::info!(
+            policy = %policy.id,
+            tenant = %policy.tenant_id,
+            "budget counter not seeded (new window, or lost by the store): seeding it from the ledger"
+        );
+        self.seed_into(store, std::slice::from_ref(policy))
+            .await
+            .map_err(|e| BudgetError::Protocol(format!("seeding from the ledger: {e:#}")))?;
+        recent.insert((policy.id.clone(), start), now_ms);
+        Ok(())
+    }
+
+    /// Seed the current window of each policy from the ledger (a no-op where a counter is
+    /// seeded already).
     async fn seed(&self, policies: &[BudgetPolicy]) -> anyhow::Result<()> {
+        self.seed_into(&*self.store, policies).await
+    }
+
+    async fn seed_into(
+        &self,
+        store: &dyn BudgetStore,
+        policies: &[BudgetPolicy],
+    ) -> anyhow::Result<()> {
         let now = self.clock.now();
         let mut by_start: BTreeMap<DateTime<Utc>, Vec<&BudgetPolicy>> = BTreeMap::new();
         for p in policies {
@@ -283,7 +334,7 @@ impl Budgets {
                 }
                 let key = counter_key(&p.tenant_id, &p.id, start);
                 let expire = ms(p.window.end(start)) + COUNTER_GRACE_MS;
-                self.store
+                store
                     .seed(&p.tenant_id, &key, tokens, micros, expire)
                     .await?;
                 self.seeded

@@ -39,10 +39,10 @@ local function purge(h, z, now)
 end
 
 -- A counter's totals (spent, reserved, of which lease-held), until when it takes no new lease
--- (lq, ms), and whether it exists.
+-- (lq, ms), whether it exists, and whether it was seeded from the ledger (sd).
 local function state(h)
-  local v = redis.call('HMGET', h, 'st', 'sm', 'rt', 'rm', 'lt', 'lm', 'lq')
+  local v = redis.call('HMGET', h, 'st', 'sm', 'rt', 'rm', 'lt', 'lm', 'lq', 'sd')
   return tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0, tonumber(v[4]) or 0,
     tonumber(v[5]) or 0, tonumber(v[6]) or 0, tonumber(v[7]) or 0,
-    (v[1] or v[2] or v[3] or v[4]) ~= false
+    (v[1] or v[2] or v[3] or v[4]) ~= false, v[8] ~= false
 end

@@ -3,11 +3,13 @@
 -- output_micros_per_token, max_tokens, min_tokens, downgraded, units (what a requests limiter is
 -- charged), lease (1: a replica's lease: counted as lease-held, refused while a counter is quiet,
 -- and marked by the extra last key), quiet_ms (a refusal by a counter that leases hold room of
--- makes it take no new lease for this long), n_counters, then per counter
+-- makes it take no new lease for this long), seeded_only (1: refuse with status 4 on a counter
+-- not seeded from the ledger), n_counters, then per counter
 -- mode (0 enforce, 1 downgrade, 2 count), limit_tokens, limit_micros, hard_tokens, hard_micros,
 -- expire_at_ms (-1 = no limit), then n_rates, then per limiter per_minute, kind (0 requests,
 -- 1 tokens). Reply: {0, granted, 0, states...} admitted; {1, index, 0, states...} rejected;
--- {2, index, 0} downgrade; {3, index, retry_after_ms} rate limited (indexes 0-based). States are
+-- {2, index, 0} downgrade; {3, index, retry_after_ms} rate limited; {4, index, 0} counter not
+-- seeded (indexes 0-based). States are
 -- six numbers per counter: spent t/m, reserved t/m, lease-held t/m; an admission then also gives
 -- each limiter's room left (units it would still admit now).
 local now = tonumber(ARGV[1])
@@ -22,8 +24,9 @@ local downgraded = ARGV[9] == '1'
 local units = tonumber(ARGV[10])
 local lease = ARGV[11] == '1'
 local quiet = tonumber(ARGV[12])
-local nc = tonumber(ARGV[13])
-local base = 13
+local seeded_only = ARGV[13] == '1'
+local nc = tonumber(ARGV[14])
+local base = 14
 
 local function fits(st, sm, rt, rm, ltok, lmic)
   local m = M
@@ -49,8 +52,12 @@ local fresh = {}
 local granted = M
 for i = 1, nc do
   local h, z = KEYS[2 * i - 1], KEYS[2 * i]
+  local st, sm, rt, rm, lt, lm, lq, exists, seeded = state(h)
+  if seeded_only and not seeded then
+    return {4, i - 1, 0}
+  end
   purge(h, z, now)
-  local st, sm, rt, rm, lt, lm, lq, exists = state(h)
+  st, sm, rt, rm, lt, lm, lq, exists = state(h)
   states[i] = {st, sm, rt, rm, lt, lm, lq}
   fresh[i] = not exists
 end

@@ -797,19 +797,37 @@ pub enum BudgetKind {
     Memory,
     /// The shared Redis.
     Redis,
+    /// The three-master Redis Cluster (`scripts/services.sh` starts it).
+    RedisCluster,
 }
 
-/// Both budget stores, for conformance loops.
-pub const BUDGET_STORES: [BudgetKind; 2] = [BudgetKind::Memory, BudgetKind::Redis];
+/// Every budget store, for conformance loops: in-process, one Redis, a Redis Cluster.
+pub const BUDGET_STORES: [BudgetKind; 3] = [
+    BudgetKind::Memory,
+    BudgetKind::Redis,
+    BudgetKind::RedisCluster,
+];
+
+/// The seed nodes of the test Redis Cluster (`TEST_REDIS_CLUSTER_URLS`, comma-separated; default
+/// the three masters `scripts/services.sh` starts on 127.0.0.1:7101-7103).
+pub fn redis_cluster_urls() -> Vec<String> {
+    std::env::var("TEST_REDIS_CLUSTER_URLS")
+        .unwrap_or_else(|_| {
+            "redis://127.0.0.1:7101,redis://127.0.0.1:7102,redis://127.0.0.1:7103".into()
+        })
+        .split(',')
+        .map(|u| u.trim().to_owned())
+        .collect()
+}
 
 impl BudgetKind {
     /// A fresh store of this kind (Redis keys are namespaced by the caller's tenant ids).
     pub fn store(self) -> Arc<dyn gateway::budget::BudgetStore> {
         match self {
             Self::Memory => Arc::new(gateway::budget::memory::MemoryStore::new()),
-            Self::Redis => Arc::new(
+            Self::Redis | Self::RedisCluster => Arc::new(
                 gateway::budget::redis::RedisStore::new(
-                    vec![redis_url()],
+                    self.redis_urls(),
                     std::time::Duration::from_secs(2),
                 )
                 .expect("redis url"),
@@ -817,12 +835,21 @@ impl BudgetKind {
         }
     }
 
+    /// The Redis URLs of this kind (none for the in-process store).
+    pub fn redis_urls(self) -> Vec<String> {
+        match self {
+            Self::Memory => Vec::new(),
+            Self::Redis => vec![redis_url()],
+            Self::RedisCluster => redis_cluster_urls(),
+        }
+    }
+
     /// `budgets` config selecting this store (Redis: the shared one).
     pub fn config(self) -> gateway::config::BudgetConfig {
         let mut b = gateway::config::BudgetConfig::default();
-        if self == Self::Redis {
+        if self != Self::Memory {
             b.store = gateway::config::BudgetStoreKind::Redis;
-            b.redis_urls = vec![redis_url()];
+            b.redis_urls = self.redis_urls();
         }
         b
     }

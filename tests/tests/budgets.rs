@@ -167,7 +167,7 @@ async fn five_hundred_concurrent_requests_hold_the_budget(kind: BudgetKind) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn five_hundred_concurrent_requests_hold_the_budget_in_both_stores() {
+async fn five_hundred_concurrent_requests_hold_the_budget_in_every_store() {
     for kind in BUDGET_STORES {
         five_hundred_concurrent_requests_hold_the_budget(kind).await;
     }
@@ -728,7 +728,18 @@ struct Proc {
     _dir: tempfile::TempDir,
 }
 
-async fn gateway_process(store_url: &str, redis: &str, small: &str, large: &str, ttl: u64) -> Proc {
+async fn gateway_process(
+    store_url: &str,
+    redis: &[String],
+    small: &str,
+    large: &str,
+    ttl: u64,
+) -> Proc {
+    let redis = redis
+        .iter()
+        .map(|u| format!("\"{u}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
     let dir = tempfile::tempdir().unwrap();
     let port = e2e::free_port();
     let toml = format!(
@@ -744,7 +755,7 @@ token = "{token}"
 spool_dir = "{spool}"
 [budgets]
 store = "redis"
-redis_urls = ["{redis}"]
+redis_urls = [{redis}]
 reservation_ttl_secs = {ttl}
 [models]
 fast = "small"
@@ -819,6 +830,12 @@ async fn admin_usage(http: &reqwest::Client, base: &str, tenant: &str) -> Value 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_gateway_processes_share_one_budget_and_dead_reservations_expire() {
+    for kind in [BudgetKind::Redis, BudgetKind::RedisCluster] {
+        three_processes_share_one_budget(kind).await;
+    }
+}
+
+async fn three_processes_share_one_budget(kind: BudgetKind) {
     gateway::telemetry::install_crypto_provider();
     let small = Sim::zero("sim-small").await;
     let mut slow = SimProfile::large();
@@ -839,7 +856,7 @@ async fn three_gateway_processes_share_one_budget_and_dead_reservations_expire()
         .await
         .unwrap();
     let key = g.secret;
-    let redis = e2e::redis_url();
+    let redis = kind.redis_urls();
     let mut procs = Vec::new();
     for _ in 0..3 {
         procs.push(gateway_process(&store.url, &redis, &small.url, &large.url, 2).await);
@@ -901,7 +918,7 @@ async fn three_gateway_processes_share_one_budget_and_dead_reservations_expire()
     let spent = state["spent_tokens"].as_u64().unwrap();
     assert!(spent <= limit, "three replicas spent {spent} of {limit}");
     assert!(ok >= 50, "only {ok} admitted");
-    eprintln!("3 processes: {ok} admitted, spent {spent} of {limit}");
+    eprintln!("{kind:?}, 3 processes: {ok} admitted, spent {spent} of {limit}");
 
     // Raise the budget, park requests on the slow large tier, and kill their gateway.
     let r = http

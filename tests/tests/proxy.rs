@@ -930,9 +930,8 @@ async fn stopping_the_server_ends_every_background_loop_of_its_components() {
             vec![replica("l", &sim.url, "sim-small")],
         );
         c.budgets = budgets.config();
-        if budgets == e2e::BudgetKind::Redis {
-            c.cache.redis_urls = vec![e2e::redis_url()];
-        }
+        // The shared cache on the same Redis (or Cluster) as the budgets.
+        c.cache.redis_urls = budgets.redis_urls();
         let app = TestApp::spawn(c, StoreKind::Sqlite).await;
         let body = json!({"model": "fast", "temperature": 0,
             "messages": [{"role": "user", "content": "background loops"}]});

@@ -102,6 +102,7 @@ pub async fn prepare(options: &DemoOptions) -> anyhow::Result<Demo> {
             hash: generated.hash,
             prefix: generated.prefix,
             tags: BTreeMap::from([("feature".to_owned(), "demo".to_owned())]),
+            client_tags: None,
         })
         .await?;
     let listener = TcpListener::bind(options.listen)

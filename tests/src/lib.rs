@@ -315,6 +315,7 @@ impl TestApp {
                     hash: generated.hash,
                     prefix: generated.prefix,
                     tags: BTreeMap::from([("feature".to_owned(), "tests".to_owned())]),
+                    client_tags: None,
                 })
                 .await
                 .expect("key");

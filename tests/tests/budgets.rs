@@ -335,6 +335,68 @@ async fn a_client_tag_cannot_replace_its_keys_tag_to_escape_a_tag_budget() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_can_allow_only_some_client_tags() {
+    let mut s = setup(BudgetKind::Memory, Deps::default(), |_| {}).await;
+    // Created with the real gatewayctl: feature fixed by the key, clients may add `team` only.
+    let (ok, out) = ctl(
+        &s.app,
+        "--json keys create --tenant acme --tag feature=billing --client-tag team",
+    )
+    .await;
+    assert!(ok, "{out}");
+    let created: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(created["client_tags"], json!(["team"]));
+    let key = created["key"].as_str().unwrap().to_owned();
+    let (http, base) = (s.app.http.clone(), s.app.base.clone());
+    let send = |tags: &'static str, body: Value| {
+        let (http, base, key) = (http.clone(), base.clone(), key.clone());
+        async move {
+            http.post(format!("{base}/v1/chat/completions"))
+                .bearer_auth(key)
+                .header("x-gateway-tags", tags)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    let mut with_user = body_with_max("fast", "hi", 5);
+    with_user["user"] = json!("end-user-7");
+    let r = send("team=search, feature=forged", with_user.clone()).await;
+    assert_eq!(r.status(), 200);
+    let e = events(&mut s.app, 1).await.remove(0);
+    assert_eq!(e.tags["feature"], "billing", "the key's own tag wins");
+    assert_eq!(e.tags["team"], "search", "an allowed tag is added");
+    assert!(
+        !e.tags.contains_key("user"),
+        "`user` is not among the allowed tags: {:?}",
+        e.tags
+    );
+    let r = send("team=search, cost_center=42", with_user).await;
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["param"], "x-gateway-tags");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("`cost_center`"),
+        "{v}"
+    );
+    events(&mut s.app, 1).await;
+    // And a key whose clients may add nothing.
+    let (ok, out) = ctl(&s.app, "--json keys create --tenant acme --no-client-tags").await;
+    assert!(ok, "{out}");
+    let closed: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(closed["client_tags"], json!([]));
+    let (ok, out) = ctl(&s.app, "keys list --tenant acme").await;
+    assert!(
+        ok && out.contains("CLIENT TAGS") && out.contains("none"),
+        "{out}"
+    );
+}
+
 /// A sample of the `/metrics` text: the value of the first line starting with `prefix`.
 fn metric(text: &str, prefix: &str) -> f64 {
     text.lines()
@@ -852,6 +914,7 @@ async fn three_processes_share_one_budget(kind: BudgetKind) {
             hash: g.hash,
             prefix: g.prefix,
             tags: Default::default(),
+            client_tags: None,
         })
         .await
         .unwrap();

@@ -18,6 +18,7 @@ fn new_key(tenant_id: &str) -> (String, NewKey) {
             hash: g.hash,
             prefix: g.prefix,
             tags: BTreeMap::from([("feature".to_owned(), "search".to_owned())]),
+            client_tags: None,
         },
     )
 }
@@ -55,11 +56,13 @@ async fn keys_are_found_by_hash_until_revoked(kind: StoreKind) {
     let ts = TestStore::new(kind).await.unwrap();
     let s = &ts.store;
     let t = s.create_tenant("acme").await.unwrap();
-    let (secret, nk) = new_key(&t.id);
+    let (secret, mut nk) = new_key(&t.id);
+    nk.client_tags = Some(vec!["team".into(), "user".into()]);
     let hash = nk.hash.clone();
     let key = s.create_key(nk).await.unwrap();
     assert_eq!(key.tenant_name, "acme");
     assert_eq!(key.tags["feature"], "search");
+    assert_eq!(key.client_tags, Some(vec!["team".into(), "user".into()]));
     let found = s
         .find_active_key(&keys::hash(&secret))
         .await
@@ -70,6 +73,14 @@ async fn keys_are_found_by_hash_until_revoked(kind: StoreKind) {
     assert_eq!(active.len(), 1);
     assert_eq!(active[0].0, hash);
     assert_eq!(s.list_keys(Some(&t.id)).await.unwrap().len(), 1);
+    let (_, open) = new_key(&t.id);
+    let open = s.create_key(open).await.unwrap();
+    assert_eq!(
+        s.list_keys(Some(&t.id)).await.unwrap()[0].client_tags,
+        None,
+        "{kind:?}: no setting reads back as none"
+    );
+    assert!(s.revoke_key(&open.id).await.unwrap());
     assert!(s.revoke_key(&key.id).await.unwrap());
     assert!(!s.revoke_key(&key.id).await.unwrap());
     assert!(s.find_active_key(&hash).await.unwrap().is_none());

@@ -24,6 +24,13 @@ pub enum KeyCommand {
         /// Attribution tag `key=value` (repeatable).
         #[arg(long = "tag", value_parser = parse_tag)]
         tags: Vec<(String, String)>,
+        /// Only these tag names may be added by its clients (`x-gateway-tags`, the request's
+        /// `user`); repeatable. Default: any tag the key does not fix.
+        #[arg(long = "client-tag", conflicts_with = "no_client_tags")]
+        client_tags: Vec<String>,
+        /// Its clients may add no tags at all.
+        #[arg(long)]
+        no_client_tags: bool,
     },
     /// List keys.
     List {
@@ -48,9 +55,18 @@ impl KeyCommand {
     /// Call the admin API and render its answer.
     pub(super) async fn run(self, admin: &Admin) -> anyhow::Result<Reply> {
         Ok(match self {
-            Self::Create { tenant, name, tags } => {
+            Self::Create {
+                tenant,
+                name,
+                tags,
+                client_tags,
+                no_client_tags,
+            } => {
                 let tags: BTreeMap<String, String> = tags.into_iter().collect();
-                let body = json!({"tenant": tenant, "name": name, "tags": tags});
+                let client_tags =
+                    (no_client_tags || !client_tags.is_empty()).then_some(client_tags);
+                let body = json!({"tenant": tenant, "name": name, "tags": tags,
+                                  "client_tags": client_tags});
                 let a: Answer<CreatedKey> = admin.call(Method::POST, "keys", Some(body)).await?;
                 let h = format!(
                     "created key {} for tenant {}\n\n    {}\n\nStore it now: it is not shown again.",
@@ -60,7 +76,16 @@ impl KeyCommand {
             }
             Self::List { tenant } => {
                 let path = query("keys", &[("tenant", tenant.as_deref())]);
-                let header = &["ID", "TENANT", "NAME", "KEY", "TAGS", "STATUS", "CREATED"];
+                let header = &[
+                    "ID",
+                    "TENANT",
+                    "NAME",
+                    "KEY",
+                    "TAGS",
+                    "CLIENT TAGS",
+                    "STATUS",
+                    "CREATED",
+                ];
                 admin.list(&path, header, row).await?
             }
             Self::Revoke { id } => {
@@ -86,6 +111,11 @@ fn row(k: &ApiKey) -> Vec<String> {
         opt(k.name.as_deref()),
         format!("{}…", k.prefix),
         tags.join(","),
+        match &k.client_tags {
+            None => "any".into(),
+            Some(t) if t.is_empty() => "none".into(),
+            Some(t) => t.join(","),
+        },
         status.into(),
         time(&k.created_at),
     ]

@@ -94,7 +94,7 @@ pub async fn run(
             return refuse(&state, &ctx, event, e).await;
         }
     };
-    record_request(&mut event, &req);
+    record_request(&mut event, &ctx.key, &req);
     let Some(target) = state.config.resolve_model(&req.model) else {
         let e = ApiError::ModelNotFound(req.model.clone());
         return refuse(&state, &ctx, event, e).await;
@@ -282,10 +282,10 @@ fn tier_price(state: &AppState, tiers: &[Tier], at: DateTime<Utc>) -> ReservePri
 }
 
 /// What was asked, on the event: the request's fingerprint, model, streaming, and its `user` as
-/// a tag (unless the key or header set one).
-fn record_request(event: &mut UsageEvent, req: &ParsedRequest) {
+/// a tag (unless the key or header set one, or the key does not allow clients a `user` tag).
+fn record_request(event: &mut UsageEvent, key: &ApiKey, req: &ParsedRequest) {
     event.fingerprint = req.fingerprint();
-    if let Some(user) = req.end_user() {
+    if let Some(user) = req.end_user().filter(|_| key.allows_client_tag("user")) {
         event
             .tags
             .entry("user".to_owned())

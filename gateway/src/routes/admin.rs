@@ -94,6 +94,10 @@ struct CreateKey {
     name: Option<String>,
     #[serde(default)]
     tags: BTreeMap<String, String>,
+    /// Tags its clients may add (`x-gateway-tags`, the request's `user`); absent: any the key
+    /// does not fix; `[]`: none.
+    #[serde(default)]
+    client_tags: Option<Vec<String>>,
 }
 
 /// Body of `POST /admin/v1/keys`: the key's metadata and, this once, its secret.
@@ -107,7 +111,7 @@ pub struct CreatedKey {
     pub secret: String,
 }
 
-/// `POST /admin/v1/keys {"tenant", "name"?, "tags"?}` → 201 with the secret `key` (shown once).
+/// `POST /admin/v1/keys {"tenant", "name"?, "tags"?, "client_tags"?}` → 201 with the secret `key` (shown once).
 pub async fn create_key(State(state): State<AppState>, body: Body) -> Result<Response, ApiError> {
     let req: CreateKey = parse_json(&read_body(body, ADMIN_BODY_LIMIT).await?)?;
     if let Some(name) = &req.name {
@@ -115,6 +119,9 @@ pub async fn create_key(State(state): State<AppState>, body: Body) -> Result<Res
     }
     for k in req.tags.keys() {
         validate_name("tags", k)?;
+    }
+    for k in req.client_tags.iter().flatten() {
+        validate_name("client_tags", k)?;
     }
     let t = tenant(&state, &req.tenant).await?;
     let generated = keys::generate();
@@ -126,6 +133,7 @@ pub async fn create_key(State(state): State<AppState>, body: Body) -> Result<Res
             hash: generated.hash,
             prefix: generated.prefix,
             tags: req.tags,
+            client_tags: req.client_tags,
         })
         .await?;
     let body = CreatedKey {

@@ -82,6 +82,35 @@ fn request_tags(headers: &HeaderMap) -> Result<BTreeMap<String, String>, ApiErro
     Ok(tags)
 }
 
+/// Add a client's `x-gateway-tags` to the key's: the key's own tags win (a client may add tags,
+/// never replace one its key fixes, or a `tag:` budget could be escaped and attribution forged),
+/// and a key with `client_tags` set allows only those names (400 naming the first other one).
+fn merge_client_tags(
+    tags: &mut BTreeMap<String, String>,
+    key: &ApiKey,
+    client: BTreeMap<String, String>,
+) -> Result<(), ApiError> {
+    for (k, v) in client {
+        if tags.contains_key(&k) {
+            continue;
+        }
+        if !key.allows_client_tag(&k) {
+            return Err(ApiError::invalid(
+                headers::TAGS.as_str(),
+                format!(
+                    "this key does not allow the client tag `{k}` (allowed: {})",
+                    key.client_tags
+                        .as_deref()
+                        .filter(|t| !t.is_empty())
+                        .map_or_else(|| "none".to_owned(), |t| t.join(", "))
+                ),
+            ));
+        }
+        tags.insert(k, v);
+    }
+    Ok(())
+}
+
 async fn proxy(
     state: AppState,
     key: Arc<ApiKey>,
@@ -108,14 +137,10 @@ async fn proxy(
         ),
     };
     let body = match request_tags(&headers) {
-        Ok(tags) => {
-            // The key's own tags win: a client may add tags, never replace one its key fixes
-            // (or a `tag:` budget could be escaped and attribution forged).
-            for (k, v) in tags {
-                ctx.tags.entry(k).or_insert(v);
-            }
-            read_body(body, state.config.server.max_body_bytes).await
-        }
+        Ok(tags) => match merge_client_tags(&mut ctx.tags, &ctx.key, tags) {
+            Ok(()) => read_body(body, state.config.server.max_body_bytes).await,
+            Err(e) => Err(e),
+        },
         Err(e) => Err(e),
     };
     // The pipeline runs on a tracked task: a client hang-up drops this future, not the work.

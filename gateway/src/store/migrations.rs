@@ -31,6 +31,11 @@ const SQLITE: Embedded = &[
         "cache policies",
         include_str!("../../../migrations/sqlite/0004_cache_policies.sql"),
     ),
+    (
+        5,
+        "key client tags",
+        include_str!("../../../migrations/sqlite/0005_key_client_tags.sql"),
+    ),
 ];
 
 const POSTGRES: Embedded = &[
@@ -53,6 +58,11 @@ const POSTGRES: Embedded = &[
         4,
         "cache policies",
         include_str!("../../../migrations/postgres/0004_cache_policies.sql"),
+    ),
+    (
+        5,
+        "key client tags",
+        include_str!("../../../migrations/postgres/0005_key_client_tags.sql"),
     ),
 ];
 

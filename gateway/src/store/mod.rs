@@ -67,10 +67,23 @@ pub struct ApiKey {
     pub prefix: String,
     /// Attribution tags (e.g. `feature=search`), copied into every usage event.
     pub tags: BTreeMap<String, String>,
+    /// The tags its clients may add with `x-gateway-tags` (and the request's `user`); `None`:
+    /// any tag the key does not fix itself. A key's own tags always win.
+    #[serde(default)]
+    pub client_tags: Option<Vec<String>>,
     /// Creation time.
     pub created_at: DateTime<Utc>,
     /// Revocation time, if revoked.
     pub revoked_at: Option<DateTime<Utc>>,
+}
+
+impl ApiKey {
+    /// Whether a client of this key may set tag `name` (see [`ApiKey::client_tags`]).
+    pub fn allows_client_tag(&self, name: &str) -> bool {
+        self.client_tags
+            .as_ref()
+            .is_none_or(|allowed| allowed.iter().any(|a| a == name))
+    }
 }
 
 /// What is needed to insert a key.
@@ -86,6 +99,8 @@ pub struct NewKey {
     pub prefix: String,
     /// Attribution tags.
     pub tags: BTreeMap<String, String>,
+    /// See [`ApiKey::client_tags`].
+    pub client_tags: Option<Vec<String>>,
 }
 
 /// Tenants and keys. Every method is one short transaction; callers never hold a connection.

@@ -14,13 +14,13 @@ pub(super) const DELETE_TENANT: &str =
 pub(super) const REVOKE_TENANT_KEYS: &str =
     "UPDATE api_keys SET revoked_at = $2 WHERE tenant_id = $1 AND revoked_at IS NULL";
 pub(super) const INSERT_KEY: &str = "INSERT INTO api_keys \
-     (id, tenant_id, name, key_hash, key_prefix, tags, created_at) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7)";
+     (id, tenant_id, name, key_hash, key_prefix, tags, created_at, client_tags) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8)";
 macro_rules! select_keys {
     ($suffix:literal) => {
         concat!(
             "SELECT k.id, k.tenant_id, t.name AS tenant_name, k.name, k.key_prefix, k.tags, ",
-            "k.created_at, k.revoked_at, k.key_hash ",
+            "k.created_at, k.revoked_at, k.key_hash, k.client_tags ",
             "FROM api_keys k JOIN tenants t ON t.id = k.tenant_id ",
             $suffix
         )
@@ -115,6 +115,11 @@ macro_rules! sql_store {
                 let tags: String = row.try_get("tags")?;
                 let tags: BTreeMap<String, String> = serde_json::from_str(&tags)
                     .map_err(|e| StoreError::Corrupt(format!("api_keys.tags: {e}")))?;
+                let client_tags: Option<String> = row.try_get("client_tags")?;
+                let client_tags = client_tags
+                    .map(|c| serde_json::from_str(&c))
+                    .transpose()
+                    .map_err(|e| StoreError::Corrupt(format!("api_keys.client_tags: {e}")))?;
                 Ok(ApiKey {
                     id: row.try_get("id")?,
                     tenant_id: row.try_get("tenant_id")?,
@@ -122,6 +127,7 @@ macro_rules! sql_store {
                     name: row.try_get("name")?,
                     prefix: row.try_get("key_prefix")?,
                     tags,
+                    client_tags,
                     created_at: row.try_get("created_at")?,
                     revoked_at: row.try_get("revoked_at")?,
                 })
@@ -250,6 +256,12 @@ macro_rules! sql_store {
                         })?;
                     let tags = serde_json::to_string(&new.tags)
                         .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+                    let client_tags = new
+                        .client_tags
+                        .as_ref()
+                        .map(serde_json::to_string)
+                        .transpose()
+                        .map_err(|e| StoreError::Corrupt(e.to_string()))?;
                     let key = ApiKey {
                         id: new_id("key"),
                         tenant_id: tenant.id,
@@ -257,6 +269,7 @@ macro_rules! sql_store {
                         name: new.name,
                         prefix: new.prefix,
                         tags: new.tags,
+                        client_tags: new.client_tags,
                         created_at: now(),
                         revoked_at: None,
                     };
@@ -268,6 +281,7 @@ macro_rules! sql_store {
                         .bind(&key.prefix)
                         .bind(tags)
                         .bind(key.created_at)
+                        .bind(client_tags)
                         .execute(&self.pool)
                         .await
                         .map_err(|e| unique_violation(e, "key hash collision".to_owned()))?;

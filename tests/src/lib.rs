@@ -516,10 +516,17 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// A minimal `gateway serve` config: listening on `port`, the store at `store_url`, the ledger
-/// spooling under `dir`, the cache off, and both tiers on a port nothing answers (for tests of
-/// start-up and of the admin surface, which need no model server).
-pub fn offline_toml(port: u16, store_url: &str, dir: &std::path::Path) -> String {
+/// A `gateway serve` config: listening on `port`, the store at `store_url`, the ledger spooling
+/// under `dir`, models `fast` (small tier, one replica at `small`) and `smart` (large, at
+/// `large`), then `extra` (whole sections; set fields of the sections above through
+/// [`serve_binary`]'s environment, e.g. `GATEWAY__LEDGER__FLUSH_MS`).
+pub fn serve_toml(
+    port: u16,
+    store_url: &str,
+    dir: &std::path::Path,
+    (small, large): (&str, &str),
+    extra: &str,
+) -> String {
     format!(
         r#"
 [server]
@@ -528,18 +535,33 @@ listen = "127.0.0.1:{port}"
 url = "{store_url}"
 [ledger]
 spool_dir = "{spool}"
-[cache]
-mode = "off"
+[models]
+fast = "small"
+smart = "large"
 [[tiers.small.replicas]]
 name = "s1"
-url = "http://127.0.0.1:9/v1"
+url = "{small}"
 model = "sim-small"
 [[tiers.large.replicas]]
 name = "l1"
-url = "http://127.0.0.1:9/v1"
+url = "{large}"
 model = "sim-large"
+{extra}
 "#,
         spool = dir.join("spool").display(),
+    )
+}
+
+/// [`serve_toml`] with the cache off and both tiers on a port nothing answers (for tests of
+/// start-up and of the admin surface, which need no model server).
+pub fn offline_toml(port: u16, store_url: &str, dir: &std::path::Path) -> String {
+    let dead = "http://127.0.0.1:9/v1";
+    serve_toml(
+        port,
+        store_url,
+        dir,
+        (dead, dead),
+        "[cache]\nmode = \"off\"",
     )
 }
 

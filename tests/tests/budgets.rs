@@ -804,37 +804,14 @@ async fn gateway_process(
         .join(", ");
     let dir = tempfile::tempdir().unwrap();
     let port = e2e::free_port();
-    let toml = format!(
-        r#"
-[server]
-listen = "127.0.0.1:{port}"
-[store]
-url = "{store_url}"
-key_refresh_ms = 200
-[admin]
-token = "{token}"
-[ledger]
-spool_dir = "{spool}"
-[budgets]
-store = "redis"
-redis_urls = [{redis}]
-reservation_ttl_secs = {ttl}
-[models]
-fast = "small"
-smart = "large"
-[[tiers.small.replicas]]
-name = "s1"
-url = "{small}"
-model = "sim-small"
-[[tiers.large.replicas]]
-name = "l1"
-url = "{large}"
-model = "sim-large"
-"#,
-        token = e2e::ADMIN_TOKEN,
-        spool = dir.path().join("spool").display(),
+    let extra = format!(
+        "[admin]\ntoken = \"{}\"\n[budgets]\nstore = \"redis\"\nredis_urls = [{redis}]\n\
+         reservation_ttl_secs = {ttl}",
+        e2e::ADMIN_TOKEN
     );
-    let mut child = e2e::serve_binary(dir.path(), &toml, &[]);
+    let toml = e2e::serve_toml(port, store_url, dir.path(), (small, large), &extra);
+    let env = [("GATEWAY__STORE__KEY_REFRESH_MS", Some("200"))];
+    let mut child = e2e::serve_binary(dir.path(), &toml, &env);
     let base = format!("http://127.0.0.1:{port}");
     e2e::until_healthy(&base, &mut child).await;
     Proc {

@@ -18,6 +18,9 @@ pub struct LedgerConfig {
     pub queue_capacity: usize,
     /// A database write slower than this is treated as failed and spooled, ms.
     pub write_timeout_ms: u64,
+    /// Append every row to a local journal before queueing it, so a killed process loses no
+    /// row (see `ledger::journal`). Off: a kill -9 loses the rows queued and in flight.
+    pub journal: bool,
 }
 
 impl Default for LedgerConfig {
@@ -29,6 +32,7 @@ impl Default for LedgerConfig {
             flush_ms: 200,
             queue_capacity: 100_000,
             write_timeout_ms: 2_000,
+            journal: true,
         }
     }
 }

@@ -2,6 +2,7 @@
 //! SQLite and a Postgres implementation, written by [`writer::LedgerWriter`] in batches off the
 //! request path, spooled to local disk while the database is unreachable.
 
+pub mod journal;
 pub mod postgres;
 pub mod report;
 pub mod spool;

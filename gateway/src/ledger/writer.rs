@@ -7,6 +7,9 @@
 //!   the spool (fsynced). While the spool holds rows, new batches are appended behind them, so
 //!   rows reach the database in order; every second the writer tries to replay the spool.
 //! - Shutdown drains the queue and writes (or spools) what is left.
+//! - With `ledger.journal` (default), `record` first appends the row to the journal, and a
+//!   row's journal entry is dropped only once the row is in the database or the spool, so a
+//!   process killed mid-way loses nothing: the next start spools what the journal holds.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,6 +19,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use super::journal::Journal;
 use super::spool::Spool;
 use super::LedgerStore;
 use crate::config::LedgerConfig;
@@ -46,24 +50,43 @@ impl WriterMetrics {
     }
 }
 
-/// The request path's side of the ledger: queue a row, never wait.
+/// A queued row and the journal segment it was appended to (none without a journal, or when
+/// the append failed).
+type Queued = (Option<u64>, UsageEvent);
+
+/// The request path's side of the ledger: journal and queue a row, never wait.
 #[derive(Debug)]
 pub struct LedgerSink {
-    tx: mpsc::Sender<UsageEvent>,
+    tx: mpsc::Sender<Queued>,
     spool: Arc<Spool>,
+    journal: Option<Arc<Journal>>,
     metrics: WriterMetrics,
 }
 
 impl UsageSink for LedgerSink {
     fn record(&self, event: UsageEvent) {
-        match self.tx.try_send(event) {
+        let segment = self.journal.as_ref().and_then(|j| match j.append(&event) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::error!(error = %e, request_id = %event.request_id,
+                    "ledger journal append failed: this row is only in memory until written");
+                None
+            }
+        });
+        match self.tx.try_send((segment, event)) {
             Ok(()) => self.metrics.queue.inc(),
-            Err(mpsc::error::TrySendError::Full(e) | mpsc::error::TrySendError::Closed(e)) => {
+            Err(
+                mpsc::error::TrySendError::Full((segment, e))
+                | mpsc::error::TrySendError::Closed((segment, e)),
+            ) => {
                 // No fsync on the request path: the writer's next spool append or replay syncs.
                 match self.spool.append_unsynced(std::slice::from_ref(&e)) {
                     Ok(()) => {
                         self.metrics.count("overflow_spooled", 1);
                         self.metrics.spooled.set(self.spool.rows() as i64);
+                        if let Some(j) = &self.journal {
+                            j.done(segment);
+                        }
                     }
                     Err(err) => {
                         self.metrics.count("lost", 1);
@@ -91,6 +114,22 @@ impl LedgerWriter {
         metrics: &Metrics,
     ) -> std::io::Result<(Arc<LedgerSink>, Self)> {
         let spool = Arc::new(Spool::open(&config.spool_dir)?);
+        let journal = if config.journal {
+            let (journal, left) = Journal::open(&config.spool_dir)?;
+            if !left.is_empty() {
+                // A previous run died with these rows unconfirmed: they go to the spool (whose
+                // replay skips the ones the database has) before anything new.
+                spool.append(&left)?;
+                tracing::warn!(
+                    rows = left.len(),
+                    "ledger journal of a previous run recovered into the spool"
+                );
+            }
+            journal.recovered()?;
+            Some(Arc::new(journal))
+        } else {
+            None
+        };
         let (tx, rx) = mpsc::channel(config.queue_capacity);
         let metrics = WriterMetrics::new(metrics);
         metrics.spooled.set(spool.rows() as i64);
@@ -99,6 +138,7 @@ impl LedgerWriter {
             replay_lock: tokio::sync::Mutex::new(()),
             store,
             spool: Arc::clone(&spool),
+            journal: journal.clone(),
             metrics: metrics.clone(),
             batch_rows: config.batch_rows,
             flush: Duration::from_millis(config.flush_ms),
@@ -106,7 +146,12 @@ impl LedgerWriter {
         });
         let handle = tokio::spawn(task.run(rx, stop.clone()));
         Ok((
-            Arc::new(LedgerSink { tx, spool, metrics }),
+            Arc::new(LedgerSink {
+                tx,
+                spool,
+                journal,
+                metrics,
+            }),
             Self { handle, stop },
         ))
     }
@@ -122,6 +167,7 @@ struct Task {
     replay_lock: tokio::sync::Mutex<()>,
     store: Arc<dyn LedgerStore>,
     spool: Arc<Spool>,
+    journal: Option<Arc<Journal>>,
     metrics: WriterMetrics,
     batch_rows: usize,
     flush: Duration,
@@ -132,7 +178,7 @@ struct Task {
 const IN_FLIGHT: usize = 2;
 
 impl Task {
-    async fn run(self: Arc<Self>, mut rx: mpsc::Receiver<UsageEvent>, stop: CancellationToken) {
+    async fn run(self: Arc<Self>, mut rx: mpsc::Receiver<Queued>, stop: CancellationToken) {
         let mut replay_tick = tokio::time::interval(Duration::from_secs(1));
         replay_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut inflight = tokio::task::JoinSet::new();
@@ -146,7 +192,7 @@ impl Task {
                     }
                     self.metrics.queue.set(0);
                     while inflight.join_next().await.is_some() {}
-                    self.write_or_spool(batch).await;
+                    self.settle(batch).await;
                     if self.spool.rows() > 0 {
                         self.replay().await;
                     }
@@ -157,6 +203,11 @@ impl Task {
                     None => return,
                 },
                 _ = replay_tick.tick() => {
+                    if let Some(j) = &self.journal {
+                        if let Err(e) = j.rotate() {
+                            tracing::warn!(error = %e, "ledger journal rotation failed");
+                        }
+                    }
                     if self.spool.rows() > 0 {
                         while inflight.join_next().await.is_some() {}
                         self.replay().await;
@@ -178,10 +229,20 @@ impl Task {
             if self.spool.rows() > 0 {
                 // Rows are waiting on disk: settle what is in flight, then keep disk order.
                 while inflight.join_next().await.is_some() {}
-                self.write_or_spool(batch).await;
+                self.settle(batch).await;
             } else {
                 let task = Arc::clone(&self);
-                inflight.spawn(async move { task.write_or_spool(batch).await });
+                inflight.spawn(async move { task.settle(batch).await });
+            }
+        }
+    }
+
+    /// Write or spool `batch`; once its rows are safe there, drop their journal entries.
+    async fn settle(&self, batch: Vec<Queued>) {
+        let (segments, rows): (Vec<Option<u64>>, Vec<UsageEvent>) = batch.into_iter().unzip();
+        if self.write_or_spool(rows).await {
+            if let Some(j) = &self.journal {
+                j.done(segments.into_iter().flatten());
             }
         }
     }
@@ -206,10 +267,11 @@ impl Task {
     }
 
     /// Write `batch` (in chunks of `batch_rows`), or spool what could not be written. While the
-    /// spool holds rows, it is replayed first and new rows queue behind it on disk.
-    async fn write_or_spool(&self, mut batch: Vec<UsageEvent>) {
+    /// spool holds rows, it is replayed first and new rows queue behind it on disk. Whether every
+    /// row is now in the database or the spool.
+    async fn write_or_spool(&self, mut batch: Vec<UsageEvent>) -> bool {
         if batch.is_empty() {
-            return;
+            return true;
         }
         if self.spool.rows() > 0 {
             self.replay().await;
@@ -224,27 +286,40 @@ impl Task {
             }
             self.metrics.count("written", written);
             if written == batch.len() {
-                return;
+                return true;
             }
             batch.drain(..written);
         }
-        self.to_spool(batch).await;
+        self.to_spool(batch).await
     }
 
-    async fn to_spool(&self, batch: Vec<UsageEvent>) {
+    async fn to_spool(&self, batch: Vec<UsageEvent>) -> bool {
         let spool = Arc::clone(&self.spool);
         let n = batch.len();
         let result =
             tokio::task::spawn_blocking(move || spool.append(&batch).map(|()| batch)).await;
-        match result {
-            Ok(Ok(_)) => self.metrics.count("spooled", n),
-            Ok(Err(e)) => {
-                self.metrics.count("lost", n);
-                tracing::error!(error = %e, rows = n, "ledger spool append failed: rows lost");
+        let safe = match result {
+            Ok(Ok(_)) => {
+                self.metrics.count("spooled", n);
+                true
             }
-            Err(e) => tracing::error!(error = %e, "ledger spool task failed"),
-        }
+            Ok(Err(e)) => {
+                let kept = if self.journal.is_some() {
+                    "kept in the journal for the next start"
+                } else {
+                    "lost"
+                };
+                self.metrics.count("lost", n);
+                tracing::error!(error = %e, rows = n, "ledger spool append failed: rows {kept}");
+                false
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "ledger spool task failed");
+                false
+            }
+        };
         self.metrics.spooled.set(self.spool.rows() as i64);
+        safe
     }
 
     /// Replay the spool in order; drop what was written. One replay at a time (the truncation

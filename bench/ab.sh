@@ -35,7 +35,7 @@ done
 
 . bench/common.sh
 
-"$BIN/gateway" simulate --profile zero --model sim-small --port "$P_UP" >"$WORK/sim.log" 2>&1 &
+"$SIM_BIN/gateway" simulate --profile zero --model sim-small --port "$P_UP" >"$WORK/sim.log" 2>&1 &
 PIDS+=($!)
 wait_port "$P_UP"
 

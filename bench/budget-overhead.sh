@@ -37,7 +37,7 @@ redis-server --port "$P_RDB" --bind 127.0.0.1 --save '' --appendonly no --dir "$
 PIDS+=($!)
 wait_port "$P_RDB"
 
-"$BIN/gateway" simulate --profile zero --model sim-small --port "$P_UP" >"$WORK/sim.log" 2>&1 &
+"$SIM_BIN/gateway" simulate --profile zero --model sim-small --port "$P_UP" >"$WORK/sim.log" 2>&1 &
 PIDS+=($!)
 wait_port "$P_UP"
 

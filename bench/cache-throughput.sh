@@ -65,7 +65,7 @@ function request()
 end
 EOF
 
-"$BIN/gateway" simulate --profile small --model sim-small --port "$P_UP" >"$WORK/sim.log" 2>&1 &
+"$SIM_BIN/gateway" simulate --profile small --model sim-small --port "$P_UP" >"$WORK/sim.log" 2>&1 &
 PIDS+=($!)
 wait_port "$P_UP"
 

@@ -2,8 +2,13 @@
 # binaries, makes a work directory removed on exit with every process started in PIDS, and
 # starts gateways in front of the simulator.
 
-cargo build --release -q -p gateway --bins
-BIN=${CARGO_TARGET_DIR:-target}/release
+# BIN=DIR runs another build's binaries (bench/ab.sh's directories) instead of building this one;
+# SIM_BIN=DIR takes the simulator from another build (default: BIN).
+if [ -z "${BIN:-}" ]; then
+  cargo build --release -q -p gateway --bins
+  BIN=${CARGO_TARGET_DIR:-target}/release
+fi
+SIM_BIN=${SIM_BIN:-$BIN}
 WORK=$(mktemp -d)
 PIDS=()
 ADMIN=bench-admin-token

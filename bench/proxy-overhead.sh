@@ -33,7 +33,7 @@ command -v wrk >/dev/null || { echo "needs wrk: apt-get install wrk" >&2; exit 1
 . bench/common.sh
 
 # Upstream: the zero-latency simulator.
-"$BIN/gateway" simulate --profile zero --model sim-small --port "$P_UP" >"$WORK/sim.log" 2>&1 &
+"$SIM_BIN/gateway" simulate --profile zero --model sim-small --port "$P_UP" >"$WORK/sim.log" 2>&1 &
 PIDS+=($!)
 wait_port "$P_UP"
 
@@ -115,6 +115,15 @@ for name in direct nginx gateway gateway-noledger; do
   [ "$name" = gateway ] && kill "$SAMPLER" 2>/dev/null || true
   wrk_post "$KEY" "$body" >"$WORK/wrk-$name.lua"
   wrk -t2 -c"$CONNS" -d"$SAT_DURATION" -s "$WORK/wrk-$name.lua" "$url" | grep '^WRK' >"$WORK/wrk-$name.txt"
+  if [ "$name" = gateway ]; then
+    # Let the ledger gateway write its queued rows before the next path is measured (otherwise
+    # it keeps a core busy during the no-ledger gateway's phases).
+    for _ in $(seq 1 600); do
+      depth=$(curl -s "http://127.0.0.1:$P_GW/metrics" | awk '/^gateway_ledger_queue_depth / {print $2}')
+      [ "${depth:-0}" = 0 ] && break
+      sleep 0.2
+    done
+  fi
 done
 RSS_LOAD=$(cat "$WORK/rss_peak" 2>/dev/null || echo 0)
 

@@ -17,6 +17,7 @@ use crate::state::{AppState, Deps};
 use crate::{middleware, routes};
 
 /// The whole HTTP surface. Layers, outermost first:
+/// 0. `middleware::headers::limit`: 431 in OpenAI shape over 100 header fields or 32 KiB of them;
 /// 1. `middleware::request_id::assign`: mints the request's own `x-request-id` (never the
 ///    client's: it keys the ledger row, the budget reservation and replays); a client's
 ///    `x-request-id` / `x-client-request-id` is kept as `x-client-request-id`, echoed back;
@@ -120,6 +121,7 @@ pub fn build_router(state: AppState) -> Router {
             )
         }))
         .layer(axum::middleware::from_fn(middleware::request_id::assign))
+        .layer(axum::middleware::from_fn(middleware::headers::limit))
 }
 
 /// Serve on `listener` until `shutdown` resolves, then drain: stop accepting, let in-flight

@@ -70,6 +70,9 @@ pub enum ApiError {
     /// The body is not of a media type the route accepts (admin writes take JSON only).
     #[error("{0}")]
     UnsupportedMediaType(String),
+    /// The request's header section is over the limits (431).
+    #[error("{0}")]
+    HeadersTooLarge(String),
     /// The body did not arrive within `server.body_read_timeout_ms`.
     #[error("the request body was not received within {secs} s (server.body_read_timeout_ms)")]
     RequestTimeout {
@@ -147,6 +150,7 @@ impl ApiError {
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            Self::HeadersTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::BadGateway { .. } => StatusCode::BAD_GATEWAY,
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -171,6 +175,7 @@ impl ApiError {
             Self::Conflict(_) => "conflict",
             Self::PayloadTooLarge { .. } => "payload_too_large",
             Self::RequestTimeout { .. } => "request_timeout",
+            Self::HeadersTooLarge(_) => "headers_too_large",
             Self::UnsupportedMediaType(_) => "unsupported_media_type",
             Self::BadGateway { .. } => "bad_gateway",
             Self::Unavailable { .. } => "unavailable",
@@ -192,6 +197,7 @@ impl ApiError {
             | Self::Conflict(_)
             | Self::PayloadTooLarge { .. }
             | Self::RequestTimeout { .. }
+            | Self::HeadersTooLarge(_)
             | Self::UnsupportedMediaType(_) => "invalid_request_error",
             Self::Unauthorized(_) => "authentication_error",
             Self::Forbidden(_) => "permission_error",
@@ -209,6 +215,7 @@ impl ApiError {
             Self::ModelNotFound(_) => Some("model_not_found"),
             Self::PayloadTooLarge { .. } => Some("request_too_large"),
             Self::RequestTimeout { .. } => Some("request_timeout"),
+            Self::HeadersTooLarge(_) => Some("request_header_fields_too_large"),
             Self::InvalidJson(_) => Some("invalid_json"),
             Self::InsufficientQuota { .. } => Some("insufficient_quota"),
             Self::RateLimited { .. } => Some("rate_limit_exceeded"),

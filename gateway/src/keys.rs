@@ -21,10 +21,10 @@ use arc_swap::ArcSwap;
 use rand::distr::{Alphanumeric, SampleString};
 use sha2::{Digest, Sha256};
 
-use prometheus::IntCounterVec;
 use tokio::sync::Semaphore;
 
 use crate::error::ApiError;
+use crate::metrics::Metrics;
 use crate::store::{ApiKey, Store, StoreError};
 use crate::tasks::Background;
 
@@ -81,8 +81,8 @@ pub struct Authenticator {
     lookups: Semaphore,
     /// Until when misses skip the store (it just failed).
     backoff_until: Mutex<Option<Instant>>,
-    /// `gateway_key_lookups_total` by outcome.
-    outcomes: IntCounterVec,
+    /// `gateway_key_lookups_total` by outcome, and the series of deleted tenants to drop.
+    metrics: Metrics,
 }
 
 impl std::fmt::Debug for Authenticator {
@@ -94,16 +94,17 @@ impl std::fmt::Debug for Authenticator {
 }
 
 impl Authenticator {
-    /// Load the first snapshot; lookups of keys missing from it are counted in `outcomes`
-    /// (label `outcome`: found, unknown, cached_unknown, busy, error, skipped).
-    pub async fn new(store: Arc<dyn Store>, outcomes: IntCounterVec) -> Result<Self, StoreError> {
+    /// Load the first snapshot; lookups of keys missing from it are counted in `metrics`
+    /// (`gateway_key_lookups_total`), and a tenant found deleted at a refresh has its series
+    /// dropped from them.
+    pub async fn new(store: Arc<dyn Store>, metrics: Metrics) -> Result<Self, StoreError> {
         let auth = Self {
             store,
             snapshot: ArcSwap::from_pointee(HashMap::new()),
             unknown: Mutex::new(HashSet::new()),
             lookups: Semaphore::new(LOOKUP_CONCURRENCY),
             backoff_until: Mutex::new(None),
-            outcomes,
+            metrics,
         };
         auth.refresh().await?;
         Ok(auth)
@@ -121,11 +122,25 @@ impl Authenticator {
     /// Replace the snapshot with the store's live keys.
     pub async fn refresh(&self) -> Result<(), StoreError> {
         let keys = self.store.active_keys().await?;
-        let map = keys
+        let map: HashMap<String, Arc<ApiKey>> = keys
             .into_iter()
             .map(|(hash, key)| (hash, Arc::new(key)))
             .collect();
+        let live: HashSet<&str> = map.values().map(|k| k.tenant_id.as_str()).collect();
+        let gone: HashMap<String, String> = self
+            .snapshot
+            .load()
+            .values()
+            .filter(|k| !live.contains(k.tenant_id.as_str()))
+            .map(|k| (k.tenant_id.clone(), k.tenant_name.clone()))
+            .collect();
         self.snapshot.store(Arc::new(map));
+        // A tenant whose last key went: if it was deleted (on any replica), its series go too.
+        for (id, name) in gone {
+            if self.store.find_tenant(&id).await?.is_none() {
+                self.metrics.forget_tenant(&name);
+            }
+        }
         // A key created since is in the new snapshot; the rest may be asked about again.
         self.unknown
             .lock()
@@ -193,7 +208,7 @@ impl Authenticator {
             message: format!("this API key cannot be verified right now ({why}); retry shortly"),
             retry_after: 1,
         };
-        let count = |outcome: &str| self.outcomes.with_label_values(&[outcome]).inc();
+        let count = |outcome: &str| self.metrics.key_lookups.with_label_values(&[outcome]).inc();
         if self.lock_unknown().contains(&hash) {
             count("cached_unknown");
             return Err(unknown());

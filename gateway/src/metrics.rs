@@ -1,6 +1,8 @@
 //! Every Prometheus metric the gateway exports, defined once. Dashboards query these names; a
 //! test checks each name a dashboard uses exists here.
 
+use std::collections::HashMap;
+
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
@@ -362,6 +364,31 @@ impl Metrics {
             cache_semantic_ready,
             cache_semantic_seconds,
         })
+    }
+
+    /// Drop every series of tenant `name` (a deleted tenant: its counters would otherwise stay
+    /// in `/metrics` until the process restarts).
+    pub fn forget_tenant(&self, name: &str) {
+        use prometheus::core::Collector as _;
+        for vec in [
+            &self.requests,
+            &self.tokens,
+            &self.budget_decisions,
+            &self.cache_saved,
+        ] {
+            for family in vec.collect() {
+                for m in family.get_metric() {
+                    let labels: HashMap<&str, &str> = m
+                        .get_label()
+                        .iter()
+                        .map(|l| (l.name(), l.value()))
+                        .collect();
+                    if labels.get("tenant") == Some(&name) {
+                        let _ = vec.remove(&labels);
+                    }
+                }
+            }
+        }
     }
 
     /// Prometheus text exposition, with the replica gauges set from `replicas` (a snapshot of

@@ -71,7 +71,10 @@ pub async fn serve(
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read);
+        .header_read_timeout(limits.header_read)
+        // Above the 431 that `middleware::headers` answers in OpenAI shape, so that one is what
+        // clients see for all but absurd header sections (hyper's own 431 has no body).
+        .max_headers(4 * crate::middleware::headers::MAX_HEADERS);
     let builder = Arc::new(builder);
     tokio::pin!(shutdown);
     loop {

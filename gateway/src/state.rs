@@ -100,8 +100,7 @@ impl AppState {
             })?,
         };
         let metrics = Metrics::new()?;
-        let auth =
-            Arc::new(Authenticator::new(Arc::clone(&store), metrics.key_lookups.clone()).await?);
+        let auth = Arc::new(Authenticator::new(Arc::clone(&store), metrics.clone()).await?);
         let upstreams = Upstreams::new(&config)?;
         for tier in config.tiers.keys() {
             if let Some(t) = upstreams.tier(*tier) {

@@ -4,10 +4,40 @@
 //! BPE (`cl100k_base` by default, `o200k_base` selectable per tier), which is within a few percent
 //! of most modern tokenizers on English text. Upstream-reported usage always wins when present.
 
+use std::sync::LazyLock;
+
 use serde_json::Value;
 use tiktoken_rs::CoreBPE;
+use tokio::runtime::{Handle, RuntimeFlavor};
+use tokio::sync::Semaphore;
 
 use crate::types::TokenizerKind;
+
+/// Requests whose body is at least this large are tokenized off the async workers.
+pub const OFF_WORKER_BYTES: usize = 64 * 1024;
+
+/// Large tokenizations running at once: one per two cores (at least one), so they leave the
+/// async workers cores to run on (the rest wait their turn without blocking a worker).
+static HEAVY: LazyLock<Semaphore> = LazyLock::new(|| {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    Semaphore::new((cores / 2).max(1))
+});
+
+/// Run `count` (a tokenization of a request of `bytes` bytes): inline when small; otherwise
+/// after a [`HEAVY`] permit, on a thread the runtime takes off its async workers
+/// (`block_in_place`), so a long prompt never stalls other requests or the probes.
+pub async fn off_workers<T>(bytes: usize, count: impl FnOnce() -> T) -> T {
+    if bytes < OFF_WORKER_BYTES {
+        return count();
+    }
+    let _permit = HEAVY.acquire().await;
+    if Handle::current().runtime_flavor() == RuntimeFlavor::MultiThread {
+        tokio::task::block_in_place(count)
+    } else {
+        // A current-thread runtime (some tests) has no other worker to hand its tasks to.
+        count()
+    }
+}
 
 /// Tokens OpenAI adds per chat message for the role and separators.
 const TOKENS_PER_MESSAGE: usize = 4;

@@ -243,14 +243,20 @@ async fn gatewayctl_manages_tenants_and_keys_and_a_revoked_key_stops_working() {
     assert!(!ok && out.contains("admin token"), "{out}");
 }
 
-#[tokio::test]
-async fn a_key_revoked_on_one_replica_stops_working_on_another_within_two_seconds() {
+/// Two replicas on one Postgres store; the second uses the first's key.
+async fn two_replicas() -> (TestApp, TestApp, Sim) {
     let sim = Sim::zero("sim-small").await;
     let store_a = TestStore::new(StoreKind::Postgres).await.unwrap();
     let store_b = store_a.reopen().await.unwrap();
     let a = app_on(store_a, true, &sim).await;
     let mut b = app_on(store_b, false, &sim).await;
     b.api_key = a.api_key.clone();
+    (a, b, sim)
+}
+
+#[tokio::test]
+async fn a_key_revoked_on_one_replica_stops_working_on_another_within_two_seconds() {
+    let (a, b, _sim) = two_replicas().await;
     assert_eq!(
         b.chat(chat_body("fast", "hi")).await.status(),
         200,
@@ -288,6 +294,30 @@ async fn deleting_a_tenant_revokes_its_keys_through_the_api() {
             .status(),
         404
     );
+}
+
+#[tokio::test]
+async fn a_deleted_tenant_leaves_the_metrics_of_every_replica() {
+    let (a, b, _sim) = two_replicas().await;
+    let series = "tenant=\"acme\"";
+    for app in [&a, &b] {
+        assert_eq!(app.chat(chat_body("fast", "hi")).await.status(), 200);
+        assert!(app.metrics().await.contains(series));
+    }
+    assert_eq!(
+        a.admin(Method::DELETE, "tenants/acme", None).await.status(),
+        200
+    );
+    assert!(
+        !a.metrics().await.contains(series),
+        "gone at once where deleted"
+    );
+    e2e::eventually(
+        "the other replica drops the deleted tenant's series",
+        Duration::from_secs(5),
+        || async { (!b.metrics().await.contains(series)).then_some(()) },
+    )
+    .await;
 }
 
 #[tokio::test]

@@ -336,6 +336,51 @@ async fn a_client_tag_cannot_replace_its_keys_tag_to_escape_a_tag_budget() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dollar_budget_reserves_at_the_first_tiers_price_not_the_dearest_fallback() {
+    let s = setup(BudgetKind::Memory, Deps::default(), |c| {
+        priced(c);
+        // The large tier, reachable by failover, is a hundred times dearer.
+        c.prices.insert(
+            "sim-large".into(),
+            PriceConfig {
+                input: 100.0,
+                output: 200.0,
+                cached_input: None,
+            },
+        );
+    })
+    .await;
+    let probe: Value = s
+        .app
+        .chat(body_with_max("fast", "hi", 16))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let p = probe["usage"]["prompt_tokens"].as_u64().unwrap();
+    // Room for 50 such requests at the small tier's price ($1 / $2 per 1M tokens).
+    let limit_micros = 50 * (p + 16 * 2);
+    set_budget(
+        &s.app,
+        json!({"tenant": "acme", "window": "day", "limit_usd": limit_micros as f64 / 1e6}),
+    )
+    .await;
+    let mut admitted = 0;
+    for _ in 0..60 {
+        if s.app.chat(body_with_max("fast", "hi", 16)).await.status() == 200 {
+            admitted += 1;
+        }
+    }
+    assert!(
+        (48..=60).contains(&admitted),
+        "{admitted} of the 50 affordable small-tier requests admitted"
+    );
+    let u = wait_reserved_zero(&s.app).await;
+    let spent = u[0]["state"]["spent_micros"].as_u64().unwrap();
+    assert!(spent <= limit_micros, "spent {spent} of {limit_micros}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_can_allow_only_some_client_tags() {
     let mut s = setup(BudgetKind::Memory, Deps::default(), |_| {}).await;
     // Created with the real gatewayctl: feature fixed by the key, clients may add `team` only.

@@ -157,3 +157,90 @@ async fn at_the_connection_cap_new_connections_wait_until_one_closes() {
     drop(idle);
     app.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_prompts_are_tokenized_off_the_async_workers() {
+    use wiremock::matchers::method;
+    use wiremock::{Mock, MockServer, ResponseTemplate};
+    let up = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(200).set_body_json(serde_json::json!({
+            "id": "x", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})))
+        .mount(&up)
+        .await;
+    let url = format!("{}/v1", up.uri());
+    let mut c = config(vec![replica("s", &url, "m")], vec![replica("l", &url, "m")]);
+    c.server.max_body_bytes = 8 * 1024 * 1024;
+    let app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    // A budget, so every request's prompt is counted before it is admitted.
+    let r = app
+        .admin(
+            reqwest::Method::POST,
+            "budgets",
+            Some(serde_json::json!({"tenant": "acme", "window": "day",
+                                    "limit_tokens": 1_000_000_000u64})),
+        )
+        .await;
+    assert_eq!(r.status(), 201);
+    // ~2 MiB of made-up words: each needs real BPE merges (unlike common words, which are one
+    // vocabulary lookup), as the hostile prompts that stalled the probes did.
+    let mut x: u64 = 42;
+    let prompt: String = (0..300_000)
+        .map(|_| {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            format!("{:x} ", x >> 36)
+        })
+        .collect();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let probe = {
+        let (http, url) = (app.http.clone(), format!("{}/healthz", app.base));
+        let done = done.clone();
+        tokio::spawn(async move {
+            let mut worst = Duration::ZERO;
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                let t = Instant::now();
+                assert_eq!(http.get(&url).send().await.unwrap().status(), 200);
+                worst = worst.max(t.elapsed());
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            worst
+        })
+    };
+    let started = Instant::now();
+    let answers =
+        futures_util::future::join_all((0..8).map(|_| app.chat(chat_body("fast", &prompt)))).await;
+    assert!(answers.iter().all(|r| r.status() == 200));
+    let took = started.elapsed();
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    let worst = probe.await.unwrap();
+    // Counted on the two async workers, the eight prompts held /healthz for ~1 s; off them it
+    // answers within ~0.1-0.2 s (the test's own client encodes the bodies on the same workers).
+    assert!(
+        worst < Duration::from_millis(500),
+        "/healthz took up to {worst:?} while eight long prompts were counted ({took:?})"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn oversized_header_sections_get_an_openai_shaped_431() {
+    let (app, _sim) = app_with(|_| {}).await;
+    let url = format!("{}/v1/chat/completions", app.base);
+    let many = (0..150).fold(app.http.post(&url), |r, i| r.header(format!("x-h{i}"), "v"));
+    let big = app.http.post(&url).header("x-big", "b".repeat(40 * 1024));
+    for req in [many, big] {
+        let r = req
+            .bearer_auth(&app.api_key)
+            .json(&chat_body("fast", "hi"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 431);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "request_header_fields_too_large", "{v}");
+    }
+    app.stop().await;
+}

@@ -1,4 +1,5 @@
 //! Request middleware, one file per concern.
 
 pub mod auth;
+pub mod headers;
 pub mod request_id;

@@ -124,6 +124,8 @@ pub struct ParsedRequest {
     pub client_wants_usage: bool,
     /// `max_completion_tokens` or `max_tokens`, if given.
     pub max_tokens: Option<u32>,
+    /// Size of the body as received, bytes.
+    pub body_bytes: usize,
     /// The last upstream encoding: (upstream model, body bytes).
     encoded: Option<(String, Bytes)>,
 }
@@ -131,6 +133,7 @@ pub struct ParsedRequest {
 impl ParsedRequest {
     /// Parse and validate a body for `endpoint`.
     pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Self, ApiError> {
+        let body_bytes = body.len();
         let body = json_object(body)?;
         let value = Value::Object(body);
         if value.get("model").is_none() {
@@ -246,6 +249,7 @@ impl ParsedRequest {
             stream,
             client_wants_usage,
             max_tokens,
+            body_bytes,
             body,
             encoded: None,
         })
@@ -296,20 +300,41 @@ impl ParsedRequest {
     }
 
     /// Fingerprint of the request: the body with `model` as the client named it, minus the fields
-    /// that do not change the answer (`stream`, `stream_options`, `user`), keys in sorted order.
+    /// that do not change the answer (`stream`, `stream_options`, `user`), keys in sorted order,
+    /// whole floats written as integers. Streamed into the hash: nothing of the body is copied.
     pub fn fingerprint(&self) -> String {
-        let mut canonical = self.body.clone();
-        for k in ["stream", "stream_options", "user"] {
-            canonical.remove(k);
+        use serde::ser::SerializeMap as _;
+        use sha2::Digest as _;
+
+        struct View<'a>(Vec<(&'a str, Canon<'a>)>);
+        impl serde::Serialize for View<'_> {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                let mut m = s.serialize_map(Some(self.0.len()))?;
+                for (k, v) in &self.0 {
+                    m.serialize_entry(k, v)?;
+                }
+                m.end()
+            }
         }
-        canonical.insert("model".into(), Value::String(self.model.clone()));
-        canonical.insert(
-            "endpoint".into(),
-            Value::String(self.endpoint.label().into()),
-        );
-        let mut canonical = Value::Object(canonical);
-        canonical_numbers(&mut canonical);
-        fingerprint_bytes(&serde_json::to_vec(&canonical).unwrap_or_default())
+        let model = Value::String(self.model.clone());
+        let endpoint = Value::String(self.endpoint.label().into());
+        let mut entries: Vec<(&str, Canon<'_>)> = self
+            .body
+            .iter()
+            .filter(|(k, _)| {
+                !matches!(
+                    k.as_str(),
+                    "stream" | "stream_options" | "user" | "model" | "endpoint"
+                )
+            })
+            .map(|(k, v)| (k.as_str(), Canon(v)))
+            .collect();
+        entries.push(("model", Canon(&model)));
+        entries.push(("endpoint", Canon(&endpoint)));
+        entries.sort_by(|a, b| a.0.cmp(b.0));
+        let mut hasher = HashWriter(sha2::Sha256::new());
+        let _ = serde_json::to_writer(&mut hasher, &View(entries));
+        hex::encode(&hasher.0.finalize()[..16])
     }
 
     /// The request's `user` field (OpenAI's end-user id), if any.
@@ -339,18 +364,68 @@ impl ParsedRequest {
 
 /// Write whole-valued floats as integers (`0.0` → `0`), so equal requests hash equally whatever
 /// the client's JSON encoder does with numbers.
+/// A JSON value serialized as the fingerprint sees it: whole floats (`1.0`) as integers.
+struct Canon<'a>(&'a Value);
+
+impl serde::Serialize for Canon<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::{SerializeMap as _, SerializeSeq as _};
+        match self.0 {
+            Value::Number(n) => match whole(n) {
+                Some(i) => s.serialize_i64(i),
+                None => n.serialize(s),
+            },
+            Value::Array(items) => {
+                let mut seq = s.serialize_seq(Some(items.len()))?;
+                for i in items {
+                    seq.serialize_element(&Canon(i))?;
+                }
+                seq.end()
+            }
+            Value::Object(map) => {
+                let mut m = s.serialize_map(Some(map.len()))?;
+                for (k, v) in map {
+                    m.serialize_entry(k, &Canon(v))?;
+                }
+                m.end()
+            }
+            other => other.serialize(s),
+        }
+    }
+}
+
+/// `n` as an integer when it is a float with no fractional part, in the exact range.
+fn whole(n: &serde_json::Number) -> Option<i64> {
+    let f = n
+        .as_f64()
+        .filter(|f| n.is_f64() && f.fract() == 0.0 && f.abs() < 9.0e15)?;
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "checked whole and in range"
+    )]
+    Some(f as i64)
+}
+
+/// Feeds what serde_json writes into a hash.
+struct HashWriter(sha2::Sha256);
+
+impl std::io::Write for HashWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        sha2::Digest::update(&mut self.0, buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Rewrite whole floats (`1.0`) as integers, in place (what [`ParsedRequest::fingerprint`]
+/// hashes, for callers that keep a canonical copy).
 pub fn canonical_numbers(v: &mut Value) {
     match v {
         Value::Number(n) => {
-            if let Some(f) = n.as_f64().filter(|f| n.is_f64() && f.fract() == 0.0) {
-                if f.abs() < 9.0e15 {
-                    #[expect(
-                        clippy::cast_possible_truncation,
-                        reason = "checked whole and in range"
-                    )]
-                    let i = f as i64;
-                    *v = Value::from(i);
-                }
+            if let Some(i) = whole(n) {
+                *v = Value::from(i);
             }
         }
         Value::Array(items) => items.iter_mut().for_each(canonical_numbers),
@@ -390,6 +465,28 @@ mod tests {
 
     fn parse(endpoint: Endpoint, v: Value) -> Result<ParsedRequest, ApiError> {
         ParsedRequest::parse(endpoint, v.to_string().as_bytes())
+    }
+
+    #[test]
+    fn the_streamed_fingerprint_hashes_the_same_bytes_as_a_canonical_copy() {
+        for body in [
+            json!({"model": "fast", "temperature": 0.0, "n": 2, "stream": true, "user": "u",
+                   "messages": [{"role": "user", "content": "hi", "weight": 1.5}],
+                   "endpoint": "sneaky", "a": [1.0, 2, {"z": 3.0}]}),
+            json!({"model": "fast", "messages": [{"role": "user", "content": "x"}]}),
+        ] {
+            let req = parse(Endpoint::Chat, body).unwrap();
+            let mut canonical = req.body.clone();
+            for k in ["stream", "stream_options", "user"] {
+                canonical.remove(k);
+            }
+            canonical.insert("model".into(), Value::String(req.model.clone()));
+            canonical.insert("endpoint".into(), Value::String("chat".into()));
+            let mut canonical = Value::Object(canonical);
+            canonical_numbers(&mut canonical);
+            let expected = fingerprint_bytes(&serde_json::to_vec(&canonical).unwrap());
+            assert_eq!(req.fingerprint(), expected);
+        }
     }
 
     #[test]

@@ -7,6 +7,15 @@ use serde_json::{Map, Value};
 
 use super::{completion_text, usage_of, Endpoint, Usage};
 
+/// Largest SSE event the rewriter holds while waiting for its end, bytes: an upstream that never
+/// ends an event cannot grow the gateway's memory without bound.
+pub const MAX_EVENT_BYTES: usize = 4 * 1024 * 1024;
+
+/// An upstream event grew past [`MAX_EVENT_BYTES`] without ending.
+#[derive(Debug, thiserror::Error)]
+#[error("an upstream SSE event exceeded {MAX_EVENT_BYTES} bytes")]
+pub struct EventTooLarge;
+
 /// Watches an SSE byte stream event by event: learns usage, collects generated text, and drops
 /// the usage-only chunk when the client did not ask for it. Events are forwarded byte-for-byte
 /// otherwise, as soon as they are complete.
@@ -40,8 +49,9 @@ impl SseRewriter {
         }
     }
 
-    /// Feed upstream bytes; returns the bytes to send to the client now (possibly empty).
-    pub fn push(&mut self, chunk: &[u8]) -> Bytes {
+    /// Feed upstream bytes; returns the bytes to send to the client now (possibly empty), or
+    /// an error when an unfinished event has grown past [`MAX_EVENT_BYTES`].
+    pub fn push(&mut self, chunk: &[u8]) -> Result<Bytes, EventTooLarge> {
         self.buf.extend_from_slice(chunk);
         let mut out = BytesMut::new();
         while let Some(end) = event_end(&self.buf) {
@@ -50,7 +60,11 @@ impl SseRewriter {
                 out.extend_from_slice(&kept);
             }
         }
-        out.freeze()
+        if self.buf.len() > MAX_EVENT_BYTES {
+            self.buf.clear();
+            return Err(EventTooLarge);
+        }
+        Ok(out.freeze())
     }
 
     /// The upstream ended: flush whatever partial event remains.
@@ -378,6 +392,21 @@ mod tests {
     }
 
     #[test]
+    fn an_event_that_never_ends_is_refused_past_the_limit() {
+        let mut rw = SseRewriter::new(false);
+        let piece = vec![b'x'; 1024 * 1024];
+        let mut refused = false;
+        for _ in 0..(MAX_EVENT_BYTES / piece.len() + 2) {
+            if rw.push(&piece).is_err() {
+                refused = true;
+                break;
+            }
+        }
+        assert!(refused);
+        assert!(rw.buf.is_empty(), "the buffer is released");
+    }
+
+    #[test]
     fn rewriter_drops_the_usage_chunk_unless_asked_and_handles_split_events() {
         let stream = concat!(
             "data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\n\n",
@@ -390,7 +419,7 @@ mod tests {
             let mut rw = SseRewriter::new(forward);
             let mut out = Vec::new();
             for piece in stream.as_bytes().chunks(7) {
-                out.extend_from_slice(&rw.push(piece));
+                out.extend_from_slice(&rw.push(piece).unwrap());
             }
             out.extend_from_slice(&rw.finish());
             let out = String::from_utf8(out).unwrap();

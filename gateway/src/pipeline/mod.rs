@@ -207,7 +207,7 @@ impl Call {
         let Some(plan) = self.state.budgets.plan(&self.ctx.key, &self.event.tags) else {
             return Ok(());
         };
-        let input = self.admit_input();
+        let input = self.admit_input().await;
         let mut admission = self.state.budgets.admit(&plan, input).await?;
         self.headers = respond::budget_headers(&admission);
         if admission.downgraded {
@@ -228,15 +228,21 @@ impl Call {
     }
 
     /// What the budget step needs to know about a request: its prompt estimate (the first
-    /// tier's tokenizer), requested output, and the prices it may be served at (the dearest
-    /// replica of the tiers it may reach; the small tier alone if a `downgrade` budget sends it
-    /// there).
-    fn admit_input(&self) -> AdmitInput {
+    /// tier's tokenizer), requested output, and the price it is reserved at: the dearest replica
+    /// of the tier it goes to first (the small tier if a `downgrade` budget sends it there). A
+    /// failover to the other tier is settled at what it cost, so a dollar budget can be
+    /// overshot by the price difference of the requests that failed over while it was nearly
+    /// spent; reserving every request at the dearest reachable tier instead refused most
+    /// affordable requests.
+    async fn admit_input(&self) -> AdmitInput {
         let (state, req) = (&self.state, &self.req);
-        let prompt_tokens = state
-            .upstreams
-            .tier(self.tier)
-            .map_or(0, |t| req.count_prompt_tokens(&t.tokenizer));
+        let prompt_tokens = match state.upstreams.tier(self.tier) {
+            Some(t) => {
+                crate::tokens::off_workers(req.body_bytes, || req.count_prompt_tokens(&t.tokenizer))
+                    .await
+            }
+            None => 0,
+        };
         let max_tokens = match (req.max_tokens, req.endpoint) {
             (Some(m), _) => Some(u64::from(m)),
             // OpenAI's (and vLLM's) default for the legacy completions endpoint.
@@ -250,7 +256,7 @@ impl Call {
             max_tokens,
             generates: req.endpoint != Endpoint::Embeddings,
             choices: req.choices(),
-            price: tier_price(state, &attempt::plan(state, self.tier, true), at),
+            price: tier_price(state, &[self.tier], at),
             small_price: tier_price(state, &[Tier::Small], at),
             primary_is_small: self.tier == Tier::Small,
         }

@@ -311,7 +311,14 @@ pub(super) fn streamed(
                     failure = Some("transport");
                     break;
                 }
-                Ok(Some(Ok(chunk))) => rewriter.push(&chunk),
+                Ok(Some(Ok(chunk))) => match rewriter.push(&chunk) {
+                    Ok(out) => out,
+                    Err(e) => {
+                        tracing::warn!(request_id = %ctx.request_id, error = %e, "upstream stream refused");
+                        failure = Some("event_too_large");
+                        break;
+                    }
+                },
             };
             if event.ttft_ms.is_none() && rewriter.events > 0 {
                 event.ttft_ms = Some(ms_since(ctx.started));

@@ -79,6 +79,7 @@ pub async fn delete_tenant(
         return Err(ApiError::NotFound(format!("no tenant {id_or_name:?}")));
     }
     state.auth.forget_tenant(&t.id);
+    state.metrics.forget_tenant(&t.name);
     Ok(Json(DeletedTenant {
         id: t.id,
         name: t.name,

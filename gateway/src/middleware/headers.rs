@@ -1,0 +1,34 @@
+//! Header limits answered in OpenAI shape: hyper refuses oversized header sections itself with an
+//! empty 431, so the listener lets through more than this layer accepts, and the client learns
+//! which limit it hit from a JSON body.
+
+use axum::extract::Request;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+
+use crate::error::ApiError;
+
+/// Most header fields a request may carry (hyper's own cap is set above it).
+pub const MAX_HEADERS: usize = 100;
+/// Largest total size of a request's header names and values, bytes (hyper's own buffer limit is
+/// larger).
+pub const MAX_HEADER_BYTES: usize = 32 * 1024;
+
+/// 431 when a request has more than [`MAX_HEADERS`] headers or more than [`MAX_HEADER_BYTES`]
+/// of them.
+pub async fn limit(req: Request, next: Next) -> Response {
+    let headers = req.headers();
+    let bytes: usize = headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len())
+        .sum();
+    if headers.len() > MAX_HEADERS || bytes > MAX_HEADER_BYTES {
+        return ApiError::HeadersTooLarge(format!(
+            "the request's headers are too large: {} fields, {bytes} bytes (at most \
+             {MAX_HEADERS} fields and {MAX_HEADER_BYTES} bytes)",
+            headers.len()
+        ))
+        .into_response();
+    }
+    next.run(req).await
+}

@@ -932,6 +932,31 @@ impl PrivateRedis {
         anyhow::bail!("redis-server did not start on port {}", self.port)
     }
 
+    /// Freeze the server (SIGSTOP): connections stay open and nothing is answered, as when
+    /// Redis hangs; [`PrivateRedis::unpause`] lets it go on with what queued meanwhile.
+    pub fn pause(&self) -> anyhow::Result<()> {
+        self.signal("-STOP")
+    }
+
+    /// Let a paused server run again (SIGCONT).
+    pub fn unpause(&self) -> anyhow::Result<()> {
+        self.signal("-CONT")
+    }
+
+    fn signal(&self, sig: &str) -> anyhow::Result<()> {
+        let guard = self.child.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+        let pid = guard
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("not running"))?
+            .id();
+        let ok = std::process::Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()?
+            .success();
+        anyhow::ensure!(ok, "kill {sig} {pid} failed");
+        Ok(())
+    }
+
     /// Kill the server (connections are cut; acknowledged writes survive).
     pub fn stop(&self) -> anyhow::Result<()> {
         if let Some(mut c) = self

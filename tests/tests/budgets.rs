@@ -751,6 +751,36 @@ async fn policy_changes_reach_another_replica_within_two_seconds() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_whose_answer_was_lost_in_a_redis_hang_is_released_when_it_recovers() {
+    let redis = PrivateRedis::start().unwrap();
+    let s = setup(BudgetKind::Redis, Deps::default(), |c| {
+        c.budgets.redis_urls = vec![redis.url.clone()];
+        c.budgets.store_timeout_ms = 200;
+        c.budgets.lease_requests = 0;
+    })
+    .await;
+    set_budget(
+        &s.app,
+        json!({"tenant": "acme", "window": "day", "limit_tokens": 100000}),
+    )
+    .await;
+    assert_eq!(
+        s.app.chat(body_with_max("fast", "hi", 20)).await.status(),
+        200
+    );
+    wait_reserved_zero(&s.app).await;
+    redis.pause().unwrap();
+    // The reserve call times out (fail closed: 503), but the script sits in Redis's socket.
+    let r = s.app.chat(body_with_max("fast", "hi", 500)).await;
+    assert_eq!(r.status(), 503);
+    redis.unpause().unwrap();
+    // It ran when Redis woke up, holding ~500 tokens for a request that is long gone; the
+    // release queued at the timeout gives them back (without it: for reservation_ttl_secs).
+    let u = wait_reserved_zero(&s.app).await;
+    assert_eq!(u[0]["state"]["reserved_tokens"], 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_outage_follows_the_fail_mode_and_loses_nothing() {
     let redis = PrivateRedis::start().unwrap();
     let s = setup(BudgetKind::Redis, Deps::default(), |c| {

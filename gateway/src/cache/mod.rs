@@ -177,10 +177,36 @@ fn message_text(content: Option<&Value>) -> Option<String> {
     }
 }
 
+/// Longest question the semantic layer embeds and indexes, bytes: the model reads its first 256
+/// tokens anyway, and the index then holds at most `capacity` × (vector + this) bytes. Longer
+/// questions are cached exactly only.
+pub const MAX_QUESTION_BYTES: usize = 4096;
+
 /// The question a semantic lookup embeds, and the rest of the request (which must match
 /// exactly): for chat the last message when it is a user's text, for completions a single
-/// string prompt.
+/// string prompt; `None` for anything else, and for a question over [`MAX_QUESTION_BYTES`]
+/// (checked before anything is copied).
 fn split_question(req: &ParsedRequest) -> Option<(String, Map<String, Value>)> {
+    let question = match req.endpoint {
+        Endpoint::Chat => match req.body.get("messages") {
+            Some(Value::Array(m)) => m.last().and_then(|l| l.get("content")),
+            _ => None,
+        },
+        Endpoint::Completions => req.body.get("prompt"),
+        Endpoint::Embeddings => None,
+    }?;
+    let size = match question {
+        Value::String(s) => s.len(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .map(str::len)
+            .sum(),
+        _ => return None,
+    };
+    if size > MAX_QUESTION_BYTES {
+        return None;
+    }
     let mut rest = req.body.clone();
     for k in ["stream", "stream_options", "user", "model"] {
         rest.remove(k);
@@ -493,6 +519,9 @@ mod tests {
             {"type": "image_url", "image_url": {"url": "http://x"}}]}]}),
         );
         assert!(split_question(&c).is_none(), "not text");
+        let long = "word ".repeat(MAX_QUESTION_BYTES / 5 + 1);
+        let d = chat(json!({"model": "fast", "messages": [{"role": "user", "content": long}]}));
+        assert!(split_question(&d).is_none(), "too long to embed and index");
     }
 
     #[test]

@@ -186,15 +186,24 @@ impl Semantic {
     }
 
     /// Index a fresh answer's question (embedded by the worker when `vectors` is `None`).
+    /// Best effort: dropped when the worker already has `max_queue` jobs waiting, so a burst of
+    /// answers cannot queue without bound.
     pub fn insert(&self, ns: u64, text: String, vectors: Option<Arc<TextVectors>>, key: u128) {
+        if self.queued.fetch_add(1, Ordering::Relaxed) >= self.max_queue {
+            self.queued.fetch_sub(1, Ordering::Relaxed);
+            return;
+        }
         self.populated.mark(ns);
-        let _ = self.tx.send(Job::Insert {
+        let sent = self.tx.send(Job::Insert {
             ns,
             text,
             vectors,
             key,
             at: Instant::now(),
         });
+        if sent.is_err() {
+            self.queued.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -321,6 +330,7 @@ impl Worker {
                         key,
                         at,
                     } => {
+                        self.queued.fetch_sub(1, Ordering::Relaxed);
                         let vectors = Arc::unwrap_or_clone(vectors);
                         index.insert(ns, text, vectors, key, now_ms(at));
                     }
@@ -330,7 +340,10 @@ impl Worker {
                         vectors: None,
                         key,
                         at,
-                    } => unembedded.push((ns, text, key, at)),
+                    } => {
+                        self.queued.fetch_sub(1, Ordering::Relaxed);
+                        unembedded.push((ns, text, key, at));
+                    }
                     Job::Lookup {
                         ns,
                         text,

@@ -131,7 +131,31 @@ impl Budgets {
             .budget_store_seconds
             .with_label_values(&["reserve"])
             .observe(started.elapsed().as_secs_f64());
+        if let Err(BudgetError::Timeout | BudgetError::Redis(_)) = &out {
+            if req.seeded_only && !req.lease {
+                // The script may have run with its answer lost (a hung Redis that then
+                // recovers): release the reservation once the store is back instead of holding
+                // it for the whole TTL. A no-op when it was never made.
+                self.enqueue(Self::orphan_release(req));
+            }
+        }
         out
+    }
+
+    /// The commit that releases `req`'s reservation, if it exists, and spends nothing.
+    fn orphan_release(req: &ReserveRequest) -> CommitRequest {
+        CommitRequest {
+            tenant_id: req.tenant_id.clone(),
+            rid: req.rid.clone(),
+            now_ms: req.now_ms,
+            dedupe_ms: req.ttl_ms.max(1),
+            unreserved: false,
+            tokens: 0,
+            micros: 0,
+            counters: req.counter_keys(),
+            refunds: Vec::new(),
+            lease: None,
+        }
     }
 
     /// Check and reserve; on `downgrade`, once more at the small tier.

@@ -8,8 +8,9 @@
 //!
 //! That lookup is the only store work an unauthenticated client can cause, so it is bounded: a
 //! key the store said is unknown is remembered until the next refresh (a negative cache, capped),
-//! at most [`LOOKUP_CONCURRENCY`] lookups run at once (more are answered 503 without one), each
-//! waits at most [`LOOKUP_TIMEOUT`], and after a failed lookup none is tried for
+//! at most [`LOOKUP_CONCURRENCY`] lookups run at once (more wait up to [`LOOKUP_TIMEOUT`] for
+//! one to finish, then get 503), each waits at most [`LOOKUP_TIMEOUT`] for the store, and after
+//! a failed lookup none is tried for
 //! [`LOOKUP_BACKOFF`]: during a database outage unknown keys get a quick 503 (Retry-After) and
 //! the keys in the snapshot keep working.
 
@@ -149,6 +150,18 @@ impl Authenticator {
         Ok(())
     }
 
+    /// Add a key just created through this replica to its snapshot, so its first requests need
+    /// no store lookup.
+    pub fn remember(&self, hash: &str, key: ApiKey) {
+        let key = Arc::new(key);
+        self.snapshot.rcu(|map| {
+            let mut map = HashMap::clone(map);
+            map.insert(hash.to_owned(), Arc::clone(&key));
+            map
+        });
+        self.lock_unknown().remove(hash);
+    }
+
     /// Drop a key from this replica's snapshot at once (the revoking replica need not wait for
     /// the next refresh).
     pub fn forget(&self, key_id: &str) {
@@ -209,23 +222,33 @@ impl Authenticator {
             retry_after: 1,
         };
         let count = |outcome: &str| self.metrics.key_lookups.with_label_values(&[outcome]).inc();
-        if self.lock_unknown().contains(&hash) {
-            count("cached_unknown");
-            return Err(unknown());
+        // Known without a lookup: from the snapshot (a lookup this one waited behind found the
+        // same new key), the negative cache, or the store's recent failure.
+        let settled = |count: &dyn Fn(&str)| -> Option<Result<Arc<ApiKey>, ApiError>> {
+            if let Some(key) = self.snapshot.load().get(&hash) {
+                return Some(Ok(Arc::clone(key)));
+            }
+            if self.lock_unknown().contains(&hash) {
+                count("cached_unknown");
+                return Some(Err(unknown()));
+            }
+            if self.backing_off() {
+                count("skipped");
+                return Some(Err(unverifiable("the key store is unreachable")));
+            }
+            None
+        };
+        if let Some(answer) = settled(&count) {
+            return answer;
         }
-        let backing_off = self
-            .backoff_until
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some_and(|until| Instant::now() < until);
-        if backing_off {
-            count("skipped");
-            return Err(unverifiable("the key store is unreachable"));
-        }
-        let Ok(_permit) = self.lookups.try_acquire() else {
+        let Ok(Ok(_permit)) = tokio::time::timeout(LOOKUP_TIMEOUT, self.lookups.acquire()).await
+        else {
             count("busy");
             return Err(unverifiable("too many unknown keys at once"));
         };
+        if let Some(answer) = settled(&count) {
+            return answer;
+        }
         match tokio::time::timeout(LOOKUP_TIMEOUT, self.store.find_active_key(&hash)).await {
             Ok(Ok(Some(key))) => {
                 count("found");
@@ -249,6 +272,13 @@ impl Authenticator {
                 Err(unverifiable("the key store is unreachable"))
             }
         }
+    }
+
+    fn backing_off(&self) -> bool {
+        self.backoff_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some_and(|until| Instant::now() < until)
     }
 
     fn lock_unknown(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {

@@ -252,6 +252,9 @@ pub fn router(sim: Arc<Simulator>) -> Router {
         .route("/sim/faults", post(set_faults))
         .route("/sim/stats", get(stats))
         .route("/health", get(|| async { "ok" }))
+        // Prompts as long as the gateway accepts (axum's default stops at 2 MiB; vLLM has no
+        // such limit of its own).
+        .layer(axum::extract::DefaultBodyLimit::max(64 * 1024 * 1024))
         .with_state(sim)
 }
 

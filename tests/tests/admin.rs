@@ -297,6 +297,25 @@ async fn deleting_a_tenant_revokes_its_keys_through_the_api() {
 }
 
 #[tokio::test]
+async fn a_new_key_used_at_once_and_concurrently_works_on_every_replica() {
+    let (a, b, _sim) = two_replicas().await;
+    let created: Value = a
+        .admin(Method::POST, "keys", Some(json!({"tenant": "acme"})))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let key = created["key"].as_str().unwrap().to_owned();
+    let body = chat_body("fast", "hi");
+    for app in [&a, &b] {
+        let answers =
+            futures_util::future::join_all((0..12).map(|_| app.chat_as(&key, &body))).await;
+        let statuses: Vec<u16> = answers.iter().map(|r| r.status().as_u16()).collect();
+        assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    }
+}
+
+#[tokio::test]
 async fn a_deleted_tenant_leaves_the_metrics_of_every_replica() {
     let (a, b, _sim) = two_replicas().await;
     let series = "tenant=\"acme\"";

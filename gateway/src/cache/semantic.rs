@@ -189,11 +189,12 @@ impl Semantic {
     /// Best effort: dropped when the worker already has `max_queue` jobs waiting, so a burst of
     /// answers cannot queue without bound.
     pub fn insert(&self, ns: u64, text: String, vectors: Option<Arc<TextVectors>>, key: u128) {
+        // Marked even when the insert is dropped: a "may hold" that costs at most a lookup.
+        self.populated.mark(ns);
         if self.queued.fetch_add(1, Ordering::Relaxed) >= self.max_queue {
             self.queued.fetch_sub(1, Ordering::Relaxed);
             return;
         }
-        self.populated.mark(ns);
         let sent = self.tx.send(Job::Insert {
             ns,
             text,

@@ -69,8 +69,46 @@ pub fn from_value<'a, T: Deserialize<'a>>(value: &'a Value) -> Result<T, ApiErro
     })
 }
 
+/// Most JSON objects one request body may hold. A parsed object costs several hundred bytes
+/// whatever its size (a map node), so a body of tiny objects (130,000 `{"role":"user",
+/// "content":"hi"}` messages in 4 MiB) parsed into ~100 MB; at this cap a body's parsed form
+/// stays within a small multiple of its size. No real conversation comes near it (each message
+/// is one or two objects).
+pub const MAX_OBJECTS: usize = 16_384;
+
+/// JSON objects in `body` (`{` outside strings), counted in one pass before anything is built.
+fn object_count(body: &[u8]) -> usize {
+    let (mut n, mut in_string, mut escaped) = (0, false, false);
+    for &b in body {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+        } else if b == b'"' {
+            in_string = true;
+        } else if b == b'{' {
+            n += 1;
+        }
+    }
+    n
+}
+
 /// Parse a request body as a JSON object.
 pub fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    let objects = object_count(body);
+    if objects > MAX_OBJECTS {
+        return Err(ApiError::InvalidRequest {
+            message: format!(
+                "the request body holds {objects} JSON objects; at most {MAX_OBJECTS} are \
+                 accepted (e.g. that many messages)"
+            ),
+            param: None,
+        });
+    }
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(map)) => Ok(map),
         Ok(_) => Err(ApiError::InvalidJson(

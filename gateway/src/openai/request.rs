@@ -468,6 +468,22 @@ mod tests {
     }
 
     #[test]
+    fn a_body_of_too_many_objects_is_refused_before_it_is_parsed() {
+        let many: Vec<Value> = (0..super::super::MAX_OBJECTS)
+            .map(|_| json!({"role": "user", "content": "hi"}))
+            .collect();
+        let e = parse(Endpoint::Chat, json!({"model": "m", "messages": many})).unwrap_err();
+        assert!(e.to_string().contains("JSON objects"), "{e}");
+        // Braces inside strings (escaped quotes included) are text, not objects.
+        let text = "{\\\"{{{".repeat(super::super::MAX_OBJECTS);
+        assert!(parse(
+            Endpoint::Chat,
+            json!({"model": "m", "messages": [{"role": "user", "content": text}]})
+        )
+        .is_ok());
+    }
+
+    #[test]
     fn the_streamed_fingerprint_hashes_the_same_bytes_as_a_canonical_copy() {
         for body in [
             json!({"model": "fast", "temperature": 0.0, "n": 2, "stream": true, "user": "u",

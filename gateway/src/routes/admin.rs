@@ -131,12 +131,13 @@ pub async fn create_key(State(state): State<AppState>, body: Body) -> Result<Res
         .create_key(NewKey {
             tenant_id: t.id,
             name: req.name,
-            hash: generated.hash,
+            hash: generated.hash.clone(),
             prefix: generated.prefix,
             tags: req.tags,
             client_tags: req.client_tags,
         })
         .await?;
+    state.auth.remember(&generated.hash, key.clone());
     let body = CreatedKey {
         meta: key,
         secret: generated.secret,

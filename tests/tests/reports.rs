@@ -241,8 +241,8 @@ async fn loops_are_found_from_billing_data_alone() {
     assert_eq!(f.cost_micros, 40 * 6_500);
 }
 
-#[tokio::test]
-async fn gatewayctl_prints_the_reports_as_tables_csv_and_json() {
+/// A gateway writing its ledger (flushed every `flush_ms`) into `store`, on a simulator.
+async fn ledger_app(store: TestStore, flush_ms: u64) -> (TestApp, Sim, tempfile::TempDir) {
     let sim = Sim::zero("sim-small").await;
     let mut c = config(
         vec![replica("s", &sim.url, "sim-small")],
@@ -250,6 +250,12 @@ async fn gatewayctl_prints_the_reports_as_tables_csv_and_json() {
     );
     let dir = tempfile::tempdir().unwrap();
     c.ledger.spool_dir = dir.path().to_owned();
+    c.ledger.flush_ms = flush_ms;
+    (TestApp::spawn_with_ledger(c, store).await, sim, dir)
+}
+
+#[tokio::test]
+async fn gatewayctl_prints_the_reports_as_tables_csv_and_json() {
     let store = TestStore::new(StoreKind::Sqlite).await.unwrap();
     gateway::ledger::open(&store.url)
         .await
@@ -257,7 +263,7 @@ async fn gatewayctl_prints_the_reports_as_tables_csv_and_json() {
         .insert(&fortnight())
         .await
         .unwrap();
-    let app = TestApp::spawn_with_ledger(c, store).await;
+    let (app, _sim, _dir) = ledger_app(store, 200).await;
     let ctl = |args: Vec<&str>| {
         let base = app.base.clone();
         let args: Vec<String> = args.into_iter().map(str::to_owned).collect();
@@ -314,4 +320,87 @@ async fn gatewayctl_prints_the_reports_as_tables_csv_and_json() {
         .admin(reqwest::Method::GET, "reports/weekly?week=yesterday", None)
         .await;
     assert_eq!(r.status(), 400);
+}
+
+#[tokio::test]
+async fn a_deleted_tenants_history_reports_apart_from_a_new_tenant_of_the_same_name() {
+    for kind in BOTH {
+        let store = TestStore::new(kind).await.unwrap();
+        let ledger = gateway::ledger::open(&store.url).await.unwrap();
+        let at = W2.start() + Duration::hours(30);
+        let row = |i: usize, tenant_id: &str| {
+            let mut e = e2e::ledger_event(
+                format!("req-{tenant_id}-{i}"),
+                e2e::Billed {
+                    tenant: "acme",
+                    model: "sim-small",
+                    at: at + Duration::minutes(i as i64),
+                    prompt: 100,
+                    completion: 10,
+                    in_price: 1,
+                    out_price: 2,
+                },
+            );
+            e.tenant_id = tenant_id.into();
+            e
+        };
+        let old: Vec<_> = (0..3).map(|i| row(i, "ten_old")).collect();
+        ledger.insert(&old).await.unwrap();
+        let label = "acme (deleted, ten_old)";
+        assert_eq!(
+            ledger
+                .retire_tenant("ten_old", "acme", label)
+                .await
+                .unwrap(),
+            3
+        );
+        let new: Vec<_> = (0..2).map(|i| row(i, "ten_new")).collect();
+        ledger.insert(&new).await.unwrap();
+        let r = report::weekly(ledger.as_ref(), W2, None).await.unwrap();
+        let by_tenant: Vec<(&str, i64)> = r.by["tenant"]
+            .iter()
+            .map(|l| (l.key.as_str(), l.this.requests))
+            .collect();
+        assert_eq!(by_tenant, [(label, 3), ("acme", 2)], "{kind:?}");
+        // The same from raw rows (a range the daily rollup does not cover).
+        let raw = ledger
+            .aggregate(
+                at,
+                at + Duration::hours(1),
+                None,
+                &[report::Dimension::Tenant],
+            )
+            .await
+            .unwrap();
+        let mut raw: Vec<(String, i64)> = raw.into_iter().map(|(k, a)| (k, a.requests)).collect();
+        raw.sort();
+        assert_eq!(raw, [("acme".into(), 2), (label.into(), 3)], "{kind:?}");
+    }
+}
+
+#[tokio::test]
+async fn deleting_a_tenant_through_the_admin_api_relabels_its_ledger_rows() {
+    let store = TestStore::new(StoreKind::Sqlite).await.unwrap();
+    let (app, _sim, _dir) = ledger_app(store, 20).await;
+    for _ in 0..2 {
+        assert_eq!(app.chat(e2e::chat_body("fast", "hi")).await.status(), 200);
+    }
+    let ledger = gateway::ledger::open(&app.store.url).await.unwrap();
+    e2e::eventually(
+        "two rows written",
+        std::time::Duration::from_secs(5),
+        || async { (ledger.count().await.unwrap() == 2).then_some(()) },
+    )
+    .await;
+    let r = app
+        .admin(reqwest::Method::DELETE, "tenants/acme", None)
+        .await;
+    assert_eq!(r.status(), 200);
+    let now = Utc::now();
+    let rows = ledger
+        .rows_between(now - Duration::hours(1), now + Duration::hours(1))
+        .await
+        .unwrap();
+    let expected = format!("acme (deleted, {})", app.tenant_id);
+    assert!(rows.iter().all(|r| r.tenant_name == expected), "{rows:?}");
 }

@@ -43,6 +43,15 @@ pub trait LedgerStore: Send + Sync + 'static {
     /// Budget spend (tokens of requests not answered from a cache, and cost) since `from`,
     /// grouped by tenant, key and tags: what budget counters are rebuilt from at start.
     async fn spend_since(&self, from: DateTime<Utc>) -> Result<Vec<SpendRow>, StoreError>;
+    /// A tenant was deleted: its rows (and their daily rollup) are relabelled `label`, so a
+    /// tenant later created under the same name reports apart from it. Returns the rows
+    /// relabelled.
+    async fn retire_tenant(
+        &self,
+        tenant_id: &str,
+        name: &str,
+        label: &str,
+    ) -> Result<u64, StoreError>;
     /// Rows whose (key, session, fingerprint) repeats at least `min` times in `[from, to)`.
     async fn repeats(
         &self,
@@ -130,6 +139,41 @@ macro_rules! count_body {
     }};
 }
 pub(crate) use count_body;
+
+/// Body of [`LedgerStore::retire_tenant`] for both stores; `$day` is the dialect's UTC day of
+/// `started_at`. One transaction: the name's rollup rows go (only this tenant can hold a live
+/// tenant's name: earlier holders were relabelled when they were deleted), its rows take the
+/// label, and their rollup is rebuilt under it.
+macro_rules! retire_tenant_body {
+    ($pool:expr, $day:expr, $tenant_id:expr, $name:expr, $label:expr) => {{
+        let rebuild = $crate::ledger::report::rollup_upsert_sql(
+            $day,
+            "ledger WHERE tenant_id = $1 AND tenant_name = $2",
+        );
+        let mut tx = $pool.begin().await?;
+        sqlx::query("DELETE FROM ledger_daily WHERE tenant_name = $1")
+            .bind($name)
+            .execute(&mut *tx)
+            .await?;
+        let moved = sqlx::query(
+            "UPDATE ledger SET tenant_name = $3 WHERE tenant_id = $1 AND tenant_name = $2",
+        )
+        .bind($tenant_id)
+        .bind($name)
+        .bind($label)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        sqlx::query(&rebuild)
+            .bind($tenant_id)
+            .bind($label)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(moved)
+    }};
+}
+pub(crate) use retire_tenant_body;
 
 /// Body of [`LedgerStore::aggregate`], identical for both stores.
 macro_rules! aggregate_body {

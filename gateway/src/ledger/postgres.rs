@@ -176,6 +176,21 @@ impl LedgerStore for PostgresLedger {
     async fn count(&self) -> Result<u64, StoreError> {
         super::count_body!(&self.pool)
     }
+
+    async fn retire_tenant(
+        &self,
+        tenant_id: &str,
+        name: &str,
+        label: &str,
+    ) -> Result<u64, StoreError> {
+        super::retire_tenant_body!(
+            &self.pool,
+            "(started_at AT TIME ZONE 'UTC')::date",
+            tenant_id,
+            name,
+            label
+        )
+    }
 }
 
 #[cfg(test)]

@@ -132,4 +132,19 @@ impl LedgerStore for SqliteLedger {
     async fn count(&self) -> Result<u64, StoreError> {
         super::count_body!(&self.pool)
     }
+
+    async fn retire_tenant(
+        &self,
+        tenant_id: &str,
+        name: &str,
+        label: &str,
+    ) -> Result<u64, StoreError> {
+        super::retire_tenant_body!(
+            &self.pool,
+            "substr(started_at, 1, 10)",
+            tenant_id,
+            name,
+            label
+        )
+    }
 }

@@ -80,6 +80,11 @@ pub async fn delete_tenant(
     }
     state.auth.forget_tenant(&t.id);
     state.metrics.forget_tenant(&t.name);
+    if let Some(ledger) = &state.ledger {
+        // Its history reports apart from a tenant created later under the same name.
+        let label = format!("{} (deleted, {})", t.name, t.id);
+        ledger.retire_tenant(&t.id, &t.name, &label).await?;
+    }
     Ok(Json(DeletedTenant {
         id: t.id,
         name: t.name,

@@ -5,6 +5,10 @@ use axum::http::HeaderName;
 
 /// Request: attribution tags, `k=v` pairs separated by commas.
 pub const TAGS: HeaderName = HeaderName::from_static("x-gateway-tags");
+/// The client's session id (an agent run, a conversation), for the guard step.
+pub const SESSION_ID: HeaderName = HeaderName::from_static("x-session-id");
+/// Set when the guard step found an agent loop: `flagged; session=…; repeats=N`.
+pub const LOOP: HeaderName = HeaderName::from_static("x-gateway-loop");
 /// Response (and upstream request): the id the gateway minted for the request. A client's
 /// `x-request-id` is never used as one: it is kept as the correlation id.
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");

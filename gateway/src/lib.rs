@@ -7,6 +7,7 @@
 //! - [`state`]: [`AppState`], the shared state handlers and the pipeline take, and its builder;
 //! - [`routes`]: thin axum handlers for `/v1`, `/admin/v1` and the probes;
 //! - [`pipeline`]: the request pipeline (route → forward with failover → settle);
+//! - [`guard`]: the guard step's sessions and loop signals;
 //! - [`upstream`]: tiers of replicas, the pooled HTTP client, one forwarding attempt;
 //! - [`openai`]: typed views of OpenAI request bodies and the SSE stream rewriter;
 //! - [`keys`], [`store`]: API keys and tenants behind one store trait (SQLite, Postgres);
@@ -20,6 +21,7 @@ pub mod config;
 pub mod ctl;
 pub mod demo;
 pub mod error;
+pub mod guard;
 pub mod headers;
 pub mod keys;
 pub mod ledger;

@@ -28,6 +28,8 @@ pub mod names {
     pub const HEALTHY: &str = "gateway_replica_healthy";
     /// Requests rejected before reaching an upstream, by error kind.
     pub const REJECTED: &str = "gateway_rejected_requests_total";
+    /// Agent loops the guard step found, by the action taken (flag, throttle, block).
+    pub const GUARD_LOOPS: &str = "gateway_guard_loops_total";
     /// Store lookups of API keys missing from the snapshot, by outcome (found, unknown,
     /// cached_unknown, busy, error, skipped).
     pub const KEY_LOOKUPS: &str = "gateway_key_lookups_total";
@@ -79,6 +81,7 @@ pub mod names {
         HEALTHY,
         REJECTED,
         KEY_LOOKUPS,
+        GUARD_LOOPS,
         LEDGER_QUEUE,
         LEDGER_SPOOLED,
         LEDGER_ROWS,
@@ -120,6 +123,8 @@ pub struct Metrics {
     pub rejected: IntCounterVec,
     /// See [`names::KEY_LOOKUPS`].
     pub key_lookups: IntCounterVec,
+    /// See [`names::GUARD_LOOPS`].
+    pub guard_loops: IntCounterVec,
     /// See [`names::LEDGER_QUEUE`].
     pub ledger_queue: IntGauge,
     /// See [`names::LEDGER_SPOOLED`].
@@ -221,6 +226,16 @@ impl Metrics {
             "skipped",
         ] {
             key_lookups.with_label_values(&[outcome]);
+        }
+        let guard_loops = IntCounterVec::new(
+            Opts::new(
+                names::GUARD_LOOPS,
+                "Agent loops found on the request path, by the action taken.",
+            ),
+            &["action"],
+        )?;
+        for action in ["flag", "throttle", "block"] {
+            guard_loops.with_label_values(&[action]);
         }
         let ledger_queue = IntGauge::new(names::LEDGER_QUEUE, "Ledger rows queued in memory.")?;
         let ledger_spooled = IntGauge::new(
@@ -336,6 +351,7 @@ impl Metrics {
         registry.register(Box::new(healthy.clone()))?;
         registry.register(Box::new(rejected.clone()))?;
         registry.register(Box::new(key_lookups.clone()))?;
+        registry.register(Box::new(guard_loops.clone()))?;
         Ok(Self {
             registry,
             requests,
@@ -347,6 +363,7 @@ impl Metrics {
             healthy,
             rejected,
             key_lookups,
+            guard_loops,
             ledger_queue,
             ledger_spooled,
             ledger_rows,

@@ -53,6 +53,8 @@ pub struct RequestContext {
     pub started_at: DateTime<Utc>,
     /// The client's `Cache-Control` directives.
     pub cache_control: crate::cache::Directives,
+    /// The client's `x-session-id`, checked.
+    pub session: Option<String>,
 }
 
 /// One request on its way through the pipeline: each step reads what the earlier ones decided
@@ -100,7 +102,8 @@ pub async fn run(
         return refuse(&state, &ctx, event, e).await;
     };
     let mut call = Call::new(state, ctx, req, event, target);
-    // Guard seat: agent loops and client retries are checked here, before any cost.
+    // Guard: agent loops (and, next, client retries) are checked here, before any cost.
+    call.guard();
     if let Some(hit) = call.cache_lookup().await {
         return hit;
     }
@@ -193,6 +196,51 @@ impl Call {
         }
     }
 
+    /// The guard step: the request's session (recorded as its `session` tag) and a loop the
+    /// conversation itself shows, flagged on the answer (`x-gateway-loop`), the ledger row
+    /// (`loop_flag`) and the metrics.
+    fn guard(&mut self) {
+        let tagged = self.event.tags.get("session").cloned();
+        let client = self.ctx.session.as_deref().or(tagged.as_deref());
+        let session = crate::guard::session::of(client, &self.ctx.key.id, &self.req.body);
+        self.event
+            .tags
+            .entry("session".to_owned())
+            .or_insert_with(|| session.id.clone());
+        if self.req.endpoint != Endpoint::Chat {
+            return;
+        }
+        let Some(serde_json::Value::Array(messages)) = self.req.body.get("messages") else {
+            return;
+        };
+        let Some(found) = crate::guard::signals::in_request(messages) else {
+            return;
+        };
+        self.event.loop_flag = true;
+        self.state
+            .metrics
+            .guard_loops
+            .with_label_values(&["flag"])
+            .inc();
+        tracing::info!(
+            request_id = %self.ctx.request_id,
+            session = %session.id,
+            repeats = found.repeats,
+            period = found.period,
+            what = %found.what,
+            "agent loop flagged"
+        );
+        let value = format!(
+            "flagged; session={}; repeats={}; period={}",
+            session.id, found.repeats, found.period
+        );
+        let value = HeaderValue::from_str(&value).unwrap_or_else(|_| {
+            HeaderValue::from_str(&format!("flagged; repeats={}", found.repeats))
+                .unwrap_or(HeaderValue::from_static("flagged"))
+        });
+        self.headers.push((crate::headers::LOOP, value));
+    }
+
     /// The cache step: a hit is answered (and settled at cost 0) here.
     async fn cache_lookup(&mut self) -> Option<Response> {
         let lookup = self.cache.as_mut()?;
@@ -209,7 +257,7 @@ impl Call {
         };
         let input = self.admit_input().await;
         let mut admission = self.state.budgets.admit(&plan, input).await?;
-        self.headers = respond::budget_headers(&admission);
+        self.headers.extend(respond::budget_headers(&admission));
         if admission.downgraded {
             self.tier = Tier::Small;
             self.fallback = false;

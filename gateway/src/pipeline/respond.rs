@@ -68,6 +68,8 @@ pub(super) fn cache_hit(call: &mut Call, found: crate::cache::Found) -> Option<R
         crate::headers::CACHE,
         HeaderValue::from_static(found.status.header_value()),
     );
+    // What the earlier steps said (the guard's loop flag).
+    headers.extend(call.headers.iter().cloned());
     for (name, value) in [
         (crate::headers::TIER, entry.tier.as_str()),
         (crate::headers::SERVED_MODEL, entry.served_model.as_str()),

@@ -135,13 +135,21 @@ async fn proxy(
                 .get(axum::http::header::CACHE_CONTROL)
                 .and_then(|v| v.to_str().ok()),
         ),
+        session: None,
     };
-    let body = match request_tags(&headers) {
-        Ok(tags) => match merge_client_tags(&mut ctx.tags, &ctx.key, tags) {
-            Ok(()) => read_body(body, state.config.server.max_body_bytes).await,
-            Err(e) => Err(e),
-        },
-        Err(e) => Err(e),
+    let session = headers
+        .get(headers::SESSION_ID)
+        .map(|v| crate::guard::session::validate_header(v.as_bytes()))
+        .transpose();
+    let body = match (session, request_tags(&headers)) {
+        (Ok(session), Ok(tags)) => {
+            ctx.session = session;
+            match merge_client_tags(&mut ctx.tags, &ctx.key, tags) {
+                Ok(()) => read_body(body, state.config.server.max_body_bytes).await,
+                Err(e) => Err(e),
+            }
+        }
+        (Err(e), _) | (_, Err(e)) => Err(e),
     };
     // The pipeline runs on a tracked task: a client hang-up drops this future, not the work.
     let task_state = state.clone();

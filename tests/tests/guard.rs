@@ -1,0 +1,104 @@
+//! The guard step end to end: a request whose conversation shows an agent loop is flagged
+//! (header, ledger flag, metric) with its session; a progressing one is not.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use e2e::{config, replica, Sim, StoreKind, TestApp};
+use serde_json::{json, Value};
+
+fn agent(results: &[&str]) -> Value {
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are a coding agent."}),
+        json!({"role": "user", "content": "Make the tests pass."}),
+    ];
+    for (i, r) in results.iter().enumerate() {
+        messages.push(
+            json!({"role": "assistant", "content": null, "tool_calls": [{
+            "id": format!("c{i}"), "type": "function",
+            "function": {"name": "run_tests", "arguments": "{\"path\": \"tests/\"}"}}]}),
+        );
+        messages.push(json!({"role": "tool", "tool_call_id": format!("c{i}"), "content": r}));
+    }
+    json!({"model": "fast", "messages": messages})
+}
+
+async fn app() -> (TestApp, Sim) {
+    let sim = Sim::zero("sim-small").await;
+    let c = config(
+        vec![replica("s", &sim.url, "sim-small")],
+        vec![replica("l", &sim.url, "sim-small")],
+    );
+    (TestApp::spawn(c, StoreKind::Sqlite).await, sim)
+}
+
+#[tokio::test]
+async fn a_looping_agent_is_flagged_with_its_session_and_a_progressing_one_is_not() {
+    let (mut app, _sim) = app().await;
+    let url = format!("{}/v1/chat/completions", app.base);
+    let stuck = agent(&[
+        "FAILED test_parse (0.51s) at 10:00:01",
+        "FAILED test_parse (0.48s) at 10:00:09",
+        "FAILED test_parse (0.50s) at 10:00:17",
+    ]);
+    let r = app
+        .http
+        .post(&url)
+        .bearer_auth(&app.api_key)
+        .header("x-session-id", "run-7")
+        .json(&stuck)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let flag = r.headers()["x-gateway-loop"].to_str().unwrap().to_owned();
+    assert!(
+        flag.starts_with("flagged; session=run-7; repeats=3"),
+        "{flag}"
+    );
+    let e = app.next_event().await;
+    assert!(e.loop_flag);
+    assert_eq!(e.tags["session"], "run-7");
+
+    let moving = agent(&[
+        "3 failed, 7 passed",
+        "2 failed, 8 passed",
+        "1 failed, 9 passed",
+    ]);
+    let r = app.chat(moving).await;
+    assert_eq!(r.status(), 200);
+    assert!(!r.headers().contains_key("x-gateway-loop"));
+    let e = app.next_event().await;
+    assert!(!e.loop_flag);
+    assert!(
+        e.tags["session"].starts_with("drv_"),
+        "a session without an id is derived: {:?}",
+        e.tags
+    );
+    let m = app.metrics().await;
+    assert!(
+        m.contains("gateway_guard_loops_total{action=\"flag\"} 1"),
+        "{m}"
+    );
+    assert!(!m.contains("run-7"), "no session in the metrics");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn an_absurd_session_id_is_refused_naming_the_header() {
+    let (app, _sim) = app().await;
+    for bad in ["has spaces", &"x".repeat(500)] {
+        let r = app
+            .http
+            .post(format!("{}/v1/chat/completions", app.base))
+            .bearer_auth(&app.api_key)
+            .header("x-session-id", bad)
+            .json(&e2e::chat_body("fast", "hi"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["param"], "x-session-id", "{v}");
+    }
+    app.stop().await;
+}

@@ -7,7 +7,8 @@
 //! or more: epochs, generated ids), uuids and other hex runs, and the digits inside words mixing
 //! letters and digits are masked, whitespace collapsed, so "the same error again at 12:03:44"
 //! equals "the same error again at 12:03:51" while "3 failed" and "2 failed" stay different.
-//! Tool-call arguments are compared as parsed JSON, unmasked (an offset that moves is progress).
+//! Tool-call arguments are compared as written, less the spacing between JSON tokens, unmasked
+//! (an offset that moves is progress).
 //! A loop is the same step
 //! [`MIN_REPEATS`] times in a row, or a cycle of two or three steps repeated twice (A-B-A-B).
 //! A progressing agent repeats tools too, but its arguments or results change, and then so do
@@ -16,7 +17,10 @@
 //! Work is bounded: only the last [`WINDOW`] messages are read, and of a long message only its
 //! first and last [`EDGE`] bytes.
 
-use std::hash::{DefaultHasher, Hash, Hasher};
+use std::borrow::Cow;
+use std::hash::{BuildHasher, Hash, Hasher};
+
+use foldhash::fast::{FixedState, FoldHasher};
 
 use serde_json::Value;
 
@@ -91,7 +95,7 @@ pub fn in_request(messages: &[Value]) -> Option<Loop> {
 /// The steps of `messages`: each assistant turn and what came back after it.
 fn steps(messages: &[Value]) -> Vec<Step> {
     let mut out: Vec<Step> = Vec::new();
-    let mut current: Option<(DefaultHasher, String)> = None;
+    let mut current: Option<(FoldHasher, String)> = None;
     for m in messages {
         let role = m.get("role").and_then(Value::as_str).unwrap_or("");
         if role == "assistant" {
@@ -101,7 +105,7 @@ fn steps(messages: &[Value]) -> Vec<Step> {
                     what,
                 });
             }
-            let mut h = DefaultHasher::new();
+            let mut h = FixedState::default().build_hasher();
             let what = action(m, &mut h);
             current = Some((h, what));
         } else if let Some((h, _)) = current.as_mut() {
@@ -120,7 +124,7 @@ fn steps(messages: &[Value]) -> Vec<Step> {
 }
 
 /// Hash an assistant turn's action into `h`; returns what it is, for people.
-fn action(m: &Value, h: &mut DefaultHasher) -> String {
+fn action(m: &Value, h: &mut FoldHasher) -> String {
     let calls = m
         .get("tool_calls")
         .and_then(Value::as_array)
@@ -131,12 +135,8 @@ fn action(m: &Value, h: &mut DefaultHasher) -> String {
             let f = c.get("function").unwrap_or(&Value::Null);
             let name = f.get("name").and_then(Value::as_str).unwrap_or("?");
             name.hash(h);
-            // Arguments are a JSON string: compared as parsed (key order and spacing aside).
-            let args = f.get("arguments").and_then(Value::as_str).unwrap_or("");
-            match serde_json::from_str::<Value>(args) {
-                Ok(v) => v.to_string().hash(h),
-                Err(_) => args.hash(h),
-            }
+            // Arguments are a JSON string, compared without the spacing between its tokens.
+            compact(f.get("arguments").and_then(Value::as_str).unwrap_or(""), h);
             names.push(format!("`{name}`"));
         }
         return format!("tool call {}", names.join(", "));
@@ -144,42 +144,69 @@ fn action(m: &Value, h: &mut DefaultHasher) -> String {
     if let Some(f) = m.get("function_call") {
         let name = f.get("name").and_then(Value::as_str).unwrap_or("?");
         name.hash(h);
-        f.get("arguments")
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .hash(h);
+        compact(f.get("arguments").and_then(Value::as_str).unwrap_or(""), h);
         return format!("function call `{name}`");
     }
     normalised(&text_of(m.get("content")), h);
     "assistant reply".to_owned()
 }
 
+/// Hash JSON text `json` into `h` without the whitespace outside its strings (a fraction of the
+/// cost of parsing it; the same agent writes its keys in the same order).
+fn compact(json: &str, h: &mut FoldHasher) {
+    let mut out = Vec::with_capacity(json.len());
+    let (mut in_string, mut escaped) = (false, false);
+    for &b in json.as_bytes() {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+        } else if b.is_ascii_whitespace() {
+            continue;
+        } else if b == b'"' {
+            in_string = true;
+        }
+        out.push(b);
+    }
+    h.write(&out);
+    h.write_u8(0xff);
+}
+
 /// A message's text: the string, or its text parts joined.
-fn text_of(content: Option<&Value>) -> String {
+fn text_of(content: Option<&Value>) -> Cow<'_, str> {
     match content {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect::<Vec<_>>()
-            .join("\n"),
-        Some(Value::Null) | None => String::new(),
-        Some(other) => other.to_string(),
+        Some(Value::String(s)) => Cow::Borrowed(s),
+        Some(Value::Array(parts)) => Cow::Owned(
+            parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                .collect::<Vec<_>>()
+                .join("\n"),
+        ),
+        Some(Value::Null) | None => Cow::Borrowed(""),
+        Some(other) => Cow::Owned(other.to_string()),
     }
 }
 
 /// Hash `text` into `h` after masking what changes between identical steps (see the module
 /// docs); a long text is read at both ends only.
-fn normalised(text: &str, h: &mut DefaultHasher) {
+fn normalised(text: &str, h: &mut FoldHasher) {
+    let mut out = Vec::with_capacity(text.len().min(2 * EDGE + 4));
     if text.len() > 2 * EDGE {
         let head = floor(text, EDGE);
         let tail = ceil(text, text.len() - EDGE);
-        mask(&text[..head], h);
-        "…".hash(h);
-        mask(&text[tail..], h);
+        mask(&text[..head], &mut out);
+        out.extend_from_slice("…".as_bytes());
+        mask(&text[tail..], &mut out);
     } else {
-        mask(text, h);
+        mask(text, &mut out);
     }
+    h.write(&out);
+    h.write_u8(0xff);
 }
 
 fn floor(s: &str, mut i: usize) -> usize {
@@ -197,8 +224,8 @@ fn ceil(s: &str, mut i: usize) -> usize {
 }
 
 /// The masking itself, token by token (runs of ASCII letters and digits, and the separators
-/// that join numbers into times and decimals).
-fn mask(text: &str, h: &mut DefaultHasher) {
+/// that join numbers into times and decimals), written to `out`.
+fn mask(text: &str, out: &mut Vec<u8>) {
     let b = text.as_bytes();
     let mut i = 0;
     let mut space = false;
@@ -210,11 +237,11 @@ fn mask(text: &str, h: &mut DefaultHasher) {
             continue;
         }
         if space {
-            b' '.hash(h);
+            out.push(b' ');
             space = false;
         }
         if !c.is_ascii_alphanumeric() {
-            c.hash(h);
+            out.push(c);
             i += 1;
             continue;
         }
@@ -235,29 +262,29 @@ fn mask(text: &str, h: &mut DefaultHasher) {
                 joined = true;
             }
             if joined || word.len() >= 7 {
-                "<n>".hash(h);
+                out.extend_from_slice(b"<n>");
             } else {
-                word.hash(h);
+                out.extend_from_slice(word);
             }
         } else if digits > 0 && word.len() >= 4 && word.iter().all(u8::is_ascii_hexdigit) {
             // A hex run: a uuid's groups, a hash, a generated id.
-            "<id>".hash(h);
+            out.extend_from_slice(b"<id>");
         } else if digits > 0 {
             // Letters and digits (`30Z`, `01T10`, `req42x`): the digits are masked.
             let mut in_digits = false;
             for &c in word {
                 if c.is_ascii_digit() {
                     if !in_digits {
-                        b'#'.hash(h);
+                        out.push(b'#');
                     }
                     in_digits = true;
                 } else {
-                    c.hash(h);
+                    out.push(c);
                     in_digits = false;
                 }
             }
         } else {
-            word.hash(h);
+            out.extend_from_slice(word);
         }
     }
 }
@@ -317,6 +344,30 @@ mod tests {
             })
             .collect();
         assert!(in_request(&session(&steps)).is_some());
+    }
+
+    #[test]
+    fn arguments_differing_only_in_spacing_are_the_same_call() {
+        let raw = |args: &str| {
+            json!({"role": "assistant", "content": null, "tool_calls": [{"id": "c",
+                "type": "function", "function": {"name": "grep", "arguments": args}}]})
+        };
+        let steps = [
+            (raw(r#"{"pattern": "fn main", "path": "src/"}"#), "no match"),
+            (raw(r#"{"pattern":"fn main","path":"src/"}"#), "no match"),
+            (
+                raw("{\n  \"pattern\": \"fn main\",\n  \"path\": \"src/\"\n}"),
+                "no match",
+            ),
+        ];
+        assert!(in_request(&session(&steps)).is_some());
+        // Spacing inside a string is part of the argument.
+        let steps = [
+            (raw(r#"{"pattern": "fn main"}"#), "no match"),
+            (raw(r#"{"pattern": "fn  main"}"#), "no match"),
+            (raw(r#"{"pattern": "fn   main"}"#), "no match"),
+        ];
+        assert!(in_request(&session(&steps)).is_none());
     }
 
     #[test]

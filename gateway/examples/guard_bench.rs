@@ -1,0 +1,68 @@
+//! The guard step's cost per request: the in-request loop signal and the session, on a
+//! 2-message and a 60-message agent conversation (tool calls with results of a few hundred
+//! bytes), as p50 / p99 over many runs.
+//!
+//! ```sh
+//! cargo run --release -p gateway --example guard_bench
+//! ```
+
+use std::time::Instant;
+
+use gateway::guard::{session, signals};
+use serde_json::{json, Map, Value};
+
+fn conversation(steps: usize) -> Map<String, Value> {
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are a coding agent. Use the tools to fix the bug."}),
+        json!({"role": "user", "content": "The parser drops the last field of every record; fix it."}),
+    ];
+    for i in 0..steps {
+        messages.push(
+            json!({"role": "assistant", "content": null, "tool_calls": [{
+            "id": format!("call_{i}"), "type": "function", "function": {"name": "run",
+            "arguments": format!("{{\"cmd\": \"pytest tests/test_parser.py -k case_{i}\"}}")}}]}),
+        );
+        messages.push(json!({"role": "tool", "tool_call_id": format!("call_{i}"),
+            "content": format!("============ test session starts at 10:{:02}:{:02} ============\n\
+                collected 12 items\n\ntests/test_parser.py ....F.......\n\nFAILED \
+                tests/test_parser.py::test_case_{i} - AssertionError: expected 4 fields, got 3\n\
+                ======= 1 failed, 11 passed in 0.{:02}s =======", i % 60, (i * 7) % 60, i % 100)}));
+    }
+    json!({"model": "fast", "messages": messages})
+        .as_object()
+        .cloned()
+        .unwrap_or_default()
+}
+
+fn measure(name: &str, body: &Map<String, Value>) {
+    let messages = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    let mut times = Vec::with_capacity(20_000);
+    let mut found = 0;
+    for _ in 0..20_000 {
+        let t = Instant::now();
+        let s = session::of(None, "key_bench", body);
+        if signals::in_request(&messages).is_some() {
+            found += 1;
+        }
+        std::hint::black_box(s);
+        times.push(t.elapsed().as_nanos() as f64 / 1000.0);
+    }
+    times.sort_by(f64::total_cmp);
+    let pct = |p: f64| times[((times.len() as f64 - 1.0) * p) as usize];
+    println!(
+        "{name}: {} messages, p50 {:.1} us, p99 {:.1} us ({found} of {} flagged)",
+        messages.len(),
+        pct(0.5),
+        pct(0.99),
+        times.len()
+    );
+}
+
+fn main() {
+    measure("2-message request", &conversation(0));
+    measure("60-message request", &conversation(29));
+}

@@ -154,24 +154,10 @@ fn action(m: &Value, h: &mut FoldHasher) -> String {
 /// Hash JSON text `json` into `h` without the whitespace outside its strings (a fraction of the
 /// cost of parsing it; the same agent writes its keys in the same order).
 fn compact(json: &str, h: &mut FoldHasher) {
-    let mut out = Vec::with_capacity(json.len());
-    let (mut in_string, mut escaped) = (false, false);
-    for &b in json.as_bytes() {
-        if in_string {
-            if escaped {
-                escaped = false;
-            } else if b == b'\\' {
-                escaped = true;
-            } else if b == b'"' {
-                in_string = false;
-            }
-        } else if b.is_ascii_whitespace() {
-            continue;
-        } else if b == b'"' {
-            in_string = true;
-        }
-        out.push(b);
-    }
+    let out: Vec<u8> = crate::openai::json_bytes(json.as_bytes())
+        .filter(|&(b, inside)| inside || !b.is_ascii_whitespace())
+        .map(|(b, _)| b)
+        .collect();
     h.write(&out);
     h.write_u8(0xff);
 }

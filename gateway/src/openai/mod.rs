@@ -76,10 +76,12 @@ pub fn from_value<'a, T: Deserialize<'a>>(value: &'a Value) -> Result<T, ApiErro
 /// is one or two objects).
 pub const MAX_OBJECTS: usize = 16_384;
 
-/// JSON objects in `body` (`{` outside strings), counted in one pass before anything is built.
-fn object_count(body: &[u8]) -> usize {
-    let (mut n, mut in_string, mut escaped) = (0, false, false);
-    for &b in body {
+/// Each byte of JSON text, with whether it is part of a string literal (its quotes included):
+/// one pass, no parsing.
+pub fn json_bytes(json: &[u8]) -> impl Iterator<Item = (u8, bool)> + '_ {
+    let (mut in_string, mut escaped) = (false, false);
+    json.iter().map(move |&b| {
+        let inside = in_string || b == b'"';
         if in_string {
             if escaped {
                 escaped = false;
@@ -90,11 +92,16 @@ fn object_count(body: &[u8]) -> usize {
             }
         } else if b == b'"' {
             in_string = true;
-        } else if b == b'{' {
-            n += 1;
         }
-    }
-    n
+        (b, inside)
+    })
+}
+
+/// JSON objects in `body` (`{` outside strings), counted in one pass before anything is built.
+fn object_count(body: &[u8]) -> usize {
+    json_bytes(body)
+        .filter(|&(b, inside)| !inside && b == b'{')
+        .count()
 }
 
 /// Parse a request body as a JSON object.

@@ -171,7 +171,9 @@ PY
       | grep -i x-gateway-cache
   done
 
-  GATEWAY_URL=http://{addr} GATEWAY_ADMIN_TOKEN={admin} gatewayctl keys list
+  # The admin CLI, from this clone (or `cargo install --path gateway --locked` once, then plain
+  # `gatewayctl ...`):
+  GATEWAY_URL=http://{addr} GATEWAY_ADMIN_TOKEN={admin} cargo run -q -p gateway --bin gatewayctl -- keys list
   curl -s http://{addr}/metrics | grep gateway_requests_total
 
 Serving on http://{addr} until Ctrl-C.

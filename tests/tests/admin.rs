@@ -406,3 +406,23 @@ async fn admin_writes_need_a_bearer_token_and_json_so_a_cross_site_form_cannot_s
         "no forged tenant: {list}"
     );
 }
+
+#[tokio::test]
+async fn gatewayctl_exits_quietly_when_its_reader_goes_away() {
+    let sim = Sim::zero("sim-small").await;
+    let app = app_on(TestStore::new(StoreKind::Sqlite).await.unwrap(), true, &sim).await;
+    // `gatewayctl keys list | head -0`: the pipe is closed before anything is written.
+    let mut child = tokio::process::Command::new(e2e::binary("gatewayctl"))
+        .args(["keys", "list"])
+        .env("GATEWAY_URL", &app.base)
+        .env("GATEWAY_ADMIN_TOKEN", ADMIN_TOKEN)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.is_empty(), "{stderr}");
+}

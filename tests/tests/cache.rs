@@ -549,3 +549,26 @@ async fn with_redis_a_repeat_hits_on_every_replica() {
         app.stop().await;
     }
 }
+
+#[tokio::test]
+async fn the_semantic_layer_loads_only_once_a_policy_asks_for_it() {
+    let sim = Sim::zero("sim-small").await;
+    let mut c = config(
+        vec![replica("s1", &sim.url, "sim-small")],
+        vec![replica("l1", &sim.url, "sim-small")],
+    );
+    c.cache.semantic.model_dir = model_dir();
+    c.cache.mode = gateway::cache::CacheMode::Exact;
+    let app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    assert!(
+        !app.state.cache.semantic_started(),
+        "no tenant uses it: no model in memory"
+    );
+    let (ok, out) = app
+        .ctl(&["cache", "set", "--tenant", "acme", "--mode", "semantic"])
+        .await;
+    assert!(ok, "{out}");
+    assert!(app.state.cache.semantic_started());
+    semantic_ready(&app).await;
+    app.stop().await;
+}

@@ -126,7 +126,9 @@ pub struct Cache {
     store: Arc<dyn Store>,
     exact: moka::sync::Cache<u128, Arc<Entry>>,
     shared: Option<shared::Shared>,
-    semantic: Option<semantic::Semantic>,
+    /// Started on first need (the default mode, or a tenant's policy, is `semantic`); `None`
+    /// inside when the model is missing. Until then no model is loaded (~200 MB resident).
+    semantic: std::sync::OnceLock<Option<semantic::Semantic>>,
     metrics: Metrics,
 }
 
@@ -247,8 +249,8 @@ fn deterministic(body: &Map<String, Value>) -> bool {
 }
 
 impl Cache {
-    /// Build the cache; starts the semantic layer's thread when the policy default or any
-    /// tenant may use it and the model is present.
+    /// Build the cache; the semantic layer starts when the default mode or a tenant's policy
+    /// first asks for it (and the model is present).
     pub async fn new(
         config: CacheConfig,
         store: Arc<dyn Store>,
@@ -262,8 +264,6 @@ impl Cache {
             })
             .expire_after(PerEntryTtl)
             .build();
-        let semantic = semantic::Semantic::start(&config.semantic, metrics.clone())
-            .map_err(anyhow::Error::msg)?;
         let shared = if config.redis_urls.is_empty() {
             None
         } else {
@@ -280,11 +280,30 @@ impl Cache {
             store,
             exact,
             shared,
-            semantic,
+            semantic: std::sync::OnceLock::new(),
             metrics,
         };
+        if cache.config.mode == CacheMode::Semantic {
+            // A bad `cache.semantic.device` fails the start here, not on a first request.
+            cache.start_semantic().map_err(anyhow::Error::msg)?;
+        }
         cache.refresh().await?;
         Ok(cache)
+    }
+
+    /// The semantic layer, once started.
+    fn semantic(&self) -> Option<&semantic::Semantic> {
+        self.semantic.get().and_then(Option::as_ref)
+    }
+
+    /// Start the semantic layer unless it is started (its thread loads the model).
+    fn start_semantic(&self) -> Result<(), String> {
+        if self.semantic.get().is_none() {
+            let started = semantic::Semantic::start(&self.config.semantic, self.metrics.clone())?;
+            // A concurrent start that lost the race drops its worker (its channel closes).
+            let _ = self.semantic.set(started);
+        }
+        Ok(())
     }
 
     /// Reload the policies every `every` until `background` stops.
@@ -299,6 +318,11 @@ impl Cache {
     /// Reload every tenant's policy (called every `store.key_refresh_ms`).
     pub async fn refresh(&self) -> Result<(), StoreError> {
         let all = self.store.list_cache_policies().await?;
+        if all.iter().any(|(_, p)| p.mode == Some(CacheMode::Semantic)) {
+            if let Err(e) = self.start_semantic() {
+                tracing::error!(error = %e, "a tenant's cache policy is semantic, but the semantic layer cannot start");
+            }
+        }
         self.policies.store(Arc::new(all.into_iter().collect()));
         self.metrics
             .cache_entries
@@ -325,17 +349,20 @@ impl Cache {
         }
     }
 
+    /// Whether the semantic layer has been started (its model loaded or loading).
+    pub fn semantic_started(&self) -> bool {
+        self.semantic().is_some()
+    }
+
     /// Whether the semantic layer is loaded and answering.
     pub fn semantic_ready(&self) -> bool {
-        self.semantic
-            .as_ref()
-            .is_some_and(semantic::Semantic::ready)
+        self.semantic().is_some_and(semantic::Semantic::ready)
     }
 
     /// The verifier curve's point for `precision` (`None` before the semantic layer is ready
     /// or when the curve never reaches it).
     pub fn curve_point(&self, precision: f64) -> Option<embedder::verifier::CurvePoint> {
-        self.semantic.as_ref()?.curve_point(precision)
+        self.semantic()?.curve_point(precision)
     }
 
     /// Decide whether (and how) `req` of `tenant_id` uses the cache. `None`: bypass.
@@ -364,7 +391,7 @@ impl Cache {
         }
         let key = sha128(&[tenant_id.as_bytes(), fingerprint.as_bytes()]);
         let read = !directives.no_cache;
-        let semantic = match (&self.semantic, mode) {
+        let semantic = match (self.semantic(), mode) {
             (Some(s), CacheMode::Semantic) if read && !tools && req.choices() == 1 => {
                 let threshold = s.threshold_for(policy.min_precision.unwrap_or(1.0));
                 match (threshold, split_question(req)) {
@@ -429,7 +456,7 @@ impl Cache {
             }
             lookups.with_label_values(&["shared", "miss"]).inc();
         }
-        let (Some(s), Some(q)) = (&self.semantic, lookup.semantic.as_mut()) else {
+        let (Some(s), Some(q)) = (self.semantic(), lookup.semantic.as_mut()) else {
             return None;
         };
         if !s.maybe_populated(q.ns) {
@@ -467,7 +494,7 @@ impl Cache {
             shared.put(&lookup.tenant_id, lookup.key, &entry);
         }
         self.exact.insert(lookup.key, Arc::new(entry));
-        if let (Some(s), Some(q)) = (&self.semantic, lookup.semantic) {
+        if let (Some(s), Some(q)) = (self.semantic(), lookup.semantic) {
             s.insert(q.ns, q.text, q.vectors, lookup.key);
         }
     }

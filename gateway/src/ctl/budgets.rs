@@ -15,6 +15,9 @@ use crate::types::price::Usd;
 pub enum BudgetCommand {
     /// Create a policy, or replace the one with the same tenant, scope and window (its spend
     /// so far is kept).
+    #[command(
+        after_help = "Examples:\n  gatewayctl budgets set --tenant acme --window month --usd 500 --warn-percent 80\n  gatewayctl budgets set --tenant acme --scope tag:feature=search --window day --tokens 2000000"
+    )]
     Set {
         /// Tenant id or name.
         #[arg(long)]
@@ -45,17 +48,20 @@ pub enum BudgetCommand {
         warn_percent: Option<u8>,
     },
     /// List policies.
+    #[command(after_help = "Example:\n  gatewayctl budgets list --tenant acme")]
     List {
         /// Only this tenant's policies (id or name).
         #[arg(long)]
         tenant: Option<String>,
     },
     /// Delete a policy.
+    #[command(after_help = "Example:\n  gatewayctl budgets delete bud_0123abcd")]
     Delete {
         /// Policy id (`bud_…`).
         id: String,
     },
     /// What a tenant's requests do while the budget store (Redis) is unreachable.
+    #[command(after_help = "Example:\n  gatewayctl budgets fail-mode --tenant acme open")]
     FailMode {
         /// Tenant id or name.
         #[arg(long)]

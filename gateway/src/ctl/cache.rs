@@ -12,6 +12,9 @@ use crate::routes::budgets::CachePolicyView;
 #[derive(Debug, Subcommand)]
 pub enum CacheCommand {
     /// Set a tenant's cache policy (options left out take the gateway config's defaults).
+    #[command(
+        after_help = "Example:\n  gatewayctl cache set --tenant acme --mode semantic --min-precision 0.95 --ttl-secs 600"
+    )]
     Set {
         /// Tenant id or name.
         #[arg(long)]
@@ -34,12 +37,14 @@ pub enum CacheCommand {
         tools: bool,
     },
     /// Show a tenant's policy, the one in force, and its point on the verifier's curve.
+    #[command(after_help = "Example:\n  gatewayctl cache show --tenant acme")]
     Show {
         /// Tenant id or name.
         #[arg(long)]
         tenant: String,
     },
     /// Drop a tenant's own policy (back to the config's defaults).
+    #[command(after_help = "Example:\n  gatewayctl cache reset --tenant acme")]
     Reset {
         /// Tenant id or name.
         #[arg(long)]

@@ -14,6 +14,9 @@ use crate::store::ApiKey;
 #[derive(Debug, Subcommand)]
 pub enum KeyCommand {
     /// Create a key; the secret is printed once.
+    #[command(
+        after_help = "Examples:\n  gatewayctl keys create --tenant acme --name web --tag feature=search\n  gatewayctl keys create --tenant acme --tag feature=chat --client-tag user"
+    )]
     Create {
         /// Tenant id or name.
         #[arg(long)]
@@ -33,12 +36,14 @@ pub enum KeyCommand {
         no_client_tags: bool,
     },
     /// List keys.
+    #[command(after_help = "Example:\n  gatewayctl keys list --tenant acme")]
     List {
         /// Only this tenant's keys (id or name).
         #[arg(long)]
         tenant: Option<String>,
     },
     /// Revoke a key (takes effect on every replica within the key refresh interval).
+    #[command(after_help = "Example:\n  gatewayctl keys revoke key_0123abcd")]
     Revoke {
         /// Key id (`key_…`).
         id: String,

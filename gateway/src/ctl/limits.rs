@@ -12,6 +12,9 @@ use crate::routes::budgets::DeletedRateLimit;
 #[derive(Debug, Subcommand)]
 pub enum LimitCommand {
     /// Set requests and/or tokens per minute for a tenant (or one of its keys).
+    #[command(
+        after_help = "Example:\n  gatewayctl limits set --tenant acme --rpm 600 --tpm 200000"
+    )]
     Set {
         /// Tenant id or name.
         #[arg(long)]
@@ -27,12 +30,14 @@ pub enum LimitCommand {
         tpm: Option<u64>,
     },
     /// List rate limits.
+    #[command(after_help = "Example:\n  gatewayctl limits list --tenant acme")]
     List {
         /// Only this tenant's limits.
         #[arg(long)]
         tenant: Option<String>,
     },
     /// Delete a rate limit.
+    #[command(after_help = "Example:\n  gatewayctl limits delete --tenant acme")]
     Delete {
         /// Tenant id or name.
         #[arg(long)]

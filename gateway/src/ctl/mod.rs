@@ -114,6 +114,9 @@ pub enum Command {
         command: CacheCommand,
     },
     /// A tenant's budgets in their current windows: spent, reserved, remaining, reset time.
+    #[command(
+        after_help = "Examples:\n  gatewayctl usage --tenant acme\n  gatewayctl --json usage --tenant acme"
+    )]
     Usage {
         /// Tenant id or name.
         #[arg(long)]
@@ -320,6 +323,46 @@ pub async fn run(cli: Cli, out: &mut impl Write) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every command's `--help` ends with examples, and every example is a valid command line.
+    #[test]
+    fn every_command_has_examples_that_parse() {
+        use clap::CommandFactory;
+        fn leaves(c: &clap::Command, path: String, out: &mut Vec<(String, String)>) {
+            let subs: Vec<_> = c
+                .get_subcommands()
+                .filter(|s| s.get_name() != "help")
+                .collect();
+            for s in &subs {
+                leaves(s, format!("{path} {}", s.get_name()), out);
+            }
+            if subs.is_empty() {
+                let help = c.get_after_help().map(|h| h.to_string());
+                out.push((path, help.unwrap_or_default()));
+            }
+        }
+        let mut all = Vec::new();
+        leaves(&Cli::command(), "gatewayctl".into(), &mut all);
+        assert!(all.len() >= 20, "{} commands", all.len());
+        for (path, help) in all {
+            let examples: Vec<&str> = help
+                .lines()
+                .map(str::trim)
+                .filter(|l| l.starts_with("gatewayctl "))
+                .collect();
+            assert!(!examples.is_empty(), "`{path} --help` has no example");
+            for e in examples {
+                assert!(
+                    e.starts_with(&path.replace("gatewayctl", "gatewayctl --json"))
+                        || e.starts_with(&path),
+                    "`{e}` is not an example of `{path}`"
+                );
+                if let Err(err) = Cli::try_parse_from(e.split_whitespace()) {
+                    panic!("`{e}` does not parse: {err}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn times_read_as_the_admin_api_writes_them() -> anyhow::Result<()> {

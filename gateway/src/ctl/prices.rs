@@ -12,6 +12,7 @@ use crate::types::price::Usd;
 #[derive(Debug, Subcommand)]
 pub enum PriceCommand {
     /// Set a model's price from now (or from --from).
+    #[command(after_help = "Example:\n  gatewayctl prices set sim-large --input 2.5 --output 10")]
     Set {
         /// Served model name.
         model: String,
@@ -29,6 +30,7 @@ pub enum PriceCommand {
         from: Option<String>,
     },
     /// List prices with their history.
+    #[command(after_help = "Example:\n  gatewayctl prices list")]
     List,
 }
 

@@ -13,6 +13,9 @@ use crate::types::price::Usd;
 pub enum ReportCommand {
     /// Cost, requests, tokens, cache savings and waste by tenant, model, tier and feature, with
     /// the change from the previous week.
+    #[command(
+        after_help = "Examples:\n  gatewayctl report weekly --week 2026-W48\n  gatewayctl report weekly --format csv"
+    )]
     Weekly {
         /// ISO week, e.g. 2026-W48 (default: this week).
         #[arg(long)]
@@ -22,6 +25,7 @@ pub enum ReportCommand {
         tenant: Option<String>,
     },
     /// Why the cost changed between two weeks: additive terms and top contributors.
+    #[command(after_help = "Example:\n  gatewayctl report explain --from 2026-W47 --to 2026-W48")]
     Explain {
         /// First week (default: the week before --to).
         #[arg(long)]
@@ -34,6 +38,7 @@ pub enum ReportCommand {
         tenant: Option<String>,
     },
     /// Keys/sessions repeating the same request at a steady cadence (agent loops), with cost.
+    #[command(after_help = "Example:\n  gatewayctl report loops --hours 24 --format csv")]
     Loops {
         /// Look back this many hours.
         #[arg(long, default_value_t = 24)]

@@ -12,13 +12,18 @@ use crate::store::Tenant;
 #[derive(Debug, Subcommand)]
 pub enum TenantCommand {
     /// Create a tenant.
+    #[command(after_help = "Example:\n  gatewayctl tenants create acme")]
     Create {
         /// Unique name (letters, digits, '-', '_', '.').
         name: String,
     },
     /// List tenants.
+    #[command(
+        after_help = "Examples:\n  gatewayctl tenants list\n  gatewayctl --json tenants list"
+    )]
     List,
     /// Delete a tenant and revoke all its keys.
+    #[command(after_help = "Example:\n  gatewayctl tenants delete acme")]
     Delete {
         /// Tenant id or name.
         tenant: String,

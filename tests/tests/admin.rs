@@ -97,12 +97,9 @@ async fn an_empty_or_short_admin_token_refuses_to_start_naming_the_setting() {
         let text = std::fs::read_to_string(dir.path().join("gateway.log")).unwrap();
         assert!(!status.success(), "{token:?} started:\n{text}");
         assert!(text.contains("admin.token"), "{token:?}:\n{text}");
-        assert!(
-            reqwest::get(format!("http://127.0.0.1:{port}/admin/v1/tenants"))
-                .await
-                .is_err(),
-            "nothing listens"
-        );
+        // It exited, so nothing of it listens (probing its port would race other tests that
+        // may be given the same port once it is free).
+        let _ = port;
     }
 }
 

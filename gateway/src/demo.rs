@@ -82,6 +82,21 @@ pub async fn prepare(options: &DemoOptions) -> anyhow::Result<Demo> {
             replicas: vec![replica("sim-large-1", large_1, "sim-large")],
         },
     );
+    // Simulated models, priced like small and large hosted ones (USD per 1M tokens, as in
+    // gateway.example.toml), so the dashboard and the reports show what the traffic costs.
+    for (model, input, output, cached) in [
+        ("sim-small", 0.15, 0.60, Some(0.075)),
+        ("sim-large", 2.50, 10.00, None),
+    ] {
+        config.prices.insert(
+            model.to_owned(),
+            crate::config::PriceConfig {
+                input,
+                output,
+                cached_input: cached,
+            },
+        );
+    }
     config.models = BTreeMap::from([
         ("fast".to_owned(), ModelTarget::Small),
         ("smart".to_owned(), ModelTarget::Large),

@@ -10,6 +10,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 
 #[tokio::test]
 async fn gateway_demo_serves_the_python_sdk_with_the_key_it_prints() {
+    gateway::telemetry::install_crypto_provider();
     let dir = tempfile::tempdir().unwrap();
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -25,10 +26,14 @@ async fn gateway_demo_serves_the_python_sdk_with_the_key_it_prints() {
         .unwrap();
     let mut lines = BufReader::new(demo.stdout.take().unwrap()).lines();
     let mut key = None;
+    let mut admin = None;
     let found = tokio::time::timeout(Duration::from_secs(30), async {
         while let Some(line) = lines.next_line().await.unwrap() {
             if line.contains("API key") {
                 key = line.split_whitespace().last().map(str::to_owned);
+            }
+            if let Some(rest) = line.split("GATEWAY_ADMIN_TOKEN=").nth(1) {
+                admin = rest.split_whitespace().next().map(str::to_owned);
             }
             if line.starts_with("Serving on") {
                 return;
@@ -52,5 +57,29 @@ async fn gateway_demo_serves_the_python_sdk_with_the_key_it_prints() {
         out.status.success(),
         "python SDK against gateway demo:\n{text}"
     );
+    // The simulated models are priced: what the SDK just did costs something this week.
+    let admin = admin.expect("the demo printed the admin token");
+    let http = reqwest::Client::new();
+    let report = format!("http://127.0.0.1:{port}/admin/v1/reports/weekly");
+    e2e::eventually(
+        "the week's cost is above zero",
+        Duration::from_secs(10),
+        || {
+            let (http, report, admin) = (http.clone(), report.clone(), admin.clone());
+            async move {
+                let v: serde_json::Value = http
+                    .get(&report)
+                    .bearer_auth(&admin)
+                    .send()
+                    .await
+                    .ok()?
+                    .json()
+                    .await
+                    .ok()?;
+                (v["total"]["this"]["cost"].as_i64()? > 0).then_some(())
+            }
+        },
+    )
+    .await;
     demo.kill().await.unwrap();
 }

@@ -486,6 +486,26 @@ pub async fn until_healthy(base: &str, child: &mut tokio::process::Child) {
     .await;
 }
 
+/// [`config`] with both tiers on one simulator (`s` small, `l` large, both serving its
+/// `sim-small`), optionally priced at `prices` = (input, output) USD per 1M tokens.
+pub fn config_on(sim: &Sim, prices: Option<(f64, f64)>) -> Config {
+    let mut c = config(
+        vec![replica("s", &sim.url, "sim-small")],
+        vec![replica("l", &sim.url, "sim-small")],
+    );
+    if let Some((input, output)) = prices {
+        c.prices.insert(
+            "sim-small".into(),
+            gateway::config::PriceConfig {
+                input,
+                output,
+                cached_input: None,
+            },
+        );
+    }
+    c
+}
+
 /// A user message body for `model`.
 pub fn chat_body(model: &str, text: &str) -> Value {
     serde_json::json!({"model": model, "messages": [{"role": "user", "content": text}]})

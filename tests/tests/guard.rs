@@ -3,7 +3,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
-use e2e::{config, replica, Sim, StoreKind, TestApp};
+use e2e::{Sim, StoreKind, TestApp};
 use serde_json::{json, Value};
 
 fn agent(results: &[&str]) -> Value {
@@ -24,10 +24,7 @@ fn agent(results: &[&str]) -> Value {
 
 async fn app() -> (TestApp, Sim) {
     let sim = Sim::zero("sim-small").await;
-    let c = config(
-        vec![replica("s", &sim.url, "sim-small")],
-        vec![replica("l", &sim.url, "sim-small")],
-    );
+    let c = e2e::config_on(&sim, None);
     (TestApp::spawn(c, StoreKind::Sqlite).await, sim)
 }
 
@@ -100,5 +97,46 @@ async fn an_absurd_session_id_is_refused_naming_the_header() {
         let v: Value = r.json().await.unwrap();
         assert_eq!(v["error"]["param"], "x-session-id", "{v}");
     }
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_flagged_loop_is_counted_as_waste_in_the_weekly_report() {
+    let sim = Sim::zero("sim-small").await;
+    let mut c = e2e::config_on(&sim, Some((1.0, 2.0)));
+    let dir = tempfile::tempdir().unwrap();
+    c.ledger.spool_dir = dir.path().to_owned();
+    c.ledger.flush_ms = 20;
+    let store = e2e::TestStore::new(StoreKind::Sqlite).await.unwrap();
+    let app = TestApp::spawn_with_ledger(c, store).await;
+    let stuck = agent(&["same error", "same error", "same error"]);
+    assert!(app
+        .chat(stuck)
+        .await
+        .headers()
+        .contains_key("x-gateway-loop"));
+    assert_eq!(app.chat(e2e::chat_body("fast", "hi")).await.status(), 200);
+    let ledger = gateway::ledger::open(&app.store.url).await.unwrap();
+    e2e::eventually(
+        "both rows written",
+        std::time::Duration::from_secs(5),
+        || async { (ledger.count().await.unwrap() == 2).then_some(()) },
+    )
+    .await;
+    let week = gateway::ledger::report::IsoWeek::containing(chrono::Utc::now());
+    let r = gateway::ledger::report::weekly(ledger.as_ref(), week, None)
+        .await
+        .unwrap();
+    let rows = ledger.rows_between(week.start(), week.end()).await.unwrap();
+    let looped: i64 = rows
+        .iter()
+        .filter(|r| r.loop_flag)
+        .map(|r| r.cost_micros)
+        .sum();
+    assert!(looped > 0);
+    assert_eq!(
+        r.total.this.waste_loops, looped,
+        "the flagged request's cost, and only it"
+    );
     app.stop().await;
 }

@@ -153,13 +153,17 @@ impl Authenticator {
     /// Add a key just created through this replica to its snapshot, so its first requests need
     /// no store lookup.
     pub fn remember(&self, hash: &str, key: ApiKey) {
-        let key = Arc::new(key);
+        self.insert(hash, Arc::new(key));
+        self.lock_unknown().remove(hash);
+    }
+
+    /// Put `key` into the snapshot under `hash`.
+    fn insert(&self, hash: &str, key: Arc<ApiKey>) {
         self.snapshot.rcu(|map| {
             let mut map = HashMap::clone(map);
             map.insert(hash.to_owned(), Arc::clone(&key));
             map
         });
-        self.lock_unknown().remove(hash);
     }
 
     /// Drop a key from this replica's snapshot at once (the revoking replica need not wait for
@@ -205,11 +209,7 @@ impl Authenticator {
             return Ok(Arc::clone(key));
         }
         let key = self.look_up(hash.clone()).await?;
-        self.snapshot.rcu(|map| {
-            let mut map = HashMap::clone(map);
-            map.insert(hash.clone(), Arc::clone(&key));
-            map
-        });
+        self.insert(&hash, Arc::clone(&key));
         Ok(key)
     }
 

@@ -90,9 +90,12 @@ pub fn of(client: Option<&str>, key_id: &str, body: &Map<String, Value>) -> Sess
 
 /// `drv_` + a hash of the key, the system prompt and the first user message (or the prompt).
 fn derived(key_id: &str, body: &Map<String, Value>) -> String {
-    let mut h = Sha256::new();
-    h.update(key_id.as_bytes());
-    h.update([0]);
+    // The JSON of the root's parts is written straight into the hash (a first message may be
+    // megabytes; it is not copied).
+    let mut w = crate::openai::HashWriter(Sha256::new());
+    let h = &mut w;
+    h.0.update(key_id.as_bytes());
+    h.0.update([0]);
     match body.get("messages") {
         Some(Value::Array(messages)) => {
             let first = |role: &str| {
@@ -103,18 +106,18 @@ fn derived(key_id: &str, body: &Map<String, Value>) -> String {
             };
             for part in [first("system"), first("user")] {
                 if let Some(v) = part {
-                    h.update(v.to_string().as_bytes());
+                    let _ = serde_json::to_writer(&mut *h, v);
                 }
-                h.update([0]);
+                h.0.update([0]);
             }
         }
         _ => {
             if let Some(p) = body.get("prompt") {
-                h.update(p.to_string().as_bytes());
+                let _ = serde_json::to_writer(&mut *h, p);
             }
         }
     }
-    format!("drv_{}", hex::encode(&h.finalize()[..8]))
+    format!("drv_{}", hex::encode(&w.0.finalize()[..8]))
 }
 
 #[cfg(test)]

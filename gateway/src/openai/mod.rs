@@ -19,7 +19,7 @@ use serde_json::{Map, Value};
 
 use crate::error::ApiError;
 
-pub use request::{canonical_numbers, fingerprint_bytes, ParsedRequest};
+pub use request::{canonical_numbers, fingerprint_bytes, HashWriter, ParsedRequest};
 pub use sse::{replay_sse, SseRewriter, StreamAssembler};
 pub use usage::{completion_text, usage_in_body, usage_of, Usage};
 

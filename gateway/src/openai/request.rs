@@ -406,8 +406,8 @@ fn whole(n: &serde_json::Number) -> Option<i64> {
     Some(f as i64)
 }
 
-/// Feeds what serde_json writes into a hash.
-struct HashWriter(sha2::Sha256);
+/// Feeds what serde_json writes into a hash (no copy of the value is made).
+pub struct HashWriter(pub sha2::Sha256);
 
 impl std::io::Write for HashWriter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {

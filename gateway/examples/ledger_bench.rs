@@ -74,6 +74,8 @@ fn event(i: u64, week: IsoWeek) -> UsageEvent {
         },
         loop_flag: i.is_multiple_of(211),
         retry_storm_flag: false,
+        loop_steps: 0,
+        avoided_micros: 0,
         fingerprint: format!("{:032x}", i % 50_000),
     }
 }

@@ -92,6 +92,20 @@ pub fn build_router(state: AppState) -> Router {
                 .get(routes::budgets::get_cache_policy)
                 .delete(routes::budgets::delete_cache_policy),
         )
+        .route(
+            "/admin/v1/tenants/{tenant}/guard-policy",
+            put(routes::guard::set_policy)
+                .get(routes::guard::get_policy)
+                .delete(routes::guard::delete_policy),
+        )
+        .route(
+            "/admin/v1/tenants/{tenant}/sessions",
+            get(routes::guard::list_sessions),
+        )
+        .route(
+            "/admin/v1/tenants/{tenant}/sessions/{session}",
+            get(routes::guard::get_session).delete(routes::guard::clear_session),
+        )
         .route("/dashboard", get(routes::dashboard::dashboard))
         .route(
             "/admin/v1/prices",

@@ -117,6 +117,15 @@ pub enum ApiError {
         /// Seconds until the request would fit.
         retry_after: u64,
     },
+    /// The guard found the session looping and refuses it (429 `loop_detected`): throttled
+    /// for a cooldown (`Retry-After`) or blocked until an admin clears it.
+    #[error("{message}")]
+    LoopDetected {
+        /// Which session, what repeated, and how to clear it.
+        message: String,
+        /// Seconds until the cooldown ends; `None`: blocked (the client should not retry).
+        retry_after: Option<u64>,
+    },
     /// The upstream did not answer in time.
     #[error("upstream timed out: {0}")]
     GatewayTimeout(String),
@@ -154,9 +163,9 @@ impl ApiError {
             Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::BadGateway { .. } => StatusCode::BAD_GATEWAY,
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            Self::InsufficientQuota { .. } | Self::RateLimited { .. } => {
-                StatusCode::TOO_MANY_REQUESTS
-            }
+            Self::InsufficientQuota { .. }
+            | Self::RateLimited { .. }
+            | Self::LoopDetected { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::GatewayTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -181,6 +190,7 @@ impl ApiError {
             Self::Unavailable { .. } => "unavailable",
             Self::InsufficientQuota { .. } => "insufficient_quota",
             Self::RateLimited { .. } => "rate_limit_exceeded",
+            Self::LoopDetected { .. } => "loop_detected",
             Self::GatewayTimeout(_) => "timeout",
             Self::Internal(_) => "internal",
         }
@@ -205,6 +215,7 @@ impl ApiError {
             Self::Unavailable { .. } => "service_unavailable",
             Self::InsufficientQuota { .. } => "insufficient_quota",
             Self::RateLimited { kind, .. } => kind,
+            Self::LoopDetected { .. } => "rate_limit_error",
         }
     }
 
@@ -219,6 +230,7 @@ impl ApiError {
             Self::InvalidJson(_) => Some("invalid_json"),
             Self::InsufficientQuota { .. } => Some("insufficient_quota"),
             Self::RateLimited { .. } => Some("rate_limit_exceeded"),
+            Self::LoopDetected { .. } => Some("loop_detected"),
             _ => None,
         }
     }
@@ -260,6 +272,21 @@ impl IntoResponse for ApiError {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after));
+        }
+        if let Self::LoopDetected { retry_after, .. } = &self {
+            let headers = response.headers_mut();
+            match retry_after {
+                Some(secs) => {
+                    headers.insert(header::RETRY_AFTER, HeaderValue::from(*secs));
+                }
+                // Blocked: OpenAI's SDKs honour `x-should-retry: false` and stop retrying.
+                None => {
+                    headers.insert(
+                        crate::headers::SHOULD_RETRY,
+                        HeaderValue::from_static("false"),
+                    );
+                }
+            }
         }
         response
     }

@@ -7,8 +7,12 @@ use axum::http::HeaderName;
 pub const TAGS: HeaderName = HeaderName::from_static("x-gateway-tags");
 /// The client's session id (an agent run, a conversation), for the guard step.
 pub const SESSION_ID: HeaderName = HeaderName::from_static("x-session-id");
-/// Set when the guard step found an agent loop: `flagged; session=…; repeats=N`.
+/// Set when the guard step found an agent loop: `flagged; session=…; repeats=N; period=P`
+/// (`throttled`, `blocked` on a refusal).
 pub const LOOP: HeaderName = HeaderName::from_static("x-gateway-loop");
+/// Response: `false` on a refusal a retry cannot change (a blocked session); OpenAI's SDKs
+/// honour it and stop retrying.
+pub const SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
 /// Response (and upstream request): the id the gateway minted for the request. A client's
 /// `x-request-id` is never used as one: it is kept as the correlation id.
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");

@@ -30,6 +30,9 @@ pub mod names {
     pub const REJECTED: &str = "gateway_rejected_requests_total";
     /// Agent loops the guard step found, by the action taken (flag, throttle, block).
     pub const GUARD_LOOPS: &str = "gateway_guard_loops_total";
+    /// USD micro-dollars of agent loops, by tenant and kind: `burned` (what flagged requests
+    /// cost) and `avoided` (what refused ones would have cost, estimated).
+    pub const GUARD_LOOP_COST: &str = "gateway_guard_loop_cost_micros_total";
     /// Store lookups of API keys missing from the snapshot, by outcome (found, unknown,
     /// cached_unknown, busy, error, skipped).
     pub const KEY_LOOKUPS: &str = "gateway_key_lookups_total";
@@ -82,6 +85,7 @@ pub mod names {
         REJECTED,
         KEY_LOOKUPS,
         GUARD_LOOPS,
+        GUARD_LOOP_COST,
         LEDGER_QUEUE,
         LEDGER_SPOOLED,
         LEDGER_ROWS,
@@ -125,6 +129,8 @@ pub struct Metrics {
     pub key_lookups: IntCounterVec,
     /// See [`names::GUARD_LOOPS`].
     pub guard_loops: IntCounterVec,
+    /// See [`names::GUARD_LOOP_COST`].
+    pub guard_loop_cost: IntCounterVec,
     /// See [`names::LEDGER_QUEUE`].
     pub ledger_queue: IntGauge,
     /// See [`names::LEDGER_SPOOLED`].
@@ -308,6 +314,14 @@ impl Metrics {
         ] {
             cache_lookups.with_label_values(&[layer, result]);
         }
+        let guard_loop_cost = IntCounterVec::new(
+            Opts::new(
+                names::GUARD_LOOP_COST,
+                "USD micro-dollars of agent loops: burned (flagged and answered) and avoided \
+                 (refused, estimated), by tenant.",
+            ),
+            &["tenant", "kind"],
+        )?;
         let cache_saved = IntCounterVec::new(
             Opts::new(
                 names::CACHE_SAVED,
@@ -352,6 +366,7 @@ impl Metrics {
         registry.register(Box::new(rejected.clone()))?;
         registry.register(Box::new(key_lookups.clone()))?;
         registry.register(Box::new(guard_loops.clone()))?;
+        registry.register(Box::new(guard_loop_cost.clone()))?;
         Ok(Self {
             registry,
             requests,
@@ -364,6 +379,7 @@ impl Metrics {
             rejected,
             key_lookups,
             guard_loops,
+            guard_loop_cost,
             ledger_queue,
             ledger_spooled,
             ledger_rows,
@@ -392,6 +408,7 @@ impl Metrics {
             &self.tokens,
             &self.budget_decisions,
             &self.cache_saved,
+            &self.guard_loop_cost,
         ] {
             for family in vec.collect() {
                 for m in family.get_metric() {

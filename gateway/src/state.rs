@@ -45,6 +45,8 @@ pub struct Inner {
     pub budgets: Arc<crate::budget::Budgets>,
     /// The exact and semantic response cache.
     pub cache: Arc<crate::cache::Cache>,
+    /// Agent-loop detection.
+    pub guard: Arc<crate::guard::Guard>,
     /// The ledger, when the gateway writes one.
     pub ledger: Option<Arc<dyn LedgerStore>>,
     /// The ledger writer task, flushed on shutdown.
@@ -80,8 +82,11 @@ pub struct Deps {
     pub sink: Option<SharedSink>,
     /// Use this budget store instead of the configured one.
     pub budget_store: Option<Arc<dyn crate::budget::BudgetStore>>,
-    /// Use this clock for budget windows (tests move time with a `ManualClock`).
+    /// Use this clock for budget windows and guard cooldowns (tests move time with a
+    /// `ManualClock`).
     pub clock: Option<Arc<dyn crate::budget::Clock>>,
+    /// Use this session store instead of the configured one.
+    pub guard_store: Option<Arc<dyn crate::guard::store::GuardStore>>,
 }
 
 impl AppState {
@@ -136,14 +141,16 @@ impl AppState {
             None if config.ledger.enabled => crate::ledger::open(&config.store.url).await.ok(),
             None => None,
         };
+        let clock = deps
+            .clock
+            .unwrap_or_else(|| Arc::new(crate::budget::SystemClock));
         let budgets = Arc::new(
             crate::budget::Budgets::new(
                 config.budgets.clone(),
                 config.upstream.total_timeout(),
                 Arc::clone(&store),
                 spend_source,
-                deps.clock
-                    .unwrap_or_else(|| Arc::new(crate::budget::SystemClock)),
+                Arc::clone(&clock),
                 metrics.clone(),
                 deps.budget_store,
             )
@@ -161,12 +168,44 @@ impl AppState {
             .await
             .context("starting the cache")?,
         );
+        let guard_store: Arc<dyn crate::guard::store::GuardStore> =
+            match (deps.guard_store, config.guard_redis_urls()) {
+                (Some(s), _) => s,
+                (None, Some(urls)) => Arc::new(
+                    crate::guard::redis::RedisGuard::new(
+                        urls,
+                        Duration::from_millis(config.guard.store_timeout_ms),
+                    )
+                    .context("guard.redis_urls")?,
+                ),
+                (None, None) => Arc::new(crate::guard::memory::MemoryGuard::new(
+                    config.guard.max_sessions,
+                    Duration::from_secs(config.guard.session_ttl_secs),
+                )),
+            };
+        let model_dir = &config.cache.semantic.model_dir;
+        let guard = Arc::new(
+            crate::guard::Guard::new(
+                config.guard.clone(),
+                guard_store,
+                Arc::clone(&store),
+                model_dir
+                    .join("tokenizer.json")
+                    .exists()
+                    .then(|| model_dir.clone()),
+                clock,
+                metrics.clone(),
+            )
+            .await
+            .context("starting the guard")?,
+        );
         // Everything is built: the components start their loops (stopped by `serve`).
         let every = Duration::from_millis(config.store.key_refresh_ms);
         auth.start(&background, every);
         prices.start(&background, every);
         budgets.start(&background, every);
         cache.start(&background, every);
+        guard.start(&background, every);
         Ok(Self(Arc::new(Inner {
             config,
             store,
@@ -177,6 +216,7 @@ impl AppState {
             prices,
             budgets,
             cache,
+            guard,
             ledger,
             ledger_writer: std::sync::Mutex::new(ledger_writer),
             tasks: TaskTracker::new(),

@@ -105,6 +105,14 @@ pub struct UsageEvent {
     pub loop_flag: bool,
     /// Set when the retry-storm detector flagged the request.
     pub retry_storm_flag: bool,
+    /// Steps of the loop the guard caught on this request (0: none); the session's rows before
+    /// its first flagged one are the loop's earlier steps.
+    #[serde(default)]
+    pub loop_steps: u32,
+    /// For a request the guard refused: what answering it would have cost (the session's latest
+    /// answered request), micro-dollars.
+    #[serde(default)]
+    pub avoided_micros: i64,
     /// SHA-256 (first 32 hex digits) of the canonical request: same question, same fingerprint.
     /// Never the prompt text.
     pub fingerprint: String,

@@ -97,6 +97,7 @@ impl Drop for PgDatabase {
 }
 
 /// A store of the given kind, migrated, with whatever keeps it alive.
+#[derive(Clone)]
 pub struct TestStore {
     /// The store.
     pub store: Arc<dyn Store>,
@@ -783,6 +784,8 @@ pub fn ledger_event(request_id: String, billed: Billed<'_>) -> gateway::usage::U
         saved_micros: 0,
         loop_flag: false,
         retry_storm_flag: false,
+        loop_steps: 0,
+        avoided_micros: 0,
         fingerprint: format!("fp-{tenant}-{}", at.timestamp_micros()),
     }
 }
@@ -996,4 +999,51 @@ impl Drop for PrivateRedis {
     fn drop(&mut self) {
         let _ = self.stop();
     }
+}
+
+/// The agent-session fixtures (`tests/fixtures/agent-sessions/{looping,progressing}`), sorted
+/// by name: (name, fixture JSON).
+pub fn agent_sessions(kind: &str) -> Vec<(String, Value)> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/agent-sessions")
+        .join(kind);
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .expect("fixture directory")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .collect();
+    files.sort();
+    files
+        .into_iter()
+        .map(|p| {
+            let name = p
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .unwrap_or("?")
+                .to_owned();
+            let json =
+                serde_json::from_slice(&std::fs::read(&p).expect("fixture")).expect("fixture JSON");
+            (name, json)
+        })
+        .collect()
+}
+
+/// The requests an agent-session fixture sends: its explicit `requests`, or its transcript cut
+/// before each assistant message (the agent resends its growing history).
+pub fn session_requests(fixture: &Value) -> Vec<Vec<Value>> {
+    if let Some(r) = fixture.get("requests").and_then(Value::as_array) {
+        return r.iter().filter_map(|m| m.as_array().cloned()).collect();
+    }
+    let messages = fixture
+        .get("messages")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    messages
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.get("role").and_then(Value::as_str) == Some("assistant"))
+        .map(|(i, _)| messages[..i].to_vec())
+        .collect()
 }

@@ -140,3 +140,294 @@ async fn a_flagged_loop_is_counted_as_waste_in_the_weekly_report() {
     );
     app.stop().await;
 }
+
+/// The guard's session store for `kind` (Redis ones keyed by this test's fresh tenant id).
+fn guard_store(kind: e2e::BudgetKind) -> std::sync::Arc<dyn gateway::guard::store::GuardStore> {
+    match kind {
+        e2e::BudgetKind::Memory => std::sync::Arc::new(gateway::guard::memory::MemoryGuard::new(
+            1000,
+            std::time::Duration::from_secs(3600),
+        )),
+        _ => std::sync::Arc::new(
+            gateway::guard::redis::RedisGuard::new(
+                kind.redis_urls(),
+                std::time::Duration::from_secs(2),
+            )
+            .unwrap(),
+        ),
+    }
+}
+
+async fn app_on(
+    kind: e2e::BudgetKind,
+    clock: std::sync::Arc<gateway::budget::ManualClock>,
+) -> (TestApp, Sim) {
+    let sim = Sim::zero("sim-small").await;
+    let c = e2e::config_on(&sim, Some((1.0, 2.0)));
+    let store = e2e::TestStore::new(StoreKind::Sqlite).await.unwrap();
+    let deps = gateway::state::Deps {
+        clock: Some(clock),
+        guard_store: Some(guard_store(kind)),
+        ..Default::default()
+    };
+    (TestApp::spawn_custom(c, store, true, true, deps).await, sim)
+}
+
+async fn send(app: &TestApp, session: &str, body: &Value) -> reqwest::Response {
+    app.http
+        .post(format!("{}/v1/chat/completions", app.base))
+        .bearer_auth(&app.api_key)
+        .header("x-session-id", session)
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+fn stuck() -> Value {
+    agent(&[
+        "FAILED test_parse",
+        "FAILED test_parse",
+        "FAILED test_parse",
+    ])
+}
+
+#[tokio::test]
+async fn a_throttled_loop_is_refused_for_its_cooldown_then_allowed_on_every_store() {
+    for kind in e2e::BUDGET_STORES {
+        let clock = gateway::budget::ManualClock::at(chrono::Utc::now());
+        let (mut app, _sim) = app_on(kind, clock.clone()).await;
+        let (ok, out) = app
+            .ctl(&[
+                "guard",
+                "set",
+                "--tenant",
+                "acme",
+                "--action",
+                "throttle",
+                "--cooldown-secs",
+                "30",
+            ])
+            .await;
+        assert!(ok && out.contains("throttle"), "{out}");
+        // A progressing step first: answered, and its cost becomes the session's estimate.
+        let r = send(&app, "run-t", &e2e::chat_body("fast", "hello")).await;
+        assert_eq!(r.status(), 200, "{kind:?}");
+        let _ = app.next_event().await;
+        let r = send(&app, "run-t", &stuck()).await;
+        assert_eq!(r.status(), 429, "{kind:?}");
+        assert_eq!(r.headers()["retry-after"], "30");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "loop_detected", "{v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("run-t")
+                && message.contains("run_tests")
+                && message.contains("gatewayctl sessions clear"),
+            "{message}"
+        );
+        let e = app.next_event().await;
+        assert!(e.loop_flag && e.loop_steps == 3 && e.status == 429, "{e:?}");
+        assert!(
+            e.avoided_micros > 0,
+            "the refused request's estimated cost: {e:?}"
+        );
+        // During the cooldown even a progressing request of the session is refused.
+        clock.advance(std::time::Duration::from_secs(20));
+        let r = send(&app, "run-t", &e2e::chat_body("fast", "something new")).await;
+        assert_eq!(r.status(), 429, "{kind:?}");
+        assert_eq!(r.headers()["retry-after"], "10");
+        let _ = app.next_event().await;
+        // Another session is not affected.
+        let r = send(&app, "run-other", &e2e::chat_body("fast", "hello")).await;
+        assert_eq!(r.status(), 200, "{kind:?}");
+        let _ = app.next_event().await;
+        // After it, the looping step goes through once (flagged) and opens the next cooldown.
+        clock.advance(std::time::Duration::from_secs(11));
+        let r = send(&app, "run-t", &stuck()).await;
+        assert_eq!(r.status(), 200, "{kind:?}");
+        assert!(r.headers()["x-gateway-loop"]
+            .to_str()
+            .unwrap()
+            .starts_with("throttled; session=run-t"));
+        let _ = app.next_event().await;
+        let r = send(&app, "run-t", &stuck()).await;
+        assert_eq!(r.status(), 429, "{kind:?}");
+        let _ = app.next_event().await;
+        let (ok, out) = app
+            .ctl(&["--json", "sessions", "show", "--tenant", "acme", "run-t"])
+            .await;
+        assert!(ok, "{out}");
+        let s: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(s["status"], "throttled", "{s}");
+        assert_eq!(s["refused"], 3, "{s}");
+        assert!(s["avoided_micros"].as_i64().unwrap() > 0, "{s}");
+        let m = app.metrics().await;
+        assert!(
+            m.contains("gateway_guard_loops_total{action=\"throttle\"} 3"),
+            "{m}"
+        );
+        app.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn a_blocked_session_stays_refused_until_gatewayctl_clears_it_on_every_store() {
+    for kind in e2e::BUDGET_STORES {
+        let clock = gateway::budget::ManualClock::at(chrono::Utc::now());
+        let (mut app, _sim) = app_on(kind, clock.clone()).await;
+        let (ok, out) = app
+            .ctl(&["guard", "set", "--tenant", "acme", "--action", "block"])
+            .await;
+        assert!(ok, "{out}");
+        let r = send(&app, "run/b-1", &stuck()).await;
+        assert_eq!(r.status(), 429, "{kind:?}");
+        assert_eq!(r.headers()["x-should-retry"], "false");
+        assert!(!r.headers().contains_key("retry-after"));
+        let _ = app.next_event().await;
+        clock.advance(std::time::Duration::from_secs(86_400));
+        let r = send(&app, "run/b-1", &e2e::chat_body("fast", "a new plan")).await;
+        assert_eq!(r.status(), 429, "still blocked a day later ({kind:?})");
+        let v: Value = r.json().await.unwrap();
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("blocked"),
+            "{v}"
+        );
+        let _ = app.next_event().await;
+        let (ok, out) = app
+            .ctl(&[
+                "sessions", "list", "--tenant", "acme", "--status", "blocked",
+            ])
+            .await;
+        assert!(ok && out.contains("run/b-1"), "{out}");
+        let (ok, out) = app
+            .ctl(&["sessions", "clear", "--tenant", "acme", "run/b-1"])
+            .await;
+        assert!(ok && out.contains("cleared"), "{out}");
+        let r = send(&app, "run/b-1", &e2e::chat_body("fast", "a new plan")).await;
+        assert_eq!(r.status(), 200, "cleared ({kind:?})");
+        let _ = app.next_event().await;
+        let (ok, out) = app
+            .ctl(&["sessions", "clear", "--tenant", "acme", "no-such"])
+            .await;
+        assert!(!ok && out.contains("no session"), "{out}");
+        app.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn two_gateways_sharing_redis_see_one_session_window() {
+    for kind in [e2e::BudgetKind::Redis, e2e::BudgetKind::RedisCluster] {
+        let clock = gateway::budget::ManualClock::at(chrono::Utc::now());
+        let (mut a, _sim) = app_on(kind, clock.clone()).await;
+        let sim = Sim::zero("sim-small").await;
+        let deps = gateway::state::Deps {
+            clock: Some(clock.clone()),
+            guard_store: Some(guard_store(kind)),
+            ..Default::default()
+        };
+        let store = a.store.clone();
+        let mut b =
+            TestApp::spawn_custom(e2e::config_on(&sim, None), store, false, true, deps).await;
+        // A stateless client re-sends the same question: twice to one gateway, once to the other.
+        let ask = e2e::chat_body("fast", "What is the status of order 1182?");
+        for app in [&a, &a] {
+            let r = app
+                .http
+                .post(format!("{}/v1/chat/completions", app.base))
+                .bearer_auth(&a.api_key)
+                .header("x-session-id", "widget-9")
+                .json(&ask)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            assert!(!r.headers().contains_key("x-gateway-loop"));
+        }
+        let _ = (a.next_event().await, a.next_event().await);
+        let r = b
+            .http
+            .post(format!("{}/v1/chat/completions", b.base))
+            .bearer_auth(&a.api_key)
+            .header("x-session-id", "widget-9")
+            .json(&ask)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let flag = r
+            .headers()
+            .get("x-gateway-loop")
+            .map(|v| v.to_str().unwrap().to_owned());
+        assert!(
+            flag.is_some_and(|f| f.contains("session=widget-9")),
+            "{kind:?}"
+        );
+        let _ = b.next_event().await;
+        b.stop().await;
+        a.stop().await;
+    }
+}
+
+/// Looping fixtures the detector does not yet catch within 3 requests with exact signals
+/// alone (the gateway under test has no static model, so near-duplicates are off): paraphrased
+/// re-asks, reworded searches, and loops whose repeats are not consecutive. Measured with
+/// `cargo run -p e2e --example guard_fixtures -- --exact-only`; see docs/guard.md.
+const KNOWN_MISSES: &[&str] = &[
+    "agent-json-action-schema-error-loop",
+    "chat-regex-same-answer-reworded",
+    "cs-asks-for-order-number-again",
+    "cs-kb-search-same-article-paraphrase",
+    "cs-refund-status-paraphrased-nonanswer",
+    "real-mswe-django-11620-same-patch-rewritten",
+    "real-tau-airline-task13-same-failing-update",
+    "research-reworded-queries-same-results",
+    "stateless-helpwidget-paraphrased-question",
+    "swe-grep-trivial-variants-empty",
+    "swea-text-two-commands-format-error",
+];
+
+#[tokio::test]
+async fn agent_session_fixtures_replayed_through_the_gateway_flag_loops_and_not_progress() {
+    let (app, _sim) = app().await;
+    let mut caught = Vec::new();
+    for kind in ["looping", "progressing"] {
+        for (name, f) in e2e::agent_sessions(kind) {
+            let session = f["session_id"].as_str().unwrap_or(&name).to_owned();
+            let mut first = None;
+            for (i, messages) in e2e::session_requests(&f).into_iter().enumerate() {
+                let r = send(
+                    &app,
+                    &session,
+                    &json!({"model": "fast", "messages": messages}),
+                )
+                .await;
+                assert_eq!(r.status(), 200, "{name} request {i}");
+                if first.is_none() && r.headers().contains_key("x-gateway-loop") {
+                    first = Some(i);
+                }
+            }
+            if kind == "progressing" {
+                assert_eq!(first, None, "progressing session {name} was flagged");
+                continue;
+            }
+            let start = f["loop_start"].as_u64().unwrap() as usize;
+            let in_time = first.is_some_and(|i| (start..=start + 2).contains(&i));
+            if KNOWN_MISSES.contains(&name.as_str()) {
+                assert!(!in_time, "{name} is caught now: take it off KNOWN_MISSES");
+            } else {
+                assert!(
+                    in_time,
+                    "{name}: first flag at {first:?}, loop starts at request {start}"
+                );
+                caught.push(name);
+            }
+        }
+    }
+    assert!(
+        caught.len() >= 30,
+        "{} looping sessions caught",
+        caught.len()
+    );
+    app.stop().await;
+}

@@ -50,6 +50,8 @@ fn full_event(i: u32) -> UsageEvent {
         loop_flag: true,
         retry_storm_flag: true,
         fingerprint: "0123456789abcdef0123456789abcdef".into(),
+        loop_steps: 4,
+        avoided_micros: 4_321,
     }
 }
 

@@ -317,7 +317,7 @@ impl Cache {
 
     /// Reload every tenant's policy (called every `store.key_refresh_ms`).
     pub async fn refresh(&self) -> Result<(), StoreError> {
-        let all = self.store.list_cache_policies().await?;
+        let all = crate::store::list_policies::<CachePolicy>(self.store.as_ref()).await?;
         if all.iter().any(|(_, p)| p.mode == Some(CacheMode::Semantic)) {
             if let Err(e) = self.start_semantic() {
                 tracing::error!(error = %e, "a tenant's cache policy is semantic, but the semantic layer cannot start");

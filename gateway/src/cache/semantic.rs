@@ -263,7 +263,7 @@ struct Worker {
 }
 
 /// Load the static table next to the model, distilling (and saving) it on first use.
-fn static_table(dir: &Path) -> Result<StaticEmbedder, String> {
+pub(crate) fn static_table(dir: &Path) -> Result<StaticEmbedder, String> {
     let table = dir.join("static.bin");
     let tokenizer = dir.join("tokenizer.json");
     if StaticEmbedder::is_current(&table) {

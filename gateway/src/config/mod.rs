@@ -12,6 +12,7 @@
 mod admin;
 mod budgets;
 mod cache;
+mod guard;
 mod ledger;
 mod prices;
 mod server;
@@ -29,6 +30,7 @@ use serde::{Deserialize, Serialize};
 pub use admin::{AdminConfig, MIN_ADMIN_TOKEN_LEN};
 pub use budgets::{BudgetConfig, BudgetStoreKind};
 pub use cache::{CacheConfig, EmbedDevice, SemanticConfig};
+pub use guard::{GuardConfig, GuardStoreKind};
 pub use ledger::LedgerConfig;
 pub use prices::PriceConfig;
 pub use server::ServerConfig;
@@ -86,9 +88,29 @@ pub struct Config {
     pub budgets: BudgetConfig,
     /// The exact and semantic response cache (per-tenant policies: `gatewayctl cache`).
     pub cache: CacheConfig,
+    /// Agent-loop detection (per-tenant policies: `gatewayctl guard`).
+    pub guard: GuardConfig,
 }
 
 impl Config {
+    /// The Redis the guard's session windows live in, `None`: this process. `auto` follows
+    /// the budgets (Redis when they use it).
+    pub fn guard_redis_urls(&self) -> Option<Vec<String>> {
+        let urls = if self.guard.redis_urls.is_empty() {
+            &self.budgets.redis_urls
+        } else {
+            &self.guard.redis_urls
+        };
+        let shared = match self.guard.store {
+            GuardStoreKind::Memory => false,
+            GuardStoreKind::Redis => true,
+            GuardStoreKind::Auto => {
+                self.budgets.store == BudgetStoreKind::Redis || !self.guard.redis_urls.is_empty()
+            }
+        };
+        (shared && !urls.is_empty()).then(|| urls.clone())
+    }
+
     /// Load defaults → `path` (if given) → `GATEWAY__…` environment, then validate.
     pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
         let mut figment = Figment::from(Serialized::defaults(Config::default()));
@@ -110,6 +132,7 @@ impl Config {
     /// Check cross-field rules. Every error names its field.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.admin.validate()?;
+        self.guard.validate()?;
         if self.server.max_body_bytes == 0 {
             return Err(invalid("server.max_body_bytes", "must be greater than 0"));
         }
@@ -233,6 +256,20 @@ impl Config {
             if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
                 return Err(invalid(
                     "budgets.redis_urls",
+                    format!("{url:?} must start with redis:// or rediss://"),
+                ));
+            }
+        }
+        if self.guard.store == GuardStoreKind::Redis && self.guard_redis_urls().is_none() {
+            return Err(invalid(
+                "guard.redis_urls",
+                "needs a URL (or budgets.redis_urls) when guard.store = \"redis\"",
+            ));
+        }
+        for url in &self.guard.redis_urls {
+            if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+                return Err(invalid(
+                    "guard.redis_urls",
                     format!("{url:?} must start with redis:// or rediss://"),
                 ));
             }

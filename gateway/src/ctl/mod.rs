@@ -8,6 +8,7 @@
 
 mod budgets;
 mod cache;
+mod guard;
 mod keys;
 mod limits;
 mod prices;
@@ -31,6 +32,7 @@ use crate::routes::List;
 
 pub use budgets::BudgetCommand;
 pub use cache::CacheCommand;
+pub use guard::{GuardCommand, SessionCommand};
 pub use keys::KeyCommand;
 pub use limits::LimitCommand;
 pub use prices::PriceCommand;
@@ -112,6 +114,18 @@ pub enum Command {
         /// Cache command.
         #[command(subcommand)]
         command: CacheCommand,
+    },
+    /// A tenant's agent-loop policy: what a loop is and what happens to it.
+    Guard {
+        /// Guard command.
+        #[command(subcommand)]
+        command: GuardCommand,
+    },
+    /// The sessions the loop guard tracks: list them, show one, clear a throttled or blocked one.
+    Sessions {
+        /// Session command.
+        #[command(subcommand)]
+        command: SessionCommand,
     },
     /// A tenant's budgets in their current windows: spent, reserved, remaining, reset time.
     #[command(
@@ -308,6 +322,8 @@ pub async fn run(cli: Cli, out: &mut impl Write) -> anyhow::Result<()> {
         Command::Limits { command } => command.run(&admin).await?,
         Command::Usage { tenant } => usage::run(&admin, &tenant).await?,
         Command::Cache { command } => command.run(&admin).await?,
+        Command::Guard { command } => command.run(&admin).await?,
+        Command::Sessions { command } => command.run(&admin).await?,
         Command::Report { command, format } => {
             return command.run(&admin).await?.write(format, out);
         }

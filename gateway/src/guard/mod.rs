@@ -1,10 +1,319 @@
-//! The guard step: agent loops (and, next, client retries) found on the request path, before
-//! any cost. Today: the request's session and the loop signal inside one request, flagged (the
-//! `x-gateway-loop` header, the ledger's `loop_flag`, `gateway_guard_loops_total`); the
-//! cross-request window, per-tenant policies and the throttle and block actions follow.
+//! The guard step: agent loops found on the request path, before any cost.
+//!
+//! Shaped like [`crate::budget`]: a check before the cache ([`Guard::check`]), an observe at
+//! settle ([`Guard::observe`]), and a store trait ([`store::GuardStore`]) with an in-process
+//! ([`memory::MemoryGuard`]) and a Redis ([`redis::RedisGuard`]) implementation.
+//!
+//! Two signals, judged by the tenant's policy (`gatewayctl guard set`, else `[guard]`):
+//! - *inside one request* ([`signals::detect`]): the conversation itself ends in the same step
+//!   `repeats` times, or a 2-3 step cycle repeated; needs no state, so it works across replicas
+//!   and on the first request that carries the loop;
+//! - *across requests* of a session: its window of latest turns ends the same way (for clients
+//!   that send each call as a fresh conversation, or trim their history). A byte-identical
+//!   request after one that was not answered is a client retry, never a step.
+//!
+//! Texts compare exactly after masking times, ids and counters, and by their static-embedding
+//! sketches ([`near`]) for paraphrases. What happens then is the policy's action: `flag`
+//! (answer, and say so), `throttle` (429 and a cooldown for the session) or `block` (429 until
+//! `gatewayctl sessions clear`). [`decide`] is that choice, pure, with time passed in.
 
+pub mod decide;
+pub mod memory;
+pub mod near;
+pub mod redis;
 pub mod session;
 pub mod signals;
+pub mod store;
 
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use serde_json::Value;
+
+use crate::config::GuardConfig;
+use crate::metrics::Metrics;
+use crate::store::{Store, StoreError};
+use crate::tasks::Background;
+pub use crate::types::guard::{GuardPolicy, LoopAction};
+pub use decide::{Decision, Refusal};
 pub use session::Session;
 pub use signals::Loop;
+use store::{GuardError, GuardStore, Limits, SessionInfo, SessionKey, Turn};
+
+/// The guard: policies, the session store and the near-duplicate model.
+pub struct Guard {
+    config: GuardConfig,
+    store: Arc<dyn GuardStore>,
+    tenants: Arc<dyn Store>,
+    policies: ArcSwap<HashMap<String, GuardPolicy>>,
+    near: Option<Arc<near::NearDup>>,
+    clock: Arc<dyn crate::budget::Clock>,
+    metrics: Metrics,
+}
+
+impl std::fmt::Debug for Guard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Guard")
+            .field("enabled", &self.config.enabled)
+            .field("near", &self.near)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A request as the guard sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Check<'a> {
+    /// The tenant.
+    pub tenant_id: &'a str,
+    /// Its name (for messages: how an admin names it).
+    pub tenant_name: &'a str,
+    /// The request's session.
+    pub session: &'a str,
+    /// Its chat messages (`None`: not a chat request; only the session's state applies).
+    pub messages: Option<&'a [Value]>,
+    /// Hash of the whole request (its fingerprint): a byte-identical retry has the same.
+    pub request: u64,
+}
+
+impl Guard {
+    /// A guard over `store` (sessions) with policies from `tenants`.
+    pub async fn new(
+        config: GuardConfig,
+        store: Arc<dyn GuardStore>,
+        tenants: Arc<dyn Store>,
+        model_dir: Option<std::path::PathBuf>,
+        clock: Arc<dyn crate::budget::Clock>,
+        metrics: Metrics,
+    ) -> Result<Self, StoreError> {
+        let near = model_dir
+            .filter(|_| config.near_duplicates && config.enabled)
+            .map(|dir| Arc::new(near::NearDup::new(dir)));
+        let guard = Self {
+            config,
+            store,
+            tenants,
+            policies: ArcSwap::from_pointee(HashMap::new()),
+            near,
+            clock,
+            metrics,
+        };
+        guard.refresh().await?;
+        Ok(guard)
+    }
+
+    /// Use this near-duplicate model (tests, benchmarks).
+    pub fn with_near(mut self, near: Option<Arc<near::NearDup>>) -> Self {
+        self.near = near;
+        self
+    }
+
+    /// The session store.
+    pub fn store(&self) -> &Arc<dyn GuardStore> {
+        &self.store
+    }
+
+    /// Reload the policies every `every` until `background` stops.
+    pub fn start(self: &Arc<Self>, background: &Background, every: Duration) {
+        let guard = Arc::clone(self);
+        background.every("guard policies", every, move || {
+            let guard = Arc::clone(&guard);
+            async move { guard.refresh().await }
+        });
+    }
+
+    /// Reload every tenant's policy.
+    pub async fn refresh(&self) -> Result<(), StoreError> {
+        let all = crate::store::list_policies::<GuardPolicy>(self.tenants.as_ref()).await?;
+        self.policies.store(Arc::new(all.into_iter().collect()));
+        Ok(())
+    }
+
+    /// The policy in force for `tenant_id`, every field set.
+    pub fn policy(&self, tenant_id: &str) -> GuardPolicy {
+        self.config.effective(self.policies.load().get(tenant_id))
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            turns: self.config.window_requests,
+            ttl_ms: i64::try_from(self.config.session_ttl_secs.saturating_mul(1000))
+                .unwrap_or(i64::MAX),
+        }
+    }
+
+    /// The guard step: find a loop in the request and in its session's window, and decide
+    /// what to do by the tenant's policy. A store that fails leaves the in-request signal.
+    pub async fn check(&self, req: Check<'_>) -> Decision {
+        if !self.config.enabled {
+            return Decision::Allow;
+        }
+        let policy = self.policy(req.tenant_id);
+        let repeats = policy.repeats.unwrap_or(3) as usize;
+        let similarity = policy.similarity.unwrap_or(1.0) as f32;
+        let near = self.near.as_deref().filter(|_| similarity < 1.0);
+        if let Some(n) = &self.near {
+            n.warm();
+        }
+        let detect = signals::Detect {
+            repeats,
+            near: near.map(|n| (n, similarity)),
+        };
+        let in_request = req.messages.and_then(|m| signals::detect(m, detect));
+        let now = self.clock.now().timestamp_millis();
+        let key = SessionKey {
+            tenant_id: req.tenant_id.to_owned(),
+            session: req.session.to_owned(),
+        };
+        let turn = req
+            .messages
+            .and_then(signals::latest_turn)
+            .map(|step| Turn {
+                at_ms: now,
+                step: step.fingerprint,
+                request: req.request,
+                text: !step.is_tool(),
+                answered: false,
+                sketch: near.and_then(|n| n.sketch(&step.text())),
+            });
+        let turn = turn.unwrap_or(Turn {
+            at_ms: now,
+            step: req.request,
+            request: req.request,
+            text: false,
+            answered: false,
+            sketch: None,
+        });
+        let seen = match self.store.record(&key, &turn, self.limits()).await {
+            Ok(seen) => Some(seen),
+            Err(e) => {
+                tracing::warn!(error = %e, "guard store unavailable; the in-request signal alone applies");
+                None
+            }
+        };
+        let window_ms = i64::try_from(policy.window_secs.unwrap_or(600).saturating_mul(1000))
+            .unwrap_or(i64::MAX);
+        let across = seen
+            .as_ref()
+            .filter(|s| !s.retry && req.messages.is_some())
+            .and_then(|s| window_loop(&s.window, &turn, now - window_ms, repeats, similarity));
+        // The longer of the two: a conversation that shows the loop itself says most.
+        let found = match (in_request, across) {
+            (Some(a), Some(b)) => Some(if b.steps() > a.steps() { b } else { a }),
+            (a, b) => a.or(b),
+        };
+        let state = seen.map(|s| s.state).unwrap_or_default();
+        let (decision, mark) =
+            decide::decide(&policy, &state, found, req.tenant_name, req.session, now);
+        if let Some(mark) = mark {
+            if let Err(e) = self.store.mark(&key, &mark).await {
+                tracing::warn!(error = %e, "guard store: the decision could not be recorded");
+            }
+        }
+        let action = match &decision {
+            Decision::Allow => None,
+            Decision::Flag { .. } => Some("flag"),
+            Decision::Refuse(r) if r.blocked => Some("block"),
+            Decision::Refuse(_) => Some("throttle"),
+        };
+        if let Some(action) = action {
+            self.metrics.guard_loops.with_label_values(&[action]).inc();
+        }
+        decision
+    }
+
+    /// The observe at settle: the session's request settled (`ok`: answered 2xx) at
+    /// `cost_micros`, which marks its turn answered (a byte-identical request after it is a
+    /// step again, not a retry) and is the estimate for the next one refused.
+    pub async fn observe(
+        &self,
+        tenant_id: &str,
+        session: &str,
+        request: u64,
+        ok: bool,
+        cost_micros: i64,
+    ) {
+        if !self.config.enabled {
+            return;
+        }
+        let key = SessionKey {
+            tenant_id: tenant_id.to_owned(),
+            session: session.to_owned(),
+        };
+        if let Err(e) = self.store.settle(&key, request, ok, cost_micros).await {
+            tracing::debug!(error = %e, "guard store: settle not recorded");
+        }
+    }
+
+    /// A tenant's sessions, most recently seen first.
+    pub async fn sessions(
+        &self,
+        tenant_id: &str,
+        limit: usize,
+    ) -> Result<Vec<SessionInfo>, GuardError> {
+        self.store.list(tenant_id, limit).await
+    }
+
+    /// One session.
+    pub async fn session(
+        &self,
+        tenant_id: &str,
+        session: &str,
+    ) -> Result<Option<SessionInfo>, GuardError> {
+        self.store
+            .get(&SessionKey {
+                tenant_id: tenant_id.to_owned(),
+                session: session.to_owned(),
+            })
+            .await
+    }
+
+    /// Forget a session: its window, cooldown and block.
+    pub async fn clear(&self, tenant_id: &str, session: &str) -> Result<bool, GuardError> {
+        self.store
+            .clear(&SessionKey {
+                tenant_id: tenant_id.to_owned(),
+                session: session.to_owned(),
+            })
+            .await
+    }
+}
+
+/// The loop at the end of a session's window (`earlier` turns, then `latest`), counting only
+/// turns since `since_ms`.
+fn window_loop(
+    earlier: &[Turn],
+    latest: &Turn,
+    since_ms: i64,
+    repeats: usize,
+    similarity: f32,
+) -> Option<Loop> {
+    let mut turns: Vec<&Turn> = earlier.iter().filter(|t| t.at_ms >= since_ms).collect();
+    turns.push(latest);
+    let same = |a: usize, b: usize| {
+        let (x, y) = (turns[a], turns[b]);
+        if x.step == y.step {
+            return true;
+        }
+        match (&x.sketch, &y.sketch) {
+            (Some(p), Some(q)) if x.text && y.text => p.cosine(q) >= similarity,
+            _ => false,
+        }
+    };
+    let (repeats, period) = signals::repetition(turns.len(), same, repeats)?;
+    Some(Loop {
+        repeats,
+        period,
+        what: if latest.text {
+            "the same request (across requests)".to_owned()
+        } else {
+            "the same tool step (across requests)".to_owned()
+        },
+    })
+}
+
+/// Hash of a request fingerprint (its hex digits) for the stores.
+pub fn request_hash(fingerprint: &str) -> u64 {
+    u64::from_str_radix(fingerprint.get(..16).unwrap_or("0"), 16).unwrap_or(0)
+}

@@ -44,32 +44,139 @@ pub struct Loop {
     pub what: String,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Step {
-    fingerprint: u64,
-    what: String,
+impl Loop {
+    /// Steps the loop spans (its repeats times its period).
+    pub fn steps(&self) -> usize {
+        self.repeats * self.period
+    }
 }
 
-/// The loop at the end of `messages`, if any.
+/// How the detector judges repetition.
+#[derive(Clone, Copy)]
+pub struct Detect<'a> {
+    /// Identical steps in a row that make a loop (cycles: this many full cycles, at least 2).
+    pub repeats: usize,
+    /// Near-duplicate texts: their sketches and the cosine above which two texts are the same.
+    pub near: Option<(&'a super::near::NearDup, f32)>,
+}
+
+impl Default for Detect<'_> {
+    fn default() -> Self {
+        Self {
+            repeats: MIN_REPEATS,
+            near: None,
+        }
+    }
+}
+
+/// One step of a conversation: an assistant action and what came back after it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Step {
+    /// Hash of the whole step (action and outcome, normalised).
+    pub fingerprint: u64,
+    /// Hash of the outcome alone.
+    outcome: u64,
+    /// Hash of the action alone.
+    action: u64,
+    /// Hash of the outcome's shape: every number masked but those that measure progress
+    /// (`40%`, `3 failed`, `page 2`), so counters, PIDs and durations that tick do not hide a
+    /// repeat while a job that moves on still differs.
+    shape: u64,
+    /// Hash of the tool names called (0 for a text reply).
+    names: u64,
+    /// What the action is, for people.
+    pub what: String,
+    /// The action's text (a reply's masked words, or tool names and arguments), for
+    /// near-duplicate comparison; bounded.
+    action_text: String,
+    /// The outcome's masked text; bounded.
+    outcome_text: String,
+}
+
+impl Step {
+    /// Whether the action was a tool call.
+    pub fn is_tool(&self) -> bool {
+        self.names != 0
+    }
+
+    /// The text compared for near-duplicates.
+    pub fn text(&self) -> String {
+        format!("{}\n{}", self.action_text, self.outcome_text)
+    }
+}
+
+/// The loop at the end of `messages`, if any (exact repeats only, the default threshold).
 pub fn in_request(messages: &[Value]) -> Option<Loop> {
+    detect(messages, Detect::default())
+}
+
+/// The loop at the end of `messages`, judged by `d`.
+pub fn detect(messages: &[Value], d: Detect<'_>) -> Option<Loop> {
     let steps = steps(&messages[messages.len().saturating_sub(WINDOW)..]);
+    let sketches: Vec<std::cell::OnceCell<Option<super::near::Sketch>>> = (0..steps.len())
+        .map(|_| std::cell::OnceCell::new())
+        .collect();
+    let near = |a: usize, b: usize| -> bool {
+        let Some((model, threshold)) = d.near else {
+            return false;
+        };
+        let (x, y) = (&steps[a], &steps[b]);
+        // A tool call is the same step only with the same tools and the same outcome (a job
+        // polled to a new percentage, a file paged to new lines are progress); a text reply
+        // when both the reply and what answered it are close.
+        let comparable = if x.is_tool() || y.is_tool() {
+            x.names == y.names && x.outcome == y.outcome
+        } else {
+            true
+        };
+        if !comparable {
+            return false;
+        }
+        let sketch = |i: usize| {
+            sketches[i]
+                .get_or_init(|| model.sketch(&steps[i].text()))
+                .clone()
+        };
+        match (sketch(a), sketch(b)) {
+            (Some(p), Some(q)) => p.cosine(&q) >= threshold,
+            _ => false,
+        }
+    };
+    let same = |a: usize, b: usize| {
+        let (x, y) = (&steps[a], &steps[b]);
+        x.fingerprint == y.fingerprint || (x.action == y.action && x.shape == y.shape) || near(a, b)
+    };
+    let (repeats, period) = repetition(steps.len(), same, d.repeats)?;
     let n = steps.len();
-    let same = |a: usize, b: usize| steps[a].fingerprint == steps[b].fingerprint;
-    // The same step again and again.
+    let what: Vec<&str> = (n - period..n).map(|i| steps[i].what.as_str()).collect();
+    Some(Loop {
+        repeats,
+        period,
+        what: what.join(" / "),
+    })
+}
+
+/// The repetition at the end of a sequence of `n` items compared by `same`: the run of items
+/// like the last (when at least `repeats` long), else a cycle of two or three items repeated
+/// `repeats.min(MIN_CYCLES)`+ times. Returns (repeats, period).
+pub fn repetition(
+    n: usize,
+    same: impl Fn(usize, usize) -> bool,
+    repeats: usize,
+) -> Option<(usize, usize)> {
+    if n == 0 {
+        return None;
+    }
     let mut run = 1;
     while run < n && same(n - 1, n - 1 - run) {
         run += 1;
     }
-    if n > 0 && run >= MIN_REPEATS {
-        return Some(Loop {
-            repeats: run,
-            period: 1,
-            what: steps[n - 1].what.clone(),
-        });
+    if run >= repeats {
+        return Some((run, 1));
     }
-    // A cycle of two or three different steps.
+    let min_cycles = repeats.clamp(2, MIN_CYCLES.max(2));
     for period in 2..=3 {
-        if n < period * MIN_CYCLES {
+        if n < period * min_cycles {
             continue;
         }
         let unit = n - period..n;
@@ -80,86 +187,197 @@ pub fn in_request(messages: &[Value]) -> Option<Loop> {
         while (cycles + 1) * period <= n && unit.clone().all(|i| same(i, i - cycles * period)) {
             cycles += 1;
         }
-        if cycles >= MIN_CYCLES {
-            let what: Vec<&str> = unit.map(|i| steps[i].what.as_str()).collect();
-            return Some(Loop {
-                repeats: cycles,
-                period,
-                what: what.join(" / "),
-            });
+        if cycles >= min_cycles {
+            return Some((cycles, period));
         }
     }
     None
 }
 
+/// The latest turn of a request: its last step (the newest assistant action and what came
+/// back since), or, in a conversation with no assistant turn yet, the ask itself (every
+/// non-system message). `None` without messages.
+pub fn latest_turn(messages: &[Value]) -> Option<Step> {
+    let tail = &messages[messages.len().saturating_sub(WINDOW)..];
+    if tail
+        .iter()
+        .any(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
+    {
+        return steps(tail).pop();
+    }
+    let mut h = FixedState::default().build_hasher();
+    let mut shape = FixedState::default().build_hasher();
+    let mut text = Vec::new();
+    for m in tail {
+        let role = m.get("role").and_then(Value::as_str).unwrap_or("");
+        if role == "system" || role == "developer" {
+            continue;
+        }
+        role.hash(&mut h);
+        let t = text_of(m.get("content"));
+        normalised(&t, &mut h, &mut text, Some(&mut shape));
+    }
+    let fingerprint = h.finish();
+    (fingerprint != FixedState::default().build_hasher().finish()).then(|| Step {
+        fingerprint,
+        outcome: fingerprint,
+        action: 0,
+        shape: shape.finish(),
+        names: 0,
+        what: "the same request".to_owned(),
+        action_text: String::new(),
+        outcome_text: bounded_text(&text),
+    })
+}
+
+/// Longest text kept per step part for near-duplicate comparison, bytes.
+const TEXT_KEPT: usize = 1024;
+
+fn bounded_text(masked: &[u8]) -> String {
+    let s = String::from_utf8_lossy(&masked[..masked.len().min(TEXT_KEPT)]);
+    s.into_owned()
+}
+
 /// The steps of `messages`: each assistant turn and what came back after it.
 fn steps(messages: &[Value]) -> Vec<Step> {
+    struct Open {
+        h: FoldHasher<'static>,
+        outcome: FoldHasher<'static>,
+        action_hash: u64,
+        shape: FoldHasher<'static>,
+        names: u64,
+        what: String,
+        action: Vec<u8>,
+        result: Vec<u8>,
+    }
+    let close = |o: Open| Step {
+        fingerprint: o.h.finish(),
+        outcome: o.outcome.finish(),
+        action: o.action_hash,
+        shape: o.shape.finish(),
+        names: o.names,
+        what: o.what,
+        action_text: bounded_text(&o.action),
+        outcome_text: bounded_text(&o.result),
+    };
     let mut out: Vec<Step> = Vec::new();
-    let mut current: Option<(FoldHasher, String)> = None;
+    let mut current: Option<Open> = None;
     for m in messages {
         let role = m.get("role").and_then(Value::as_str).unwrap_or("");
         if role == "assistant" {
-            if let Some((h, what)) = current.take() {
-                out.push(Step {
-                    fingerprint: h.finish(),
-                    what,
-                });
+            if let Some(o) = current.take() {
+                out.push(close(o));
             }
             let mut h = FixedState::default().build_hasher();
-            let what = action(m, &mut h);
-            current = Some((h, what));
-        } else if let Some((h, _)) = current.as_mut() {
+            let mut action = Vec::new();
+            let (what, names) = action_of(m, &mut h, &mut action);
+            let action_hash = h.finish();
+            current = Some(Open {
+                h,
+                outcome: FixedState::default().build_hasher(),
+                action_hash,
+                shape: FixedState::default().build_hasher(),
+                names,
+                what,
+                action,
+                result: Vec::new(),
+            });
+        } else if let Some(o) = current.as_mut() {
             // What came back: tool results, or the user's (or a harness's) reply.
-            role.hash(h);
-            normalised(&text_of(m.get("content")), h);
+            role.hash(&mut o.h);
+            role.hash(&mut o.outcome);
+            let start = o.result.len();
+            normalised(
+                &text_of(m.get("content")),
+                &mut o.h,
+                &mut o.result,
+                Some(&mut o.shape),
+            );
+            o.outcome.write(&o.result[start..]);
         }
     }
-    if let Some((h, what)) = current {
-        out.push(Step {
-            fingerprint: h.finish(),
-            what,
-        });
+    if let Some(o) = current {
+        out.push(close(o));
     }
     out
 }
 
-/// Hash an assistant turn's action into `h`; returns what it is, for people.
-fn action(m: &Value, h: &mut FoldHasher) -> String {
+/// Hash an assistant turn's action into `h` and write its text to `text`; returns what it is
+/// (for people) and a hash of the tools it called (0: a text reply).
+fn action_of(m: &Value, h: &mut FoldHasher, text: &mut Vec<u8>) -> (String, u64) {
     let calls = m
         .get("tool_calls")
         .and_then(Value::as_array)
         .filter(|c| !c.is_empty());
+    let mut names_h = FixedState::default().build_hasher();
+    let mut call = |name: &str, args: &str, h: &mut FoldHasher, text: &mut Vec<u8>| {
+        name.hash(h);
+        name.hash(&mut names_h);
+        text.extend_from_slice(name.as_bytes());
+        text.push(b' ');
+        // Arguments are a JSON string, compared without the spacing between its tokens.
+        compact(args, h, text);
+        text.push(b'\n');
+    };
     if let Some(calls) = calls {
         let mut names = Vec::new();
         for c in calls {
             let f = c.get("function").unwrap_or(&Value::Null);
             let name = f.get("name").and_then(Value::as_str).unwrap_or("?");
-            name.hash(h);
-            // Arguments are a JSON string, compared without the spacing between its tokens.
-            compact(f.get("arguments").and_then(Value::as_str).unwrap_or(""), h);
+            call(
+                name,
+                f.get("arguments").and_then(Value::as_str).unwrap_or(""),
+                h,
+                text,
+            );
             names.push(format!("`{name}`"));
         }
-        return format!("tool call {}", names.join(", "));
+        return (
+            format!("tool call {}", names.join(", ")),
+            names_h.finish() | 1,
+        );
     }
     if let Some(f) = m.get("function_call") {
         let name = f.get("name").and_then(Value::as_str).unwrap_or("?");
-        name.hash(h);
-        compact(f.get("arguments").and_then(Value::as_str).unwrap_or(""), h);
-        return format!("function call `{name}`");
+        call(
+            name,
+            f.get("arguments").and_then(Value::as_str).unwrap_or(""),
+            h,
+            text,
+        );
+        return (format!("function call `{name}`"), names_h.finish() | 1);
     }
-    normalised(&text_of(m.get("content")), h);
-    "assistant reply".to_owned()
+    normalised(&text_of(m.get("content")), h, text, None);
+    ("assistant reply".to_owned(), 0)
 }
 
-/// Hash JSON text `json` into `h` without the whitespace outside its strings (a fraction of the
-/// cost of parsing it; the same agent writes its keys in the same order).
-fn compact(json: &str, h: &mut FoldHasher) {
-    let out: Vec<u8> = crate::openai::json_bytes(json.as_bytes())
-        .filter(|&(b, inside)| inside || !b.is_ascii_whitespace())
-        .map(|(b, _)| b)
-        .collect();
+/// Longest tool-call arguments parsed to put their keys in order; longer ones are compared as
+/// written, less the spacing between tokens.
+const CANONICAL_ARGS: usize = 64 * 1024;
+
+/// Hash tool-call arguments (JSON text) into `h`, and append them to `text`: parsed and written
+/// back with sorted keys and no spacing (the same call with its keys in another order is the
+/// same call), then masked like any text (a fresh idempotency key or request id does not make a
+/// new call; a moved offset does).
+fn compact(json: &str, h: &mut FoldHasher, text: &mut Vec<u8>) {
+    let canonical = (json.len() <= CANONICAL_ARGS)
+        .then(|| serde_json::from_str::<Value>(json).ok())
+        .flatten()
+        .map(|v| v.to_string());
+    let bytes: Vec<u8> = match canonical {
+        Some(c) => c.into_bytes(),
+        None => crate::openai::json_bytes(json.as_bytes())
+            .filter(|&(b, inside)| inside || !b.is_ascii_whitespace())
+            .map(|(b, _)| b)
+            .collect(),
+    };
+    let mut out = Vec::with_capacity(bytes.len());
+    mask(&String::from_utf8_lossy(&bytes), &mut out);
     h.write(&out);
     h.write_u8(0xff);
+    if text.len() < TEXT_KEPT {
+        text.extend_from_slice(&out[..out.len().min(TEXT_KEPT)]);
+    }
 }
 
 /// A message's text: the string, or its text parts joined.
@@ -179,8 +397,9 @@ fn text_of(content: Option<&Value>) -> Cow<'_, str> {
 }
 
 /// Hash `text` into `h` after masking what changes between identical steps (see the module
-/// docs); a long text is read at both ends only.
-fn normalised(text: &str, h: &mut FoldHasher) {
+/// docs), and append the masked text to `kept` (up to [`TEXT_KEPT`] bytes in all); a long text
+/// is read at both ends only.
+fn normalised(text: &str, h: &mut FoldHasher, kept: &mut Vec<u8>, shape: Option<&mut FoldHasher>) {
     let mut out = Vec::with_capacity(text.len().min(2 * EDGE + 4));
     if text.len() > 2 * EDGE {
         let head = floor(text, EDGE);
@@ -193,6 +412,128 @@ fn normalised(text: &str, h: &mut FoldHasher) {
     }
     h.write(&out);
     h.write_u8(0xff);
+    if let Some(shape) = shape {
+        shape_into(&out, shape);
+    }
+    if kept.len() < TEXT_KEPT {
+        let room = TEXT_KEPT - kept.len();
+        kept.extend_from_slice(&out[..out.len().min(room)]);
+        kept.push(b' ');
+    }
+}
+
+/// Words next to a number that make it a measure of progress (kept in the shape).
+const PROGRESS_AFTER: &[&[u8]] = &[
+    b"passed",
+    b"failed",
+    b"failures",
+    b"errors",
+    b"error",
+    b"warnings",
+    b"warning",
+    b"done",
+    b"complete",
+    b"completed",
+    b"remaining",
+    b"left",
+    b"processed",
+    b"rows",
+    b"items",
+    b"files",
+    b"tests",
+    b"records",
+    b"succeeded",
+    b"pending",
+    b"running",
+    b"ready",
+    b"of",
+    b"skipped",
+    b"found",
+    b"matches",
+    b"results",
+    b"percent",
+    b"bytes",
+    b"lines",
+];
+const PROGRESS_BEFORE: &[&[u8]] = &[
+    b"page",
+    b"step",
+    b"epoch",
+    b"iteration",
+    b"stage",
+    b"batch",
+    b"part",
+    b"offset",
+    b"cursor",
+    b"progress",
+    b"of",
+    b"position",
+    b"remaining",
+    b"percent",
+    b"completed",
+    b"done",
+];
+
+/// Hash the shape of masked text `out` into `h`: every run of digits is one `#`, except a
+/// number that measures progress (followed by `%` or a word of [`PROGRESS_AFTER`], or after a
+/// word of [`PROGRESS_BEFORE`]), which is kept.
+fn shape_into(out: &[u8], h: &mut FoldHasher) {
+    let word_at = |i: usize| -> &[u8] {
+        let mut j = i;
+        while j < out.len() && out[j].is_ascii_alphabetic() {
+            j += 1;
+        }
+        &out[i..j]
+    };
+    let mut shaped = Vec::with_capacity(out.len());
+    let mut i = 0;
+    while i < out.len() {
+        if !out[i].is_ascii_digit() {
+            shaped.push(out[i]);
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < out.len() && out[i].is_ascii_digit() {
+            i += 1;
+        }
+        let after = if out.get(i) == Some(&b' ') { i + 1 } else { i };
+        let next = word_at(after).to_ascii_lowercase();
+        let before = {
+            // The word before, across a key's punctuation: `page 2`, `"queue_position": 2`.
+            let mut e = start;
+            let mut skipped = 0;
+            while e > 0 && skipped < 3 && matches!(out[e - 1], b' ' | b'"' | b':' | b'=') {
+                e -= 1;
+                skipped += 1;
+            }
+            let mut b = e;
+            while b > 0 && out[b - 1].is_ascii_alphabetic() {
+                b -= 1;
+            }
+            out[b..e].to_ascii_lowercase()
+        };
+        let progress = out.get(i) == Some(&b'%')
+            || PROGRESS_AFTER.contains(&next.as_slice())
+            || PROGRESS_BEFORE.contains(&before.as_slice());
+        if progress {
+            shaped.extend_from_slice(&out[start..i]);
+        } else {
+            shaped.push(b'#');
+        }
+    }
+    h.write(&shaped);
+    h.write_u8(0xff);
+}
+
+/// Whether `b` starts with a uuid (8-4-4-4-12 hex digits).
+fn is_uuid(b: &[u8]) -> bool {
+    b.len() >= 36
+        && b[..36].iter().enumerate().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => *c == b'-',
+            _ => c.is_ascii_hexdigit(),
+        })
+        && b.get(36).is_none_or(|c| !c.is_ascii_alphanumeric())
 }
 
 fn floor(s: &str, mut i: usize) -> usize {
@@ -231,6 +572,11 @@ fn mask(text: &str, out: &mut Vec<u8>) {
             i += 1;
             continue;
         }
+        if is_uuid(&b[i..]) {
+            out.extend_from_slice(b"<id>");
+            i += 36;
+            continue;
+        }
         let start = i;
         while i < b.len() && b[i].is_ascii_alphanumeric() {
             i += 1;
@@ -252,8 +598,10 @@ fn mask(text: &str, out: &mut Vec<u8>) {
             } else {
                 out.extend_from_slice(word);
             }
-        } else if digits > 0 && word.len() >= 4 && word.iter().all(u8::is_ascii_hexdigit) {
-            // A hex run: a uuid's groups, a hash, a generated id.
+        } else if digits > 0
+            && (word.len() >= 8 || (word.len() >= 4 && word.iter().all(u8::is_ascii_hexdigit)))
+        {
+            // A hex run (a hash) or a long run of letters and digits: a generated id.
             out.extend_from_slice(b"<id>");
         } else if digits > 0 {
             // Letters and digits (`30Z`, `01T10`, `req42x`): the digits are masked.
@@ -347,13 +695,19 @@ mod tests {
             ),
         ];
         assert!(in_request(&session(&steps)).is_some());
-        // Spacing inside a string is part of the argument.
+        // Keys in another order are the same call; a different value is not.
         let steps = [
-            (raw(r#"{"pattern": "fn main"}"#), "no match"),
-            (raw(r#"{"pattern": "fn  main"}"#), "no match"),
-            (raw(r#"{"pattern": "fn   main"}"#), "no match"),
+            (raw(r#"{"pattern": "fn main", "path": "src/"}"#), "no match"),
+            (raw(r#"{"path": "src/", "pattern": "fn main"}"#), "no match"),
+            (raw(r#"{"pattern": "fn run", "path": "src/"}"#), "no match"),
         ];
         assert!(in_request(&session(&steps)).is_none());
+        let steps = [
+            (raw(r#"{"pattern": "fn main", "path": "src/"}"#), "no match"),
+            (raw(r#"{"path": "src/", "pattern": "fn main"}"#), "no match"),
+            (raw(r#"{"path":"src/","pattern":"fn main"}"#), "no match"),
+        ];
+        assert!(in_request(&session(&steps)).is_some());
     }
 
     #[test]

@@ -80,6 +80,12 @@ pub struct Aggregate {
     pub billed_prompt_tokens: i64,
     /// Completion tokens of billed useful rows.
     pub billed_completion_tokens: i64,
+    /// Requests the guard refused as part of a loop (throttled or blocked).
+    #[serde(default)]
+    pub loop_refused: i64,
+    /// What answering the refused loop requests would have cost (estimated).
+    #[serde(default)]
+    pub loop_avoided: i64,
 }
 
 impl Aggregate {
@@ -137,6 +143,8 @@ fn measures() -> Vec<(&'static str, String)> {
             "billed_completion_tokens",
             when(&billed, "completion_tokens"),
         ),
+        ("loop_refused", when("error_kind = 'loop_detected'", "1")),
+        ("loop_avoided", "avoided_micros".to_owned()),
     ]
 }
 
@@ -264,6 +272,8 @@ macro_rules! decode_aggregate {
                 billed_output_cost: r.try_get("billed_output_cost")?,
                 billed_prompt_tokens: r.try_get("billed_prompt_tokens")?,
                 billed_completion_tokens: r.try_get("billed_completion_tokens")?,
+                loop_refused: r.try_get("loop_refused")?,
+                loop_avoided: r.try_get("loop_avoided")?,
             },
         ))
     }};
@@ -645,6 +655,8 @@ fn add(a: Aggregate, b: &Aggregate) -> Aggregate {
         billed_output_cost: a.billed_output_cost + b.billed_output_cost,
         billed_prompt_tokens: a.billed_prompt_tokens + b.billed_prompt_tokens,
         billed_completion_tokens: a.billed_completion_tokens + b.billed_completion_tokens,
+        loop_refused: a.loop_refused + b.loop_refused,
+        loop_avoided: a.loop_avoided + b.loop_avoided,
     }
 }
 

@@ -103,7 +103,12 @@ pub async fn run(
     };
     let mut call = Call::new(state, ctx, req, event, target);
     // Guard: agent loops (and, next, client retries) are checked here, before any cost.
-    call.guard();
+    if let Err(e) = call.guard().await {
+        let Call {
+            state, ctx, event, ..
+        } = call;
+        return refuse(&state, &ctx, event, e).await;
+    }
     if let Some(hit) = call.cache_lookup().await {
         return hit;
     }
@@ -196,10 +201,11 @@ impl Call {
         }
     }
 
-    /// The guard step: the request's session (recorded as its `session` tag) and a loop the
-    /// conversation itself shows, flagged on the answer (`x-gateway-loop`), the ledger row
-    /// (`loop_flag`) and the metrics.
-    fn guard(&mut self) {
+    /// The guard step: the request's session (recorded as its `session` tag), and a loop the
+    /// conversation or the session's window shows, decided by the tenant's policy: flagged on
+    /// the answer (`x-gateway-loop`, the ledger's `loop_flag`), or refused (429
+    /// `loop_detected`).
+    async fn guard(&mut self) -> Result<(), ApiError> {
         let tagged = self.event.tags.get("session").cloned();
         let client = self.ctx.session.as_deref().or(tagged.as_deref());
         let session = crate::guard::session::of(client, &self.ctx.key.id, &self.req.body);
@@ -207,21 +213,50 @@ impl Call {
             .tags
             .entry("session".to_owned())
             .or_insert_with(|| session.id.clone());
-        if self.req.endpoint != Endpoint::Chat {
-            return;
-        }
-        let Some(serde_json::Value::Array(messages)) = self.req.body.get("messages") else {
-            return;
+        let messages = match (self.req.endpoint, self.req.body.get("messages")) {
+            (Endpoint::Chat, Some(serde_json::Value::Array(m))) => Some(m.as_slice()),
+            _ => None,
         };
-        let Some(found) = crate::guard::signals::in_request(messages) else {
-            return;
+        let check = crate::guard::Check {
+            tenant_id: &self.ctx.key.tenant_id,
+            tenant_name: &self.ctx.key.tenant_name,
+            session: &session.id,
+            messages,
+            request: crate::guard::request_hash(&self.event.fingerprint),
+        };
+        let decision = self.state.guard.check(check).await;
+        let (found, verb) = match decision {
+            crate::guard::Decision::Allow => return Ok(()),
+            crate::guard::Decision::Flag { found, throttled } => {
+                (found, if throttled { "throttled" } else { "flagged" })
+            }
+            crate::guard::Decision::Refuse(r) => {
+                self.event.loop_flag = true;
+                self.event.loop_steps = r.steps;
+                self.event.avoided_micros = if r.last_cost_micros > 0 {
+                    r.last_cost_micros
+                } else {
+                    self.estimated_cost().await
+                };
+                self.state
+                    .metrics
+                    .guard_loop_cost
+                    .with_label_values(&[self.ctx.key.tenant_name.as_str(), "avoided"])
+                    .inc_by(u64::try_from(self.event.avoided_micros).unwrap_or(0));
+                tracing::info!(
+                    request_id = %self.ctx.request_id,
+                    session = %session.id,
+                    blocked = r.blocked,
+                    "agent loop refused"
+                );
+                return Err(ApiError::LoopDetected {
+                    message: r.message,
+                    retry_after: r.retry_after_secs,
+                });
+            }
         };
         self.event.loop_flag = true;
-        self.state
-            .metrics
-            .guard_loops
-            .with_label_values(&["flag"])
-            .inc();
+        self.event.loop_steps = u32::try_from(found.steps()).unwrap_or(u32::MAX);
         tracing::info!(
             request_id = %self.ctx.request_id,
             session = %session.id,
@@ -231,14 +266,24 @@ impl Call {
             "agent loop flagged"
         );
         let value = format!(
-            "flagged; session={}; repeats={}; period={}",
+            "{verb}; session={}; repeats={}; period={}",
             session.id, found.repeats, found.period
         );
         let value = HeaderValue::from_str(&value).unwrap_or_else(|_| {
-            HeaderValue::from_str(&format!("flagged; repeats={}", found.repeats))
+            HeaderValue::from_str(&format!("{verb}; repeats={}", found.repeats))
                 .unwrap_or(HeaderValue::from_static("flagged"))
         });
         self.headers.push((crate::headers::LOOP, value));
+        Ok(())
+    }
+
+    /// What answering the request would cost by its prompt alone (the first tier's tokenizer
+    /// and dearest price): the estimate of what refusing it saves, when its session has no
+    /// answered request to go by.
+    async fn estimated_cost(&self) -> i64 {
+        let input = self.admit_input().await;
+        let micros = i128::from(input.price.input) * i128::from(input.prompt_tokens) / 1_000_000;
+        i64::try_from(micros).unwrap_or(i64::MAX)
     }
 
     /// The cache step: a hit is answered (and settled at cost 0) here.
@@ -379,6 +424,8 @@ fn new_event(ctx: &RequestContext, endpoint: Endpoint) -> UsageEvent {
         saved_micros: 0,
         loop_flag: false,
         retry_storm_flag: false,
+        loop_steps: 0,
+        avoided_micros: 0,
         fingerprint: String::new(),
     }
 }

@@ -58,7 +58,30 @@ pub fn settle(state: &AppState, mut event: UsageEvent, reservation: Option<Reser
             state.tasks.spawn(commit);
         }
     }
+    if let Some(session) = event.session() {
+        // The guard's observe: the turn answered (or not) and what it cost.
+        let (guard, tenant, session) = (
+            Arc::clone(&state.guard),
+            event.tenant_id.clone(),
+            session.to_owned(),
+        );
+        let (request, ok, cost) = (
+            crate::guard::request_hash(&event.fingerprint),
+            (200..300).contains(&event.status),
+            event.cost_micros,
+        );
+        let mut observe =
+            Box::pin(async move { guard.observe(&tenant, &session, request, ok, cost).await });
+        if futures_util::FutureExt::now_or_never(observe.as_mut()).is_none() {
+            state.tasks.spawn(observe);
+        }
+    }
     let m = &state.metrics;
+    if event.loop_flag {
+        m.guard_loop_cost
+            .with_label_values(&[event.tenant_name.as_str(), "burned"])
+            .inc_by(u64::try_from(event.cost_micros).unwrap_or(0));
+    }
     let tier = event.tier.as_deref().unwrap_or("none");
     let status = event.status.to_string();
     // Only names the configuration knows become label values: anything a client can type

@@ -17,7 +17,7 @@ use crate::error::ApiError;
 use crate::routes::{parse_json, read_body, List, ListObject};
 use crate::routes::{tenant, ADMIN_BODY_LIMIT};
 use crate::state::AppState;
-use crate::store::{NewBudget, Tenant};
+use crate::store::{NewBudget, PolicyKind, Tenant};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -394,7 +394,7 @@ pub async fn set_cache_policy(
         return Err(ApiError::invalid("ttl_secs", "must be at least 1"));
     }
     let t = tenant(&state, &id_or_name).await?;
-    state.store.set_cache_policy(&t.id, &policy).await?;
+    crate::store::set_policy(state.store.as_ref(), &t.id, &policy).await?;
     state.cache.refresh().await?;
     Ok(Json(cache_policy_view(&state, &t.id, Some(policy))))
 }
@@ -405,13 +405,7 @@ pub async fn get_cache_policy(
     Path(id_or_name): Path<String>,
 ) -> Result<Json<CachePolicyView>, ApiError> {
     let t = tenant(&state, &id_or_name).await?;
-    let own = state
-        .store
-        .list_cache_policies()
-        .await?
-        .into_iter()
-        .find(|(id, _)| *id == t.id)
-        .map(|(_, p)| p);
+    let own = crate::store::policy_of::<CachePolicy>(state.store.as_ref(), &t.id).await?;
     Ok(Json(cache_policy_view(&state, &t.id, own)))
 }
 
@@ -421,7 +415,7 @@ pub async fn delete_cache_policy(
     Path(id_or_name): Path<String>,
 ) -> Result<Json<CachePolicyView>, ApiError> {
     let t = tenant(&state, &id_or_name).await?;
-    if !state.store.delete_cache_policy(&t.id).await? {
+    if !state.store.delete_policy(PolicyKind::Cache, &t.id).await? {
         return Err(ApiError::NotFound(
             "this tenant has no cache policy of its own".into(),
         ));

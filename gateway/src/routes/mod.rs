@@ -4,6 +4,7 @@
 pub mod admin;
 pub mod budgets;
 pub mod dashboard;
+pub mod guard;
 pub mod health;
 pub mod openai;
 

@@ -36,6 +36,11 @@ const SQLITE: Embedded = &[
         "key client tags",
         include_str!("../../../migrations/sqlite/0005_key_client_tags.sql"),
     ),
+    (
+        6,
+        "guard policies and ledger",
+        include_str!("../../../migrations/sqlite/0006_guard.sql"),
+    ),
 ];
 
 const POSTGRES: Embedded = &[
@@ -63,6 +68,11 @@ const POSTGRES: Embedded = &[
         5,
         "key client tags",
         include_str!("../../../migrations/postgres/0005_key_client_tags.sql"),
+    ),
+    (
+        6,
+        "guard policies and ledger",
+        include_str!("../../../migrations/postgres/0006_guard.sql"),
     ),
 ];
 

@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::types::budget::{Action, BudgetPolicy, FailMode, Limit, RateLimit, Scope, Window};
 use crate::types::cache::CachePolicy;
+use crate::types::guard::GuardPolicy;
 use crate::types::price::Price;
 
 pub use migrations::{postgres_migrator, sqlite_migrator};
@@ -152,16 +153,79 @@ pub trait Store: Send + Sync + 'static {
     async fn set_fail_mode(&self, tenant_id: &str, mode: FailMode) -> Result<(), StoreError>;
     /// Every tenant's explicit fail mode.
     async fn list_fail_modes(&self) -> Result<Vec<(String, FailMode)>, StoreError>;
-    /// Set a tenant's response-cache policy (replacing any previous one).
-    async fn set_cache_policy(
+    /// Set a tenant's policy of `kind` (JSON), replacing any previous one.
+    async fn set_policy(
         &self,
+        kind: PolicyKind,
         tenant_id: &str,
-        policy: &CachePolicy,
+        json: &str,
     ) -> Result<(), StoreError>;
-    /// Every tenant's own cache policy.
-    async fn list_cache_policies(&self) -> Result<Vec<(String, CachePolicy)>, StoreError>;
-    /// Drop a tenant's cache policy (back to the config's defaults); `false` when it had none.
-    async fn delete_cache_policy(&self, tenant_id: &str) -> Result<bool, StoreError>;
+    /// Every tenant's own policy of `kind`, as (tenant id, JSON).
+    async fn list_policies(&self, kind: PolicyKind) -> Result<Vec<(String, String)>, StoreError>;
+    /// Drop a tenant's policy of `kind` (back to the config's defaults); `false`: it had none.
+    async fn delete_policy(&self, kind: PolicyKind, tenant_id: &str) -> Result<bool, StoreError>;
+}
+
+/// The kinds of per-tenant policy stored as JSON, one table each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PolicyKind {
+    /// The response cache ([`CachePolicy`]).
+    Cache,
+    /// The guard ([`GuardPolicy`]).
+    Guard,
+}
+
+/// A per-tenant policy stored as JSON.
+pub trait TenantPolicy: Serialize + serde::de::DeserializeOwned {
+    /// Its table.
+    const KIND: PolicyKind;
+}
+
+impl TenantPolicy for CachePolicy {
+    const KIND: PolicyKind = PolicyKind::Cache;
+}
+
+impl TenantPolicy for GuardPolicy {
+    const KIND: PolicyKind = PolicyKind::Guard;
+}
+
+/// Set `tenant_id`'s policy of type `P`.
+pub async fn set_policy<P: TenantPolicy>(
+    store: &dyn Store,
+    tenant_id: &str,
+    policy: &P,
+) -> Result<(), StoreError> {
+    let json = serde_json::to_string(policy).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+    store.set_policy(P::KIND, tenant_id, &json).await
+}
+
+/// Every tenant's own policy of type `P`.
+pub async fn list_policies<P: TenantPolicy>(
+    store: &dyn Store,
+) -> Result<Vec<(String, P)>, StoreError> {
+    store
+        .list_policies(P::KIND)
+        .await?
+        .into_iter()
+        .map(|(tenant, json)| {
+            let p = serde_json::from_str(&json).map_err(|e| {
+                StoreError::Corrupt(format!("{:?} policy of {tenant}: {e}", P::KIND))
+            })?;
+            Ok((tenant, p))
+        })
+        .collect()
+}
+
+/// `tenant_id`'s own policy of type `P`, if it has one.
+pub async fn policy_of<P: TenantPolicy>(
+    store: &dyn Store,
+    tenant_id: &str,
+) -> Result<Option<P>, StoreError> {
+    Ok(list_policies::<P>(store)
+        .await?
+        .into_iter()
+        .find(|(id, _)| id == tenant_id)
+        .map(|(_, p)| p))
 }
 
 /// What is needed to create or replace a budget policy.

@@ -80,12 +80,33 @@ pub(super) const DELETE_RATE_LIMIT: &str =
 pub(super) const SET_FAIL_MODE: &str = "INSERT INTO tenant_budget_settings (tenant_id, fail_mode) \
      VALUES ($1, $2) ON CONFLICT (tenant_id) DO UPDATE SET fail_mode = excluded.fail_mode";
 pub(super) const LIST_FAIL_MODES: &str = "SELECT tenant_id, fail_mode FROM tenant_budget_settings";
-pub(super) const SET_CACHE_POLICY: &str = "INSERT INTO tenant_cache_policies (tenant_id, policy) \
-     VALUES ($1, $2) ON CONFLICT (tenant_id) DO UPDATE SET policy = excluded.policy";
-pub(super) const LIST_CACHE_POLICIES: &str =
-    "SELECT tenant_id, policy FROM tenant_cache_policies ORDER BY tenant_id";
-pub(super) const DELETE_CACHE_POLICY: &str =
-    "DELETE FROM tenant_cache_policies WHERE tenant_id = $1";
+/// `(set, list, delete)` for the table of one kind of tenant policy.
+macro_rules! policy_sql {
+    ($table:literal) => {
+        (
+            concat!(
+                "INSERT INTO ",
+                $table,
+                " (tenant_id, policy) VALUES ($1, $2) ",
+                "ON CONFLICT (tenant_id) DO UPDATE SET policy = excluded.policy"
+            ),
+            concat!(
+                "SELECT tenant_id, policy FROM ",
+                $table,
+                " ORDER BY tenant_id"
+            ),
+            concat!("DELETE FROM ", $table, " WHERE tenant_id = $1"),
+        )
+    };
+}
+
+/// The statements of `kind`'s table.
+pub(super) fn policy_sql(kind: super::PolicyKind) -> (&'static str, &'static str, &'static str) {
+    match kind {
+        super::PolicyKind::Cache => policy_sql!("tenant_cache_policies"),
+        super::PolicyKind::Guard => policy_sql!("tenant_guard_policies"),
+    }
+}
 
 macro_rules! sql_store {
     ($store:ident, $row:ty) => {
@@ -96,11 +117,12 @@ macro_rules! sql_store {
             use sqlx::Row;
 
             use super::super::sql::*;
-            use super::super::{new_id, now, ApiKey, NewBudget, NewKey, Store, StoreError, Tenant};
+            use super::super::{
+                new_id, now, ApiKey, NewBudget, NewKey, PolicyKind, Store, StoreError, Tenant,
+            };
             use crate::types::budget::{
                 Action, BudgetPolicy, FailMode, Limit, RateLimit, Scope, Window,
             };
-            use crate::types::cache::CachePolicy;
             use crate::types::price::Price;
 
             fn tenant(row: &$row) -> Result<Tenant, StoreError> {
@@ -491,14 +513,13 @@ macro_rules! sql_store {
                         .collect()
                 }
 
-                async fn set_cache_policy(
+                async fn set_policy(
                     &self,
+                    kind: PolicyKind,
                     tenant_id: &str,
-                    policy: &CachePolicy,
+                    json: &str,
                 ) -> Result<(), StoreError> {
-                    let json = serde_json::to_string(policy)
-                        .map_err(|e| StoreError::Corrupt(e.to_string()))?;
-                    sqlx::query(SET_CACHE_POLICY)
+                    sqlx::query(policy_sql(kind).0)
                         .bind(tenant_id)
                         .bind(json)
                         .execute(&self.pool)
@@ -506,27 +527,24 @@ macro_rules! sql_store {
                     Ok(())
                 }
 
-                async fn list_cache_policies(
+                async fn list_policies(
                     &self,
-                ) -> Result<Vec<(String, CachePolicy)>, StoreError> {
-                    let rows = sqlx::query(LIST_CACHE_POLICIES)
+                    kind: PolicyKind,
+                ) -> Result<Vec<(String, String)>, StoreError> {
+                    let rows = sqlx::query(policy_sql(kind).1)
                         .fetch_all(&self.pool)
                         .await?;
                     rows.iter()
-                        .map(|r| {
-                            let json: String = r.try_get("policy")?;
-                            Ok((
-                                r.try_get("tenant_id")?,
-                                serde_json::from_str(&json).map_err(|_| {
-                                    StoreError::Corrupt("tenant_cache_policies.policy".into())
-                                })?,
-                            ))
-                        })
+                        .map(|r| Ok((r.try_get("tenant_id")?, r.try_get("policy")?)))
                         .collect()
                 }
 
-                async fn delete_cache_policy(&self, tenant_id: &str) -> Result<bool, StoreError> {
-                    let n = sqlx::query(DELETE_CACHE_POLICY)
+                async fn delete_policy(
+                    &self,
+                    kind: PolicyKind,
+                    tenant_id: &str,
+                ) -> Result<bool, StoreError> {
+                    let n = sqlx::query(policy_sql(kind).2)
                         .bind(tenant_id)
                         .execute(&self.pool)
                         .await?

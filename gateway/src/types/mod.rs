@@ -1,10 +1,11 @@
 //! Plain data shared by the configuration, the stores and the request path: tiers and routing
-//! targets, budget and cache policies, prices, token usage. A leaf: it imports nothing else from
+//! targets, budget, cache and guard policies, prices, token usage. A leaf: it imports nothing else from
 //! the gateway, so [`crate::config`] and [`crate::store`] can use these types without depending
 //! on the components that act on them.
 
 pub mod budget;
 pub mod cache;
+pub mod guard;
 pub mod price;
 pub mod tier;
 pub mod usage;

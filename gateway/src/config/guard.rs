@@ -1,0 +1,120 @@
+//! `[guard]`: agent-loop detection. A tenant without its own policy (`gatewayctl guard set`)
+//! gets these defaults.
+
+use serde::{Deserialize, Serialize};
+
+use crate::types::guard::{GuardPolicy, LoopAction};
+
+/// Where session windows live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GuardStoreKind {
+    /// Redis when the budgets use Redis (`budgets.redis_urls`), else this process.
+    Auto,
+    /// In this process (each replica sees its own sessions).
+    Memory,
+    /// Redis (`guard.redis_urls`, or `budgets.redis_urls`): every replica sees one window.
+    Redis,
+}
+
+/// Agent-loop detection settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GuardConfig {
+    /// Look for loops at all (`false`: sessions are still recorded as the `session` tag).
+    pub enabled: bool,
+    /// Default action: `flag`, `throttle` or `block`.
+    pub action: LoopAction,
+    /// Default repeats that make a loop (a step k times, or a 2-3 step cycle k times; at least 2).
+    pub repeats: u32,
+    /// Default session window across requests, seconds.
+    pub window_secs: u64,
+    /// Turns kept per session (the window's length in requests).
+    pub window_requests: usize,
+    /// Default cosine similarity for near-duplicate texts (1: exact repeats only).
+    pub similarity: f64,
+    /// Default cooldown of a throttled session, seconds.
+    pub cooldown_secs: u64,
+    /// `auto`, `memory` or `redis`.
+    pub store: GuardStoreKind,
+    /// Redis URLs for the session windows; empty: `budgets.redis_urls`.
+    pub redis_urls: Vec<String>,
+    /// Longest wait for Redis before the request goes on unguarded, ms.
+    pub store_timeout_ms: u64,
+    /// Sessions this replica keeps in memory (least recently seen dropped first).
+    pub max_sessions: u64,
+    /// A session not seen for this long is forgotten (a blocked one stays until cleared), s.
+    pub session_ttl_secs: u64,
+    /// Compare texts by their static embeddings (the cache's model directory,
+    /// `cache.semantic.model_dir`), so a paraphrased re-ask is a repeat too. Loaded in the
+    /// background on the first request; about 50 MB.
+    pub near_duplicates: bool,
+}
+
+impl Default for GuardConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            action: LoopAction::Flag,
+            repeats: 3,
+            window_secs: 600,
+            window_requests: 8,
+            similarity: 0.93,
+            cooldown_secs: 60,
+            store: GuardStoreKind::Auto,
+            redis_urls: Vec::new(),
+            store_timeout_ms: 100,
+            max_sessions: 100_000,
+            session_ttl_secs: 3600,
+            near_duplicates: true,
+        }
+    }
+}
+
+impl GuardConfig {
+    /// The defaults as a policy with every field set.
+    pub fn defaults(&self) -> GuardPolicy {
+        GuardPolicy {
+            action: Some(self.action),
+            repeats: Some(self.repeats),
+            window_secs: Some(self.window_secs),
+            similarity: Some(self.similarity),
+            cooldown_secs: Some(self.cooldown_secs),
+        }
+    }
+
+    /// `policy` over these defaults, every field set.
+    pub fn effective(&self, policy: Option<&GuardPolicy>) -> GuardPolicy {
+        let d = self.defaults();
+        let Some(p) = policy else { return d };
+        GuardPolicy {
+            action: p.action.or(d.action),
+            repeats: p.repeats.or(d.repeats),
+            window_secs: p.window_secs.or(d.window_secs),
+            similarity: p.similarity.or(d.similarity),
+            cooldown_secs: p.cooldown_secs.or(d.cooldown_secs),
+        }
+    }
+
+    pub(super) fn validate(&self) -> Result<(), super::ConfigError> {
+        if let Err((field, message)) = self.defaults().check() {
+            return Err(super::invalid(format!("guard.{field}"), message));
+        }
+        if !(2..=64).contains(&self.window_requests) {
+            return Err(super::invalid(
+                "guard.window_requests",
+                "must be between 2 and 64",
+            ));
+        }
+        for (field, v) in [
+            ("guard.store_timeout_ms", self.store_timeout_ms),
+            ("guard.max_sessions", self.max_sessions),
+            ("guard.session_ttl_secs", self.session_ttl_secs),
+        ] {
+            if v == 0 {
+                return Err(super::invalid(field, "must be greater than 0"));
+            }
+        }
+        Ok(())
+    }
+}

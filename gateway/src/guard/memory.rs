@@ -1,0 +1,210 @@
+//! The in-process [`GuardStore`]: one replica's sessions, bounded. At most `max_sessions` are
+//! kept (the least recently seen go first) and each forgets itself `session_ttl_secs` after its
+//! latest request; a blocked session is kept apart, outside both bounds, until it is cleared.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use moka::sync::Cache;
+
+use super::store::{
+    GuardError, GuardStore, Limits, Mark, Seen, SessionInfo, SessionKey, SessionState, Turn,
+};
+
+#[derive(Debug, Default)]
+struct Session {
+    state: SessionState,
+    window: VecDeque<Turn>,
+}
+
+type Shared = Arc<Mutex<Session>>;
+
+/// Sessions in this process.
+pub struct MemoryGuard {
+    sessions: Cache<SessionKey, Shared>,
+    blocked: Mutex<HashMap<SessionKey, Shared>>,
+}
+
+impl std::fmt::Debug for MemoryGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryGuard")
+            .field("sessions", &self.sessions.entry_count())
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemoryGuard {
+    /// Keep at most `max_sessions`, each for `ttl` after its latest request.
+    pub fn new(max_sessions: u64, ttl: Duration) -> Self {
+        Self {
+            sessions: Cache::builder()
+                .max_capacity(max_sessions)
+                .time_to_idle(ttl)
+                .build(),
+            blocked: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Sessions held (blocked ones included); pending evictions are run first.
+    pub fn len(&self) -> u64 {
+        self.sessions.run_pending_tasks();
+        self.sessions.entry_count() + self.blocked_len() as u64
+    }
+
+    /// Whether no session is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn blocked_len(&self) -> usize {
+        self.blocked.lock().map(|b| b.len()).unwrap_or(0)
+    }
+
+    fn find(&self, key: &SessionKey) -> Option<Shared> {
+        if let Some(s) = self.blocked.lock().ok().and_then(|b| b.get(key).cloned()) {
+            return Some(s);
+        }
+        self.sessions.get(key)
+    }
+}
+
+fn info(key: &SessionKey, s: &Session) -> SessionInfo {
+    SessionInfo {
+        tenant_id: key.tenant_id.clone(),
+        session: key.session.clone(),
+        state: s.state.clone(),
+        turns: s.window.len(),
+    }
+}
+
+fn poisoned() -> GuardError {
+    GuardError::Protocol("a session lock was poisoned".into())
+}
+
+#[async_trait]
+impl GuardStore for MemoryGuard {
+    async fn record(
+        &self,
+        key: &SessionKey,
+        turn: &Turn,
+        limits: Limits,
+    ) -> Result<Seen, GuardError> {
+        let shared = match self.find(key) {
+            Some(s) => s,
+            None => self
+                .sessions
+                .get_with(key.clone(), || Arc::new(Mutex::new(Session::default()))),
+        };
+        let mut s = shared.lock().map_err(|_| poisoned())?;
+        let seen = Seen {
+            state: s.state.clone(),
+            window: s.window.iter().cloned().collect(),
+            retry: s
+                .window
+                .back()
+                .is_some_and(|t| t.request == turn.request && !t.answered),
+        };
+        if s.state.first_seen_ms == 0 {
+            s.state.first_seen_ms = turn.at_ms;
+        }
+        s.state.last_seen_ms = turn.at_ms;
+        s.state.requests += 1;
+        if !seen.retry {
+            s.window.push_back(turn.clone());
+            while s.window.len() > limits.turns {
+                s.window.pop_front();
+            }
+        }
+        Ok(seen)
+    }
+
+    async fn mark(&self, key: &SessionKey, mark: &Mark) -> Result<(), GuardError> {
+        let Some(shared) = self.find(key) else {
+            return Ok(());
+        };
+        let mut s = shared.lock().map_err(|_| poisoned())?;
+        let st = &mut s.state;
+        if mark.flagged {
+            st.flagged += 1;
+        }
+        if let Some(avoided) = mark.refused {
+            st.refused += 1;
+            st.avoided_micros += avoided;
+        }
+        if let Some(until) = mark.cooldown_until_ms {
+            st.cooldown_until_ms = until;
+        }
+        if let Some(found) = &mark.found {
+            st.last_loop = Some(found.clone());
+        }
+        if let Some(at) = mark.blocked_at_ms {
+            st.blocked_at_ms = at;
+            drop(s);
+            self.blocked
+                .lock()
+                .map_err(|_| poisoned())?
+                .insert(key.clone(), Arc::clone(&shared));
+        }
+        Ok(())
+    }
+
+    async fn settle(
+        &self,
+        key: &SessionKey,
+        request: u64,
+        ok: bool,
+        cost_micros: i64,
+    ) -> Result<(), GuardError> {
+        let Some(shared) = self.find(key) else {
+            return Ok(());
+        };
+        let mut s = shared.lock().map_err(|_| poisoned())?;
+        if ok {
+            if let Some(t) = s.window.iter_mut().rev().find(|t| t.request == request) {
+                t.answered = true;
+            }
+            s.state.last_cost_micros = cost_micros;
+        }
+        s.state.cost_micros += cost_micros;
+        Ok(())
+    }
+
+    async fn list(&self, tenant_id: &str, limit: usize) -> Result<Vec<SessionInfo>, GuardError> {
+        let mut all: HashMap<SessionKey, SessionInfo> = HashMap::new();
+        for (key, shared) in self.sessions.iter() {
+            if key.tenant_id == tenant_id {
+                let s = shared.lock().map_err(|_| poisoned())?;
+                all.insert((*key).clone(), info(&key, &s));
+            }
+        }
+        for (key, shared) in self.blocked.lock().map_err(|_| poisoned())?.iter() {
+            if key.tenant_id == tenant_id {
+                let s = shared.lock().map_err(|_| poisoned())?;
+                all.insert(key.clone(), info(key, &s));
+            }
+        }
+        let out: Vec<SessionInfo> = all.into_values().collect();
+        Ok(super::store::most_recent(out, limit))
+    }
+
+    async fn get(&self, key: &SessionKey) -> Result<Option<SessionInfo>, GuardError> {
+        let Some(shared) = self.find(key) else {
+            return Ok(None);
+        };
+        let s = shared.lock().map_err(|_| poisoned())?;
+        Ok(Some(info(key, &s)))
+    }
+
+    async fn clear(&self, key: &SessionKey) -> Result<bool, GuardError> {
+        let blocked = self
+            .blocked
+            .lock()
+            .map_err(|_| poisoned())?
+            .remove(key)
+            .is_some();
+        let held = self.sessions.remove(key).is_some();
+        Ok(blocked || held)
+    }
+}

@@ -1,0 +1,296 @@
+//! The Redis [`GuardStore`], shared by every replica: one session window whichever replica a
+//! request reaches. Each call is one Lua script (one round trip, atomic); every key carries the
+//! tenant's `{hash tag}` and is passed in `KEYS`, so the scripts run unchanged on Redis Cluster.
+//!
+//! Keys, for tenant `t` and session `s`: `{g:t}:s:s` (a hash: counters, cooldown, block, the
+//! latest loop), `{g:t}:w:s` (a list of encoded [`Turn`]s), `{g:t}:i` (a sorted set of the
+//! tenant's sessions by latest request, for listing) and `{g:t}:b` (its blocked sessions).
+//! Everything but a blocked session expires `session_ttl_secs` after its latest request.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::{Script, ScriptInvocation, Value};
+
+use super::store::{
+    GuardError, GuardStore, Limits, LoopNote, Mark, Seen, SessionInfo, SessionKey, SessionState,
+    Turn, FLAGS_AT,
+};
+use crate::redis_conn::RedisConn;
+
+/// Session windows in Redis (a single node, or a cluster when several URLs are given).
+pub struct RedisGuard {
+    redis: RedisConn,
+    record: Script,
+    mark: Script,
+    settle: Script,
+}
+
+impl std::fmt::Debug for RedisGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisGuard")
+            .field("redis", &self.redis)
+            .finish_non_exhaustive()
+    }
+}
+
+fn tag(tenant_id: &str) -> String {
+    format!("{{g:{tenant_id}}}")
+}
+
+fn state_key(k: &SessionKey) -> String {
+    format!("{}:s:{}", tag(&k.tenant_id), k.session)
+}
+
+fn window_key(k: &SessionKey) -> String {
+    format!("{}:w:{}", tag(&k.tenant_id), k.session)
+}
+
+fn index_key(tenant_id: &str) -> String {
+    format!("{}:i", tag(tenant_id))
+}
+
+fn blocked_key(tenant_id: &str) -> String {
+    format!("{}:b", tag(tenant_id))
+}
+
+impl RedisGuard {
+    /// A store for `urls` (one URL: a single node; several: cluster seed nodes). Connects
+    /// lazily; every call is bounded by `timeout`.
+    pub fn new(urls: Vec<String>, timeout: Duration) -> Result<Self, GuardError> {
+        Ok(Self {
+            redis: RedisConn::new(urls, timeout)?,
+            record: Script::new(include_str!("lua/record.lua")),
+            mark: Script::new(include_str!("lua/mark.lua")),
+            settle: Script::new(include_str!("lua/settle.lua")),
+        })
+    }
+
+    async fn invoke(&self, inv: ScriptInvocation<'_>) -> Result<Value, GuardError> {
+        let call = async {
+            let mut conn = self.redis.get().await?;
+            let v: Value = inv.invoke_async(&mut conn).await?;
+            Ok::<_, GuardError>(v)
+        };
+        tokio::time::timeout(self.redis.timeout(), call)
+            .await
+            .map_err(|_| GuardError::Timeout)?
+    }
+
+    async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T, GuardError> {
+        let call = async {
+            let mut conn = self.redis.get().await?;
+            let v: T = cmd.query_async(&mut conn).await?;
+            Ok::<_, GuardError>(v)
+        };
+        tokio::time::timeout(self.redis.timeout(), call)
+            .await
+            .map_err(|_| GuardError::Timeout)?
+    }
+
+    async fn read(&self, key: &SessionKey) -> Result<Option<SessionInfo>, GuardError> {
+        let fields: HashMap<String, Vec<u8>> = self
+            .query(redis::cmd("HGETALL").arg(state_key(key)))
+            .await?;
+        if fields.is_empty() {
+            return Ok(None);
+        }
+        let turns: usize = self.query(redis::cmd("LLEN").arg(window_key(key))).await?;
+        Ok(Some(SessionInfo {
+            tenant_id: key.tenant_id.clone(),
+            session: key.session.clone(),
+            state: state_of(&fields)?,
+            turns,
+        }))
+    }
+}
+
+fn bytes(v: Value) -> Result<Vec<u8>, GuardError> {
+    match v {
+        Value::BulkString(b) => Ok(b),
+        Value::SimpleString(s) => Ok(s.into_bytes()),
+        Value::Int(n) => Ok(n.to_string().into_bytes()),
+        other => Err(GuardError::Protocol(format!(
+            "expected a string, got {other:?}"
+        ))),
+    }
+}
+
+fn array(v: Value) -> Result<Vec<Value>, GuardError> {
+    match v {
+        Value::Array(items) => Ok(items),
+        Value::Nil => Ok(Vec::new()),
+        other => Err(GuardError::Protocol(format!(
+            "expected an array, got {other:?}"
+        ))),
+    }
+}
+
+fn state_of(fields: &HashMap<String, Vec<u8>>) -> Result<SessionState, GuardError> {
+    let num = |name: &str| -> i64 {
+        fields
+            .get(name)
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0)
+    };
+    let count = |name: &str| u64::try_from(num(name)).unwrap_or(0);
+    let last_loop = match fields.get("lp") {
+        Some(json) => Some(
+            serde_json::from_slice::<LoopNote>(json)
+                .map_err(|e| GuardError::Protocol(format!("session loop note: {e}")))?,
+        ),
+        None => None,
+    };
+    Ok(SessionState {
+        first_seen_ms: num("f"),
+        last_seen_ms: num("l"),
+        requests: count("n"),
+        flagged: count("fl"),
+        refused: count("rf"),
+        cost_micros: num("c"),
+        last_cost_micros: num("lc"),
+        avoided_micros: num("av"),
+        cooldown_until_ms: num("cd"),
+        blocked_at_ms: num("bk"),
+        last_loop,
+    })
+}
+
+fn opt(v: Option<i64>) -> String {
+    v.map(|n| n.to_string()).unwrap_or_default()
+}
+
+#[async_trait]
+impl GuardStore for RedisGuard {
+    async fn record(
+        &self,
+        key: &SessionKey,
+        turn: &Turn,
+        limits: Limits,
+    ) -> Result<Seen, GuardError> {
+        let mut inv = self.record.prepare_invoke();
+        inv.key(state_key(key))
+            .key(window_key(key))
+            .key(index_key(&key.tenant_id))
+            .arg(turn.at_ms)
+            .arg(turn.encode())
+            .arg(&Turn::request_bytes(turn.request)[..])
+            .arg(limits.turns)
+            .arg(limits.ttl_ms)
+            .arg(&key.session)
+            .arg(FLAGS_AT);
+        let mut parts = array(self.invoke(inv).await?)?.into_iter();
+        let (Some(flat), Some(window), Some(retry)) = (parts.next(), parts.next(), parts.next())
+        else {
+            return Err(GuardError::Protocol("record: expected three parts".into()));
+        };
+        let mut fields = HashMap::new();
+        let mut flat = array(flat)?.into_iter();
+        while let (Some(k), Some(v)) = (flat.next(), flat.next()) {
+            fields.insert(String::from_utf8_lossy(&bytes(k)?).into_owned(), bytes(v)?);
+        }
+        let window = array(window)?
+            .into_iter()
+            .filter_map(|t| bytes(t).ok().and_then(|b| Turn::decode(&b)))
+            .collect();
+        Ok(Seen {
+            state: state_of(&fields)?,
+            window,
+            retry: matches!(retry, Value::Int(1)),
+        })
+    }
+
+    async fn mark(&self, key: &SessionKey, mark: &Mark) -> Result<(), GuardError> {
+        let found = match &mark.found {
+            Some(f) => serde_json::to_string(f).map_err(|e| GuardError::Protocol(e.to_string()))?,
+            None => String::new(),
+        };
+        let mut inv = self.mark.prepare_invoke();
+        inv.key(state_key(key))
+            .key(window_key(key))
+            .key(blocked_key(&key.tenant_id))
+            .arg(u8::from(mark.flagged))
+            .arg(u8::from(mark.refused.is_some()))
+            .arg(mark.refused.unwrap_or(0))
+            .arg(opt(mark.cooldown_until_ms))
+            .arg(opt(mark.blocked_at_ms))
+            .arg(found)
+            .arg(&key.session);
+        self.invoke(inv).await.map(drop)
+    }
+
+    async fn settle(
+        &self,
+        key: &SessionKey,
+        request: u64,
+        ok: bool,
+        cost_micros: i64,
+    ) -> Result<(), GuardError> {
+        let mut inv = self.settle.prepare_invoke();
+        inv.key(state_key(key))
+            .key(window_key(key))
+            .arg(&Turn::request_bytes(request)[..])
+            .arg(u8::from(ok))
+            .arg(cost_micros)
+            .arg(FLAGS_AT);
+        self.invoke(inv).await.map(drop)
+    }
+
+    async fn list(&self, tenant_id: &str, limit: usize) -> Result<Vec<SessionInfo>, GuardError> {
+        let mut ids: Vec<String> = self
+            .query(
+                redis::cmd("ZREVRANGE")
+                    .arg(index_key(tenant_id))
+                    .arg(0)
+                    .arg(limit.saturating_sub(1)),
+            )
+            .await?;
+        let blocked: Vec<String> = self
+            .query(redis::cmd("SMEMBERS").arg(blocked_key(tenant_id)))
+            .await?;
+        for b in blocked {
+            if !ids.contains(&b) {
+                ids.push(b);
+            }
+        }
+        let mut out = Vec::new();
+        for session in ids {
+            let key = SessionKey {
+                tenant_id: tenant_id.to_owned(),
+                session,
+            };
+            if let Some(info) = self.read(&key).await? {
+                out.push(info);
+            }
+        }
+        Ok(super::store::most_recent(out, limit))
+    }
+
+    async fn get(&self, key: &SessionKey) -> Result<Option<SessionInfo>, GuardError> {
+        self.read(key).await
+    }
+
+    async fn clear(&self, key: &SessionKey) -> Result<bool, GuardError> {
+        let deleted: i64 = self
+            .query(redis::cmd("DEL").arg(state_key(key)).arg(window_key(key)))
+            .await?;
+        // Same slot as the session's keys (the tenant's hash tag).
+        let _: i64 = self
+            .query(
+                redis::cmd("ZREM")
+                    .arg(index_key(&key.tenant_id))
+                    .arg(&key.session),
+            )
+            .await?;
+        let _: i64 = self
+            .query(
+                redis::cmd("SREM")
+                    .arg(blocked_key(&key.tenant_id))
+                    .arg(&key.session),
+            )
+            .await?;
+        Ok(deleted > 0)
+    }
+}

@@ -1,0 +1,141 @@
+//! Replay the agent-session fixtures (`tests/fixtures/agent-sessions/`) through the guard step
+//! in process, and report detection delay and false positives: for each looping session, how
+//! many requests after its `loop_start` the first flag came (goal: within 3, i.e. delay ≤ 2);
+//! for each progressing one, whether anything was flagged.
+//!
+//! ```sh
+//! cargo run --release -p e2e --example guard_fixtures [-- --exact-only] [-- --verbose]
+//! ```
+//!
+//! Near-duplicates use the static table in `models/all-MiniLM-L6-v2` (`gateway embed distill`).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use gateway::budget::SystemClock;
+use gateway::config::GuardConfig;
+use gateway::guard::{memory::MemoryGuard, near::NearDup, Check, Decision, Guard};
+use serde_json::Value;
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let exact = args.iter().any(|a| a == "--exact-only");
+    let verbose = args.iter().any(|a| a == "--verbose");
+    let near = if exact {
+        None
+    } else {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/all-MiniLM-L6-v2");
+        let table = embedder::static_embed::StaticEmbedder::load(
+            &dir.join("static.bin"),
+            &dir.join("tokenizer.json"),
+        )?;
+        Some(Arc::new(NearDup::with_model(Arc::new(table))))
+    };
+    let store = gateway::store::open("sqlite::memory:").await?;
+    let config = GuardConfig::default();
+    let (mut caught, mut late, mut missed, mut early, mut fp, mut progressing, mut looping) =
+        (0, 0, 0, 0, 0, 0, 0);
+    let mut delays = Vec::new();
+    for kind in ["looping", "progressing"] {
+        for (name, f) in e2e::agent_sessions(kind) {
+            let guard = Guard::new(
+                config.clone(),
+                Arc::new(MemoryGuard::new(1000, std::time::Duration::from_secs(3600))),
+                Arc::clone(&store),
+                None,
+                Arc::new(SystemClock),
+                gateway::metrics::Metrics::new()?,
+            )
+            .await?
+            .with_near(near.clone());
+            let session = f
+                .get("session_id")
+                .and_then(Value::as_str)
+                .unwrap_or(&name)
+                .to_owned();
+            let mut first = None;
+            for (i, messages) in e2e::session_requests(&f).iter().enumerate() {
+                let body = serde_json::json!({"model": "m", "messages": messages});
+                let fp = gateway::openai::fingerprint_bytes(body.to_string().as_bytes());
+                let request = gateway::guard::request_hash(&fp);
+                let d = guard
+                    .check(Check {
+                        tenant_id: "t",
+                        tenant_name: "t",
+                        session: &session,
+                        messages: Some(messages),
+                        request,
+                    })
+                    .await;
+                guard.observe("t", &session, request, true, 100).await;
+                if let Decision::Flag { found, .. } = &d {
+                    if first.is_none() {
+                        first = Some(i);
+                        if verbose {
+                            println!(
+                                "  {name} flagged at {i}: {} x{} p{}",
+                                found.what, found.repeats, found.period
+                            );
+                        }
+                    }
+                }
+            }
+            if kind == "progressing" {
+                progressing += 1;
+                if let Some(i) = first {
+                    fp += 1;
+                    println!("FALSE POSITIVE {name} at request {i}");
+                }
+                continue;
+            }
+            looping += 1;
+            let start = f.get("loop_start").and_then(Value::as_u64).unwrap_or(0) as usize;
+            let loop_kind = f.get("loop_kind").and_then(Value::as_str).unwrap_or("?");
+            match first {
+                Some(i) if i < start => {
+                    early += 1;
+                    println!("EARLY {name} ({loop_kind}) at {i}, loop_start {start}");
+                }
+                Some(i) if i - start <= 2 => {
+                    caught += 1;
+                    delays.push(i - start);
+                }
+                Some(i) => {
+                    late += 1;
+                    delays.push(i - start);
+                    println!("LATE {name} ({loop_kind}) at {i}, loop_start {start}");
+                }
+                None => {
+                    missed += 1;
+                    println!("MISSED {name} ({loop_kind}), loop_start {start}");
+                    if verbose {
+                        let reqs = e2e::session_requests(&f);
+                        for r in reqs.iter().skip(start).take(3) {
+                            if let Some(t) = gateway::guard::signals::latest_turn(r) {
+                                println!(
+                                    "    | {}",
+                                    t.text()
+                                        .replace('\n', " ⏎ ")
+                                        .chars()
+                                        .take(400)
+                                        .collect::<String>()
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    delays.sort_unstable();
+    let mean = delays.iter().sum::<usize>() as f64 / delays.len().max(1) as f64;
+    println!(
+        "looping {looping}: caught within 3 requests {caught}, late {late}, missed {missed}, early {early}; \
+         mean delay {mean:.2} requests after loop_start\nprogressing {progressing}: flagged {fp} \
+         (false-positive rate {:.1}%)\nnear-duplicates: {}",
+        100.0 * fp as f64 / progressing.max(1) as f64,
+        if exact { "off" } else { "on" }
+    );
+    Ok(())
+}

@@ -57,6 +57,20 @@ pub enum ConfigError {
     },
 }
 
+/// Check that every URL of `field` is a Redis URL.
+fn redis_urls(field: &str, urls: &[String]) -> Result<(), ConfigError> {
+    match urls
+        .iter()
+        .find(|u| !(u.starts_with("redis://") || u.starts_with("rediss://")))
+    {
+        Some(url) => Err(invalid(
+            field,
+            format!("{url:?} must start with redis:// or rediss://"),
+        )),
+        None => Ok(()),
+    }
+}
+
 pub(crate) fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         field: field.into(),
@@ -252,28 +266,14 @@ impl Config {
                 "needs at least one URL when budgets.store = \"redis\"",
             ));
         }
-        for url in &b.redis_urls {
-            if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
-                return Err(invalid(
-                    "budgets.redis_urls",
-                    format!("{url:?} must start with redis:// or rediss://"),
-                ));
-            }
-        }
+        redis_urls("budgets.redis_urls", &b.redis_urls)?;
         if self.guard.store == GuardStoreKind::Redis && self.guard_redis_urls().is_none() {
             return Err(invalid(
                 "guard.redis_urls",
                 "needs a URL (or budgets.redis_urls) when guard.store = \"redis\"",
             ));
         }
-        for url in &self.guard.redis_urls {
-            if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
-                return Err(invalid(
-                    "guard.redis_urls",
-                    format!("{url:?} must start with redis:// or rediss://"),
-                ));
-            }
-        }
+        redis_urls("guard.redis_urls", &self.guard.redis_urls)?;
         if b.lease_requests > 0 && !(20..=60_000).contains(&b.lease_ms) {
             return Err(invalid(
                 "budgets.lease_ms",

@@ -68,6 +68,11 @@ pub fn decide(
     session: &str,
     now_ms: i64,
 ) -> (Decision, Option<Mark>) {
+    let cooling = state.cooldown_until_ms > now_ms;
+    if found.is_none() && state.blocked_at_ms == 0 && !cooling {
+        // Nearly every request: nothing to say, nothing to write.
+        return (Decision::Allow, None);
+    }
     let steps = found
         .as_ref()
         .map_or(0, |l| u32::try_from(l.steps()).unwrap_or(u32::MAX));
@@ -112,7 +117,7 @@ pub fn decide(
              or clear the session with {clear}."
         )
     };
-    if state.cooldown_until_ms > now_ms {
+    if cooling {
         let secs = u64::try_from((state.cooldown_until_ms - now_ms + 999) / 1000)
             .unwrap_or(1)
             .max(1);

@@ -47,21 +47,6 @@ impl MemoryGuard {
         }
     }
 
-    /// Sessions held (blocked ones included); pending evictions are run first.
-    pub fn len(&self) -> u64 {
-        self.sessions.run_pending_tasks();
-        self.sessions.entry_count() + self.blocked_len() as u64
-    }
-
-    /// Whether no session is held.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    fn blocked_len(&self) -> usize {
-        self.blocked.lock().map(|b| b.len()).unwrap_or(0)
-    }
-
     fn find(&self, key: &SessionKey) -> Option<Shared> {
         if let Some(s) = self.blocked.lock().ok().and_then(|b| b.get(key).cloned()) {
             return Some(s);

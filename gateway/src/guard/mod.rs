@@ -160,15 +160,13 @@ impl Guard {
             repeats,
             near: near.map(|n| (n, similarity)),
         };
-        let in_request = req.messages.and_then(|m| signals::detect(m, detect));
+        let conversation = req.messages.map(signals::Conversation::read);
+        let in_request = conversation.as_ref().and_then(|c| c.detect(detect));
         let now = self.clock.now().timestamp_millis();
-        let key = SessionKey {
-            tenant_id: req.tenant_id.to_owned(),
-            session: req.session.to_owned(),
-        };
-        let turn = req
-            .messages
-            .and_then(signals::latest_turn)
+        let key = SessionKey::new(req.tenant_id, req.session);
+        let turn = conversation
+            .as_ref()
+            .and_then(signals::Conversation::latest_turn)
             .map(|step| Turn {
                 at_ms: now,
                 step: step.fingerprint,
@@ -237,10 +235,7 @@ impl Guard {
         if !self.config.enabled {
             return;
         }
-        let key = SessionKey {
-            tenant_id: tenant_id.to_owned(),
-            session: session.to_owned(),
-        };
+        let key = SessionKey::new(tenant_id, session);
         if let Err(e) = self.store.settle(&key, request, ok, cost_micros).await {
             tracing::debug!(error = %e, "guard store: settle not recorded");
         }
@@ -261,22 +256,12 @@ impl Guard {
         tenant_id: &str,
         session: &str,
     ) -> Result<Option<SessionInfo>, GuardError> {
-        self.store
-            .get(&SessionKey {
-                tenant_id: tenant_id.to_owned(),
-                session: session.to_owned(),
-            })
-            .await
+        self.store.get(&SessionKey::new(tenant_id, session)).await
     }
 
     /// Forget a session: its window, cooldown and block.
     pub async fn clear(&self, tenant_id: &str, session: &str) -> Result<bool, GuardError> {
-        self.store
-            .clear(&SessionKey {
-                tenant_id: tenant_id.to_owned(),
-                session: session.to_owned(),
-            })
-            .await
+        self.store.clear(&SessionKey::new(tenant_id, session)).await
     }
 }
 

@@ -257,10 +257,7 @@ impl GuardStore for RedisGuard {
         }
         let mut out = Vec::new();
         for session in ids {
-            let key = SessionKey {
-                tenant_id: tenant_id.to_owned(),
-                session,
-            };
+            let key = SessionKey::new(tenant_id, &session);
             if let Some(info) = self.read(&key).await? {
                 out.push(info);
             }

@@ -112,10 +112,53 @@ pub fn in_request(messages: &[Value]) -> Option<Loop> {
 
 /// The loop at the end of `messages`, judged by `d`.
 pub fn detect(messages: &[Value], d: Detect<'_>) -> Option<Loop> {
-    let steps = steps(&messages[messages.len().saturating_sub(WINDOW)..]);
-    let sketches: Vec<std::cell::OnceCell<Option<super::near::Sketch>>> = (0..steps.len())
-        .map(|_| std::cell::OnceCell::new())
-        .collect();
+    Conversation::read(messages).detect(d)
+}
+
+/// The latest turn of a request (see [`Conversation::latest_turn`]).
+pub fn latest_turn(messages: &[Value]) -> Option<Step> {
+    Conversation::read(messages).latest_turn().cloned()
+}
+
+/// A request's conversation, read once: the steps of its last [`WINDOW`] messages, or, when
+/// it has no assistant turn yet, its ask.
+#[derive(Debug, Clone)]
+pub struct Conversation {
+    steps: Vec<Step>,
+    ask: Option<Step>,
+}
+
+impl Conversation {
+    /// Read `messages`.
+    pub fn read(messages: &[Value]) -> Self {
+        let tail = &messages[messages.len().saturating_sub(WINDOW)..];
+        let steps = steps(tail);
+        // Steps start at assistant turns: none means nothing was answered yet.
+        let ask = if steps.is_empty() { ask(tail) } else { None };
+        Self { steps, ask }
+    }
+
+    /// The latest turn: the last step (the newest assistant action and what came back since),
+    /// or, in a conversation with no assistant turn yet, the ask itself (every non-system
+    /// message). `None` without messages.
+    pub fn latest_turn(&self) -> Option<&Step> {
+        self.steps.last().or(self.ask.as_ref())
+    }
+
+    /// The loop at the end of the conversation, judged by `d`.
+    pub fn detect(&self, d: Detect<'_>) -> Option<Loop> {
+        detect_steps(&self.steps, d)
+    }
+}
+
+fn detect_steps(steps: &[Step], d: Detect<'_>) -> Option<Loop> {
+    // Sketched on demand, each once; only with a near-duplicate model.
+    let sketches: Vec<std::cell::OnceCell<Option<super::near::Sketch>>> = match d.near {
+        Some(_) => (0..steps.len())
+            .map(|_| std::cell::OnceCell::new())
+            .collect(),
+        None => Vec::new(),
+    };
     let near = |a: usize, b: usize| -> bool {
         let Some((model, threshold)) = d.near else {
             return false;
@@ -194,17 +237,8 @@ pub fn repetition(
     None
 }
 
-/// The latest turn of a request: its last step (the newest assistant action and what came
-/// back since), or, in a conversation with no assistant turn yet, the ask itself (every
-/// non-system message). `None` without messages.
-pub fn latest_turn(messages: &[Value]) -> Option<Step> {
-    let tail = &messages[messages.len().saturating_sub(WINDOW)..];
-    if tail
-        .iter()
-        .any(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
-    {
-        return steps(tail).pop();
-    }
+/// The ask of a conversation with no assistant turn yet: its non-system messages as one step.
+fn ask(tail: &[Value]) -> Option<Step> {
     let mut h = FixedState::default().build_hasher();
     let mut shape = FixedState::default().build_hasher();
     let mut text = Vec::new();

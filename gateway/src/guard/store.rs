@@ -32,6 +32,16 @@ pub struct SessionKey {
     pub session: String,
 }
 
+impl SessionKey {
+    /// Session `session` of tenant `tenant_id`.
+    pub fn new(tenant_id: &str, session: &str) -> Self {
+        Self {
+            tenant_id: tenant_id.to_owned(),
+            session: session.to_owned(),
+        }
+    }
+}
+
 /// One request's latest turn, as a session window keeps it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Turn {

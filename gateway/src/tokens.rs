@@ -23,9 +23,10 @@ static HEAVY: LazyLock<Semaphore> = LazyLock::new(|| {
     Semaphore::new((cores / 2).max(1))
 });
 
-/// Run `count` (a tokenization of a request of `bytes` bytes): inline when small; otherwise
-/// after a [`HEAVY`] permit, on a thread the runtime takes off its async workers
-/// (`block_in_place`), so a long prompt never stalls other requests or the probes.
+/// Run `count` (work that reads a request of `bytes` bytes whole: parsing, hashing,
+/// tokenizing): inline when small; otherwise after a [`HEAVY`] permit, on a thread the runtime
+/// takes off its async workers (`block_in_place`), so a long prompt never stalls other requests
+/// or the probes.
 pub async fn off_workers<T>(bytes: usize, count: impl FnOnce() -> T) -> T {
     if bytes < OFF_WORKER_BYTES {
         return count();

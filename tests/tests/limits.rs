@@ -217,10 +217,11 @@ async fn long_prompts_are_tokenized_off_the_async_workers() {
     done.store(true, std::sync::atomic::Ordering::SeqCst);
     let worst = probe.await.unwrap();
     // Counted on the two async workers, the eight prompts held /healthz for ~1 s; off them it
-    // answers within ~0.1-0.2 s, up to ~0.7 s on a loaded CI machine since the guard step reads
-    // each request too (the test's own client encodes the bodies on the same workers).
+    // answers within milliseconds: parsing, fingerprinting and the derived session's hash of
+    // a large body run off them too (the test's own client encodes the bodies on the same
+    // workers).
     assert!(
-        worst < Duration::from_millis(850),
+        worst < Duration::from_millis(500),
         "/healthz took up to {worst:?} while eight long prompts were counted ({took:?})"
     );
     app.stop().await;

@@ -89,14 +89,23 @@ pub async fn run(
     body: Bytes,
 ) -> Response {
     let mut event = new_event(&ctx, endpoint);
-    let req = match ParsedRequest::parse(endpoint, &body) {
+    // Parsing and fingerprinting read the whole body: a large one off the async workers.
+    let parsed =
+        crate::tokens::off_workers(body.len(), || match ParsedRequest::parse(endpoint, &body) {
+            Ok(req) => {
+                record_request(&mut event, &ctx.key, &req);
+                Ok(req)
+            }
+            Err(e) => {
+                event.fingerprint = crate::openai::fingerprint_bytes(&body);
+                Err(e)
+            }
+        })
+        .await;
+    let req = match parsed {
         Ok(r) => r,
-        Err(e) => {
-            event.fingerprint = crate::openai::fingerprint_bytes(&body);
-            return refuse(&state, &ctx, event, e).await;
-        }
+        Err(e) => return refuse(&state, &ctx, event, e).await,
     };
-    record_request(&mut event, &ctx.key, &req);
     let Some(target) = state.config.resolve_model(&req.model) else {
         let e = ApiError::ModelNotFound(req.model.clone());
         return refuse(&state, &ctx, event, e).await;
@@ -208,7 +217,11 @@ impl Call {
     async fn guard(&mut self) -> Result<(), ApiError> {
         let tagged = self.event.tags.get("session").cloned();
         let client = self.ctx.session.as_deref().or(tagged.as_deref());
-        let session = crate::guard::session::of(client, &self.ctx.key.id, &self.req.body);
+        // A derived session hashes the conversation's root: a large one off the async workers.
+        let session = crate::tokens::off_workers(self.req.body_bytes, || {
+            crate::guard::session::of(client, &self.ctx.key.id, &self.req.body)
+        })
+        .await;
         self.event
             .tags
             .entry("session".to_owned())

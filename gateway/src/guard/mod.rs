@@ -160,7 +160,9 @@ impl Guard {
             repeats,
             near: near.map(|n| (n, similarity)),
         };
-        let conversation = req.messages.map(signals::Conversation::read);
+        let conversation = req
+            .messages
+            .map(|m| signals::Conversation::read(m, near.is_some()));
         let in_request = conversation.as_ref().and_then(|c| c.detect(detect));
         let now = self.clock.now().timestamp_millis();
         let key = SessionKey::new(req.tenant_id, req.session);

@@ -99,7 +99,7 @@ impl Step {
         self.names != 0
     }
 
-    /// The text compared for near-duplicates.
+    /// The text compared for near-duplicates (empty unless read with texts).
     pub fn text(&self) -> String {
         format!("{}\n{}", self.action_text, self.outcome_text)
     }
@@ -112,12 +112,12 @@ pub fn in_request(messages: &[Value]) -> Option<Loop> {
 
 /// The loop at the end of `messages`, judged by `d`.
 pub fn detect(messages: &[Value], d: Detect<'_>) -> Option<Loop> {
-    Conversation::read(messages).detect(d)
+    Conversation::read(messages, d.near.is_some()).detect(d)
 }
 
 /// The latest turn of a request (see [`Conversation::latest_turn`]).
 pub fn latest_turn(messages: &[Value]) -> Option<Step> {
-    Conversation::read(messages).latest_turn().cloned()
+    Conversation::read(messages, true).latest_turn().cloned()
 }
 
 /// A request's conversation, read once: the steps of its last [`WINDOW`] messages, or, when
@@ -129,12 +129,17 @@ pub struct Conversation {
 }
 
 impl Conversation {
-    /// Read `messages`.
-    pub fn read(messages: &[Value]) -> Self {
+    /// Read `messages`; with `texts`, keep each step's masked text for near-duplicate
+    /// comparison (without, [`Step::text`] is empty).
+    pub fn read(messages: &[Value], texts: bool) -> Self {
         let tail = &messages[messages.len().saturating_sub(WINDOW)..];
-        let steps = steps(tail);
+        let steps = steps(tail, texts);
         // Steps start at assistant turns: none means nothing was answered yet.
-        let ask = if steps.is_empty() { ask(tail) } else { None };
+        let ask = if steps.is_empty() {
+            ask(tail, texts)
+        } else {
+            None
+        };
         Self { steps, ask }
     }
 
@@ -238,7 +243,7 @@ pub fn repetition(
 }
 
 /// The ask of a conversation with no assistant turn yet: its non-system messages as one step.
-fn ask(tail: &[Value]) -> Option<Step> {
+fn ask(tail: &[Value], texts: bool) -> Option<Step> {
     let mut h = FixedState::default().build_hasher();
     let mut shape = FixedState::default().build_hasher();
     let mut text = Vec::new();
@@ -249,7 +254,7 @@ fn ask(tail: &[Value]) -> Option<Step> {
         }
         role.hash(&mut h);
         let t = text_of(m.get("content"));
-        normalised(&t, &mut h, &mut text, Some(&mut shape));
+        normalised(&t, &mut h, texts.then_some(&mut text), Some(&mut shape));
     }
     let fingerprint = h.finish();
     (fingerprint != FixedState::default().build_hasher().finish()).then(|| Step {
@@ -273,7 +278,7 @@ fn bounded_text(masked: &[u8]) -> String {
 }
 
 /// The steps of `messages`: each assistant turn and what came back after it.
-fn steps(messages: &[Value]) -> Vec<Step> {
+fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
     struct Open {
         h: FoldHasher<'static>,
         outcome: FoldHasher<'static>,
@@ -304,7 +309,7 @@ fn steps(messages: &[Value]) -> Vec<Step> {
             }
             let mut h = FixedState::default().build_hasher();
             let mut action = Vec::new();
-            let (what, names) = action_of(m, &mut h, &mut action);
+            let (what, names) = action_of(m, &mut h, texts.then_some(&mut action));
             let action_hash = h.finish();
             current = Some(Open {
                 h,
@@ -324,9 +329,10 @@ fn steps(messages: &[Value]) -> Vec<Step> {
             normalised(
                 &text_of(m.get("content")),
                 &mut o.h,
-                &mut o.result,
+                texts.then_some(&mut o.result),
                 Some(&mut o.shape),
             );
+            // The outcome alone is compared only between near-duplicate candidates.
             o.outcome.write(&o.result[start..]);
         }
     }
@@ -336,22 +342,25 @@ fn steps(messages: &[Value]) -> Vec<Step> {
     out
 }
 
-/// Hash an assistant turn's action into `h` and write its text to `text`; returns what it is
-/// (for people) and a hash of the tools it called (0: a text reply).
-fn action_of(m: &Value, h: &mut FoldHasher, text: &mut Vec<u8>) -> (String, u64) {
+/// Hash an assistant turn's action into `h` and write its text to `text` (when kept); returns
+/// what it is (for people) and a hash of the tools it called (0: a text reply).
+fn action_of(m: &Value, h: &mut FoldHasher, mut text: Option<&mut Vec<u8>>) -> (String, u64) {
     let calls = m
         .get("tool_calls")
         .and_then(Value::as_array)
         .filter(|c| !c.is_empty());
     let mut names_h = FixedState::default().build_hasher();
-    let mut call = |name: &str, args: &str, h: &mut FoldHasher, text: &mut Vec<u8>| {
+    let mut call = |name: &str, args: &str, h: &mut FoldHasher, text: &mut Option<&mut Vec<u8>>| {
         name.hash(h);
         name.hash(&mut names_h);
-        text.extend_from_slice(name.as_bytes());
-        text.push(b' ');
-        // Arguments are a JSON string, compared without the spacing between its tokens.
-        compact(args, h, text);
-        text.push(b'\n');
+        if let Some(t) = text.as_deref_mut() {
+            t.extend_from_slice(name.as_bytes());
+            t.push(b' ');
+        }
+        compact(args, h, text.as_deref_mut());
+        if let Some(t) = text.as_deref_mut() {
+            t.push(b'\n');
+        }
     };
     if let Some(calls) = calls {
         let mut names = Vec::new();
@@ -362,7 +371,7 @@ fn action_of(m: &Value, h: &mut FoldHasher, text: &mut Vec<u8>) -> (String, u64)
                 name,
                 f.get("arguments").and_then(Value::as_str).unwrap_or(""),
                 h,
-                text,
+                &mut text,
             );
             names.push(format!("`{name}`"));
         }
@@ -377,7 +386,7 @@ fn action_of(m: &Value, h: &mut FoldHasher, text: &mut Vec<u8>) -> (String, u64)
             name,
             f.get("arguments").and_then(Value::as_str).unwrap_or(""),
             h,
-            text,
+            &mut text,
         );
         return (format!("function call `{name}`"), names_h.finish() | 1);
     }
@@ -393,23 +402,23 @@ const CANONICAL_ARGS: usize = 64 * 1024;
 /// back with sorted keys and no spacing (the same call with its keys in another order is the
 /// same call), then masked like any text (a fresh idempotency key or request id does not make a
 /// new call; a moved offset does).
-fn compact(json: &str, h: &mut FoldHasher, text: &mut Vec<u8>) {
+fn compact(json: &str, h: &mut FoldHasher, text: Option<&mut Vec<u8>>) {
     let canonical = (json.len() <= CANONICAL_ARGS)
         .then(|| serde_json::from_str::<Value>(json).ok())
         .flatten()
         .map(|v| v.to_string());
-    let bytes: Vec<u8> = match canonical {
-        Some(c) => c.into_bytes(),
-        None => crate::openai::json_bytes(json.as_bytes())
+    let canonical = canonical.unwrap_or_else(|| {
+        let bytes: Vec<u8> = crate::openai::json_bytes(json.as_bytes())
             .filter(|&(b, inside)| inside || !b.is_ascii_whitespace())
             .map(|(b, _)| b)
-            .collect(),
-    };
-    let mut out = Vec::with_capacity(bytes.len());
-    mask(&String::from_utf8_lossy(&bytes), &mut out);
+            .collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    });
+    let mut out = Vec::with_capacity(canonical.len());
+    mask(&canonical, &mut out);
     h.write(&out);
     h.write_u8(0xff);
-    if text.len() < TEXT_KEPT {
+    if let Some(text) = text.filter(|t| t.len() < TEXT_KEPT) {
         text.extend_from_slice(&out[..out.len().min(TEXT_KEPT)]);
     }
 }
@@ -433,7 +442,12 @@ fn text_of(content: Option<&Value>) -> Cow<'_, str> {
 /// Hash `text` into `h` after masking what changes between identical steps (see the module
 /// docs), and append the masked text to `kept` (up to [`TEXT_KEPT`] bytes in all); a long text
 /// is read at both ends only.
-fn normalised(text: &str, h: &mut FoldHasher, kept: &mut Vec<u8>, shape: Option<&mut FoldHasher>) {
+fn normalised(
+    text: &str,
+    h: &mut FoldHasher,
+    kept: Option<&mut Vec<u8>>,
+    shape: Option<&mut FoldHasher>,
+) {
     let mut out = Vec::with_capacity(text.len().min(2 * EDGE + 4));
     if text.len() > 2 * EDGE {
         let head = floor(text, EDGE);
@@ -449,7 +463,7 @@ fn normalised(text: &str, h: &mut FoldHasher, kept: &mut Vec<u8>, shape: Option<
     if let Some(shape) = shape {
         shape_into(&out, shape);
     }
-    if kept.len() < TEXT_KEPT {
+    if let Some(kept) = kept.filter(|k| k.len() < TEXT_KEPT) {
         let room = TEXT_KEPT - kept.len();
         kept.extend_from_slice(&out[..out.len().min(room)]);
         kept.push(b' ');
@@ -532,7 +546,7 @@ fn shape_into(out: &[u8], h: &mut FoldHasher) {
             i += 1;
         }
         let after = if out.get(i) == Some(&b' ') { i + 1 } else { i };
-        let next = word_at(after).to_ascii_lowercase();
+        let next = word_at(after);
         let before = {
             // The word before, across a key's punctuation: `page 2`, `"queue_position": 2`.
             let mut e = start;
@@ -545,11 +559,13 @@ fn shape_into(out: &[u8], h: &mut FoldHasher) {
             while b > 0 && out[b - 1].is_ascii_alphabetic() {
                 b -= 1;
             }
-            out[b..e].to_ascii_lowercase()
+            &out[b..e]
         };
+        let is_one_of =
+            |word: &[u8], list: &[&[u8]]| list.iter().any(|w| w.eq_ignore_ascii_case(word));
         let progress = out.get(i) == Some(&b'%')
-            || PROGRESS_AFTER.contains(&next.as_slice())
-            || PROGRESS_BEFORE.contains(&before.as_slice());
+            || is_one_of(next, PROGRESS_AFTER)
+            || is_one_of(before, PROGRESS_BEFORE);
         if progress {
             shaped.extend_from_slice(&out[start..i]);
         } else {
@@ -562,7 +578,9 @@ fn shape_into(out: &[u8], h: &mut FoldHasher) {
 
 /// Whether `b` starts with a uuid (8-4-4-4-12 hex digits).
 fn is_uuid(b: &[u8]) -> bool {
+    // The dashes first: almost every word fails there at once.
     b.len() >= 36
+        && [8, 13, 18, 23].iter().all(|&i| b[i] == b'-')
         && b[..36].iter().enumerate().all(|(i, c)| match i {
             8 | 13 | 18 | 23 => *c == b'-',
             _ => c.is_ascii_hexdigit(),

@@ -431,3 +431,26 @@ async fn agent_session_fixtures_replayed_through_the_gateway_flag_loops_and_not_
     );
     app.stop().await;
 }
+
+#[tokio::test]
+async fn a_malformed_admin_query_string_is_a_400_in_openai_shape() {
+    let (app, _sim) = app().await;
+    for path in [
+        "tenants/acme/sessions?limit=abc",
+        "tenants/acme/sessions?foo=1",
+        "usage",
+    ] {
+        let r = app.admin(reqwest::Method::GET, path, None).await;
+        assert_eq!(r.status(), 400, "{path}");
+        let v: Value = r.json().await.expect("a JSON error body");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{path}: {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("query string"),
+            "{path}: {v}"
+        );
+    }
+    app.stop().await;
+}

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -15,6 +15,7 @@ use crate::error::ApiError;
 use crate::keys;
 use crate::ledger::report::{self, Explanation, IsoWeek, LoopFinding, WeeklyReport};
 use crate::pricing::{usd_to_micros, MicrosPerMtok, Price};
+use crate::routes::Query;
 use crate::routes::ADMIN_BODY_LIMIT;
 use crate::routes::{ledger, parse_json, read_body, tenant, week, List, ListObject};
 use crate::state::AppState;

@@ -3,7 +3,7 @@
 //! snapshot at once; the others pick it up at their next refresh (`store.key_refresh_ms`).
 
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -14,6 +14,7 @@ use crate::budget::engine::{limit_from, UsageRow};
 use crate::budget::{Action, BudgetPolicy, FailMode, Limit, RateLimit, Scope, Window};
 use crate::cache::CachePolicy;
 use crate::error::ApiError;
+use crate::routes::Query;
 use crate::routes::{parse_json, read_body, List, ListObject};
 use crate::routes::{tenant, ADMIN_BODY_LIMIT};
 use crate::state::AppState;

@@ -5,13 +5,14 @@
 //! Behind the admin token (bearer, or HTTP Basic auth with the token as password so a browser
 //! can open it). Money is shown exactly: micro-dollars as USD with 6 decimals (`$1234.567890`).
 
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::http::header::{CACHE_CONTROL, CONTENT_SECURITY_POLICY, CONTENT_TYPE};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
 use crate::error::ApiError;
 use crate::ledger::report::{self, Explanation, IsoWeek, ReportLine, WeeklyReport};
+use crate::routes::Query;
 use crate::routes::{ledger, week};
 use crate::state::AppState;
 use crate::types::price::Usd;

@@ -2,7 +2,7 @@
 //! what `gatewayctl guard` and `gatewayctl sessions` call).
 
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::Json;
 use chrono::{DateTime, TimeZone, Utc};
 use serde::{Deserialize, Serialize};
@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::ApiError;
 use crate::guard::store::{GuardError, SessionInfo};
 use crate::guard::GuardPolicy;
-use crate::routes::{parse_json, read_body, tenant, List, ADMIN_BODY_LIMIT};
+use crate::routes::{parse_json, read_body, tenant, List, Query, ADMIN_BODY_LIMIT};
 use crate::state::AppState;
 use crate::store::PolicyKind;
 

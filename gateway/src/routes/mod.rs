@@ -19,6 +19,28 @@ use crate::ledger::LedgerStore;
 use crate::state::AppState;
 use crate::store::{StoreError, Tenant};
 
+/// A query string read as `T`. Axum's own `Query` answers a malformed one with plain text;
+/// this one with a 400 in OpenAI's shape that says what is wrong.
+#[derive(Debug, Clone)]
+pub struct Query<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> axum::extract::FromRequestParts<S> for Query<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, ApiError> {
+        axum::extract::Query::<T>::from_request_parts(parts, state)
+            .await
+            .map(|q| Self(q.0))
+            .map_err(|e| ApiError::InvalidRequest {
+                message: e.body_text(),
+                param: None,
+            })
+    }
+}
+
 /// Read a request body up to `limit` bytes (413 in OpenAI shape beyond it; 408 when it does not
 /// arrive within `server.body_read_timeout_ms`, see [`crate::server::DeadlineBody`]).
 pub async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {

@@ -454,3 +454,48 @@ async fn a_malformed_admin_query_string_is_a_400_in_openai_shape() {
     }
     app.stop().await;
 }
+
+#[tokio::test]
+async fn with_its_redis_down_the_guard_backs_off_and_the_in_request_signal_still_flags() {
+    use gateway::guard::store::{GuardError, GuardStore, Limits, SessionKey, Turn};
+    let dead = format!("redis://127.0.0.1:{}", e2e::free_port());
+    let store = std::sync::Arc::new(
+        gateway::guard::redis::RedisGuard::new(vec![dead], std::time::Duration::from_secs(2))
+            .unwrap(),
+    );
+    let (key, turn) = (
+        SessionKey::new("t", "s"),
+        Turn {
+            at_ms: 0,
+            step: 1,
+            request: 1,
+            text: false,
+            answered: false,
+            sketch: None,
+        },
+    );
+    let limits = Limits {
+        turns: 8,
+        ttl_ms: 60_000,
+    };
+    let first = store.record(&key, &turn, limits).await.unwrap_err();
+    assert!(matches!(first, GuardError::Redis(_)), "{first:?}");
+    // Moments later, no second attempt: the request goes on at once.
+    let second = store.record(&key, &turn, limits).await.unwrap_err();
+    assert!(matches!(second, GuardError::Unavailable), "{second:?}");
+
+    let sim = Sim::zero("sim-small").await;
+    let deps = gateway::state::Deps {
+        guard_store: Some(store),
+        ..Default::default()
+    };
+    let db = e2e::TestStore::new(StoreKind::Sqlite).await.unwrap();
+    let app = TestApp::spawn_custom(e2e::config_on(&sim, None), db, true, true, deps).await;
+    let r = send(&app, "run-down", &stuck()).await;
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["x-gateway-loop"]
+        .to_str()
+        .unwrap()
+        .starts_with("flagged; session=run-down"));
+    app.stop().await;
+}

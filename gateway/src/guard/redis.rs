@@ -8,7 +8,8 @@
 //! Everything but a blocked session expires `session_ttl_secs` after its latest request.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use redis::{Script, ScriptInvocation, Value};
@@ -25,7 +26,14 @@ pub struct RedisGuard {
     record: Script,
     mark: Script,
     settle: Script,
+    /// The clock [`Self::down_until_ms`] counts from.
+    since: Instant,
+    /// Calls fail at once until then (ms since `since`): Redis failed moments ago.
+    down_until_ms: AtomicU64,
 }
+
+/// How long calls are skipped after Redis failed.
+const BACKOFF: Duration = Duration::from_secs(1);
 
 impl std::fmt::Debug for RedisGuard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -64,29 +72,49 @@ impl RedisGuard {
             record: Script::new(include_str!("lua/record.lua")),
             mark: Script::new(include_str!("lua/mark.lua")),
             settle: Script::new(include_str!("lua/settle.lua")),
+            since: Instant::now(),
+            down_until_ms: AtomicU64::new(0),
         })
     }
 
-    async fn invoke(&self, inv: ScriptInvocation<'_>) -> Result<Value, GuardError> {
-        let call = async {
-            let mut conn = self.redis.get().await?;
-            let v: Value = inv.invoke_async(&mut conn).await?;
-            Ok::<_, GuardError>(v)
+    /// Run `call` bounded by the timeout. After a failure every call fails at once for
+    /// [`BACKOFF`], so an outage costs the requests on the path one timeout, not one each.
+    async fn bounded<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, GuardError>>,
+    ) -> Result<T, GuardError> {
+        let now = self.since.elapsed().as_millis();
+        if now < u128::from(self.down_until_ms.load(Ordering::Relaxed)) {
+            return Err(GuardError::Unavailable);
+        }
+        let result = match tokio::time::timeout(self.redis.timeout(), call).await {
+            Ok(r) => r,
+            Err(_) => Err(GuardError::Timeout),
         };
-        tokio::time::timeout(self.redis.timeout(), call)
-            .await
-            .map_err(|_| GuardError::Timeout)?
+        if result.is_err() {
+            let until = self.since.elapsed() + BACKOFF;
+            self.down_until_ms.store(
+                u64::try_from(until.as_millis()).unwrap_or(u64::MAX),
+                Ordering::Relaxed,
+            );
+        }
+        result
+    }
+
+    async fn invoke(&self, inv: ScriptInvocation<'_>) -> Result<Value, GuardError> {
+        self.bounded(async {
+            let mut conn = self.redis.get().await?;
+            Ok(inv.invoke_async(&mut conn).await?)
+        })
+        .await
     }
 
     async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T, GuardError> {
-        let call = async {
+        self.bounded(async {
             let mut conn = self.redis.get().await?;
-            let v: T = cmd.query_async(&mut conn).await?;
-            Ok::<_, GuardError>(v)
-        };
-        tokio::time::timeout(self.redis.timeout(), call)
-            .await
-            .map_err(|_| GuardError::Timeout)?
+            Ok(cmd.query_async(&mut conn).await?)
+        })
+        .await
     }
 
     async fn read(&self, key: &SessionKey) -> Result<Option<SessionInfo>, GuardError> {

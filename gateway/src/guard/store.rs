@@ -18,6 +18,9 @@ pub enum GuardError {
     /// The store did not answer within `guard.store_timeout_ms`.
     #[error("guard store timed out")]
     Timeout,
+    /// The store failed moments ago and is skipped until its backoff ends.
+    #[error("guard store unavailable (backing off after a failure)")]
+    Unavailable,
     /// A reply could not be decoded.
     #[error("guard store protocol error: {0}")]
     Protocol(String),

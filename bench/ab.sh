@@ -4,6 +4,11 @@
 #
 #   bench/ab.sh A_DIR B_DIR        # each a directory with release `gateway` and `gatewayctl`
 #   ROUNDS=8 DURATION=10s LEDGER=off bench/ab.sh /var/tmp/ab/82294a4 /var/tmp/ab/ab9560e
+#   SESSIONS=10000 bench/ab.sh DIR_A DIR_B   # each request a new turn of one of 10,000 sessions
+#
+# A "build" may be a directory whose `gateway` is a wrapper setting an environment override
+# (e.g. `GATEWAY__GUARD__ENABLED=false exec REAL/gateway "$@"`): the same binary, configured two
+# ways.
 #
 # To build a commit's binaries into a directory:
 #   git worktree add /var/tmp/ab/src-COMMIT COMMIT
@@ -25,6 +30,7 @@ DURATION=${DURATION:-8s}
 WARMUP=${WARMUP:-2s}
 CONNS=${CONNS:-32}
 LEDGER=${LEDGER:-on}
+SESSIONS=${SESSIONS:-}
 P_UP=${P_UP:-19201}
 P_GW=${P_GW:-19202}
 
@@ -51,7 +57,9 @@ measure() {
   wait_port "$P_GW"
   local key
   key=$(bench_key "http://127.0.0.1:$P_GW" "$dir")
-  wrk_post "$key" '{"model":"fast","messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":16}' >"$WORK/ab.lua"
+  local ask="What is the capital of France?"
+  [ -n "$SESSIONS" ] && ask="$ask ({n})"
+  wrk_post "$key" '{"model":"fast","messages":[{"role":"user","content":"'"$ask"'"}],"max_tokens":16}' "$SESSIONS" >"$WORK/ab.lua"
   wrk -t2 -c"$CONNS" -d"$WARMUP" -s "$WORK/ab.lua" "http://127.0.0.1:$P_GW/v1/chat/completions" >/dev/null
   local line
   line=$(wrk -t2 -c"$CONNS" -d"$DURATION" -s "$WORK/ab.lua" "http://127.0.0.1:$P_GW/v1/chat/completions" | grep '^WRK')

@@ -67,14 +67,30 @@ start_gateway() {
   bench_key "$GATEWAY_URL" >"$WORK/$1.key"
 }
 
-# wrk_post KEY BODY: a wrk script on stdout that POSTs JSON BODY with bearer KEY and, when done,
-# prints one line "WRK <requests> <seconds> <errors>".
+# wrk_post KEY BODY [SESSIONS]: a wrk script on stdout that POSTs JSON BODY with bearer KEY and,
+# when done, prints one line "WRK <requests> <seconds> <errors>". With SESSIONS, each request
+# is a new turn: "{n}" in BODY becomes a request counter and x-session-id cycles through
+# SESSIONS ids per wrk thread (so the guard sees many sessions, none repeating itself).
 wrk_post() {
   cat <<EOF
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["Authorization"] = "Bearer $1"
 wrk.body = '$2'
+local sessions = tonumber("${3:-0}")
+local n = 0
+local threads = 0
+setup = function(thread)
+  threads = threads + 1
+  thread:set("tid", threads)
+end
+if sessions > 0 then
+  request = function()
+    n = n + 1
+    wrk.headers["x-session-id"] = "s" .. tostring(n % sessions) .. "-t" .. tostring(tid)
+    return wrk.format(nil, nil, nil, (string.gsub(wrk.body, "{n}", tostring(n))))
+  end
+end
 done = function(summary, latency, requests)
   io.write(string.format("WRK %d %.3f %d\\n", summary.requests, summary.duration / 1e6,
     summary.errors.status + summary.errors.connect + summary.errors.timeout))

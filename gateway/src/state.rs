@@ -176,12 +176,16 @@ impl AppState {
                         urls,
                         Duration::from_millis(config.guard.store_timeout_ms),
                     )
-                    .context("guard.redis_urls")?,
+                    .context("guard.redis_urls")?
+                    .with_block_ttl(Duration::from_secs(config.guard.block_ttl_secs)),
                 ),
-                (None, None) => Arc::new(crate::guard::memory::MemoryGuard::new(
-                    config.guard.max_sessions,
-                    Duration::from_secs(config.guard.session_ttl_secs),
-                )),
+                (None, None) => Arc::new(
+                    crate::guard::memory::MemoryGuard::new(
+                        config.guard.max_sessions,
+                        Duration::from_secs(config.guard.session_ttl_secs),
+                    )
+                    .with_block_ttl(Duration::from_secs(config.guard.block_ttl_secs)),
+                ),
             };
         let model_dir = &config.cache.semantic.model_dir;
         let guard = Arc::new(

@@ -43,8 +43,11 @@ pub struct GuardConfig {
     pub store_timeout_ms: u64,
     /// Sessions this replica keeps in memory (least recently seen dropped first).
     pub max_sessions: u64,
-    /// A session not seen for this long is forgotten (a blocked one stays until cleared), s.
+    /// A session not seen for this long is forgotten (a blocked one stays blocked), s.
     pub session_ttl_secs: u64,
+    /// A blocked session stays blocked until an admin clears it or for this long, s (default a
+    /// week). At most `max_sessions` blocked sessions are kept in memory (oldest block first).
+    pub block_ttl_secs: u64,
     /// Compare texts by their static embeddings (the cache's model directory,
     /// `cache.semantic.model_dir`), so a paraphrased re-ask is a repeat too. Loaded in the
     /// background on the first request; about 50 MB. Off by default: every chat request then
@@ -68,6 +71,7 @@ impl Default for GuardConfig {
             store_timeout_ms: 100,
             max_sessions: 100_000,
             session_ttl_secs: 3600,
+            block_ttl_secs: 7 * 24 * 3600,
             near_duplicates: false,
         }
     }
@@ -112,6 +116,7 @@ impl GuardConfig {
             ("guard.store_timeout_ms", self.store_timeout_ms),
             ("guard.max_sessions", self.max_sessions),
             ("guard.session_ttl_secs", self.session_ttl_secs),
+            ("guard.block_ttl_secs", self.block_ttl_secs),
         ] {
             if v == 0 {
                 return Err(super::invalid(field, "must be greater than 0"));

@@ -1,12 +1,15 @@
 //! The in-process [`GuardStore`]: one replica's sessions, bounded. At most `max_sessions` are
 //! kept (the least recently seen go first) and each forgets itself `session_ttl_secs` after its
-//! latest request; a blocked session is kept apart, outside both bounds, until it is cleared.
+//! latest request. A blocked session is kept apart, where eviction of active sessions cannot
+//! drop it, until it is cleared or `block_ttl_secs` after it was blocked; at most
+//! `max_sessions` blocked sessions are kept (the oldest block goes first).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use moka::policy::EvictionPolicy;
 use moka::sync::Cache;
 
 use super::store::{
@@ -24,7 +27,19 @@ type Shared = Arc<Mutex<Session>>;
 /// Sessions in this process.
 pub struct MemoryGuard {
     sessions: Cache<SessionKey, Shared>,
-    blocked: Mutex<HashMap<SessionKey, Shared>>,
+    blocked: Cache<SessionKey, Shared>,
+    max_sessions: u64,
+}
+
+/// How long a block lasts when nobody clears it, unless set otherwise.
+pub const DEFAULT_BLOCK_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+
+fn blocked_cache(max: u64, ttl: Duration) -> Cache<SessionKey, Shared> {
+    Cache::builder()
+        .max_capacity(max)
+        .time_to_live(ttl)
+        .eviction_policy(EvictionPolicy::lru())
+        .build()
 }
 
 impl std::fmt::Debug for MemoryGuard {
@@ -37,21 +52,30 @@ impl std::fmt::Debug for MemoryGuard {
 
 impl MemoryGuard {
     /// Keep at most `max_sessions`, each for `ttl` after its latest request.
+    /// (LRU, not moka's default TinyLFU: that one may refuse to admit a new session into a full
+    /// cache, and a session never kept would never show its loop.) Blocks last
+    /// [`DEFAULT_BLOCK_TTL`].
     pub fn new(max_sessions: u64, ttl: Duration) -> Self {
         Self {
             sessions: Cache::builder()
                 .max_capacity(max_sessions)
                 .time_to_idle(ttl)
+                .eviction_policy(EvictionPolicy::lru())
                 .build(),
-            blocked: Mutex::new(HashMap::new()),
+            blocked: blocked_cache(max_sessions, DEFAULT_BLOCK_TTL),
+            max_sessions,
         }
     }
 
+    /// Blocks last `ttl` unless cleared first.
+    #[must_use]
+    pub fn with_block_ttl(mut self, ttl: Duration) -> Self {
+        self.blocked = blocked_cache(self.max_sessions, ttl);
+        self
+    }
+
     fn find(&self, key: &SessionKey) -> Option<Shared> {
-        if let Some(s) = self.blocked.lock().ok().and_then(|b| b.get(key).cloned()) {
-            return Some(s);
-        }
-        self.sessions.get(key)
+        self.blocked.get(key).or_else(|| self.sessions.get(key))
     }
 }
 
@@ -127,10 +151,11 @@ impl GuardStore for MemoryGuard {
         if let Some(at) = mark.blocked_at_ms {
             st.blocked_at_ms = at;
             drop(s);
-            self.blocked
-                .lock()
-                .map_err(|_| poisoned())?
-                .insert(key.clone(), Arc::clone(&shared));
+            // Moved out of the active sessions: when the block expires the session is gone.
+            if !self.blocked.contains_key(key) {
+                self.blocked.insert(key.clone(), Arc::clone(&shared));
+            }
+            self.sessions.invalidate(key);
         }
         Ok(())
     }
@@ -164,10 +189,10 @@ impl GuardStore for MemoryGuard {
                 all.insert((*key).clone(), info(&key, &s));
             }
         }
-        for (key, shared) in self.blocked.lock().map_err(|_| poisoned())?.iter() {
+        for (key, shared) in self.blocked.iter() {
             if key.tenant_id == tenant_id {
                 let s = shared.lock().map_err(|_| poisoned())?;
-                all.insert(key.clone(), info(key, &s));
+                all.insert((*key).clone(), info(&key, &s));
             }
         }
         let out: Vec<SessionInfo> = all.into_values().collect();
@@ -183,12 +208,7 @@ impl GuardStore for MemoryGuard {
     }
 
     async fn clear(&self, key: &SessionKey) -> Result<bool, GuardError> {
-        let blocked = self
-            .blocked
-            .lock()
-            .map_err(|_| poisoned())?
-            .remove(key)
-            .is_some();
+        let blocked = self.blocked.remove(key).is_some();
         let held = self.sessions.remove(key).is_some();
         Ok(blocked || held)
     }

@@ -4,8 +4,9 @@
 //!
 //! Keys, for tenant `t` and session `s`: `{g:t}:s:s` (a hash: counters, cooldown, block, the
 //! latest loop), `{g:t}:w:s` (a list of encoded [`Turn`]s), `{g:t}:i` (a sorted set of the
-//! tenant's sessions by latest request, for listing) and `{g:t}:b` (its blocked sessions).
-//! Everything but a blocked session expires `session_ttl_secs` after its latest request.
+//! tenant's sessions by latest request, for listing) and `{g:t}:bl` (its blocked sessions, a
+//! sorted set by when they were blocked). A session expires `session_ttl_secs` after its latest
+//! request; a blocked one `block_ttl_secs` after it was blocked, unless cleared first.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -30,6 +31,8 @@ pub struct RedisGuard {
     since: Instant,
     /// Calls fail at once until then (ms since `since`): Redis failed moments ago.
     down_until_ms: AtomicU64,
+    /// How long a block lasts unless cleared, ms.
+    block_ttl_ms: i64,
 }
 
 /// How long calls are skipped after Redis failed.
@@ -41,6 +44,10 @@ impl std::fmt::Debug for RedisGuard {
             .field("redis", &self.redis)
             .finish_non_exhaustive()
     }
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
 fn tag(tenant_id: &str) -> String {
@@ -60,7 +67,7 @@ fn index_key(tenant_id: &str) -> String {
 }
 
 fn blocked_key(tenant_id: &str) -> String {
-    format!("{}:b", tag(tenant_id))
+    format!("{}:bl", tag(tenant_id))
 }
 
 impl RedisGuard {
@@ -74,7 +81,15 @@ impl RedisGuard {
             settle: Script::new(include_str!("lua/settle.lua")),
             since: Instant::now(),
             down_until_ms: AtomicU64::new(0),
+            block_ttl_ms: millis(super::memory::DEFAULT_BLOCK_TTL),
         })
+    }
+
+    /// Blocks last `ttl` unless cleared first.
+    #[must_use]
+    pub fn with_block_ttl(mut self, ttl: Duration) -> Self {
+        self.block_ttl_ms = millis(ttl);
+        self
     }
 
     /// Run `call` bounded by the timeout. After a failure every call fails at once for
@@ -245,7 +260,8 @@ impl GuardStore for RedisGuard {
             .arg(opt(mark.cooldown_until_ms))
             .arg(opt(mark.blocked_at_ms))
             .arg(found)
-            .arg(&key.session);
+            .arg(&key.session)
+            .arg(self.block_ttl_ms);
         self.invoke(inv).await.map(drop)
     }
 
@@ -276,7 +292,12 @@ impl GuardStore for RedisGuard {
             )
             .await?;
         let blocked: Vec<String> = self
-            .query(redis::cmd("SMEMBERS").arg(blocked_key(tenant_id)))
+            .query(
+                redis::cmd("ZREVRANGE")
+                    .arg(blocked_key(tenant_id))
+                    .arg(0)
+                    .arg(limit.saturating_sub(1)),
+            )
             .await?;
         for b in blocked {
             if !ids.contains(&b) {
@@ -311,7 +332,7 @@ impl GuardStore for RedisGuard {
             .await?;
         let _: i64 = self
             .query(
-                redis::cmd("SREM")
+                redis::cmd("ZREM")
                     .arg(blocked_key(&key.tenant_id))
                     .arg(&key.session),
             )

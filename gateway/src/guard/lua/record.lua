@@ -22,10 +22,8 @@ redis.call('HSETNX', KEYS[1], 'f', now)
 redis.call('HSET', KEYS[1], 'l', now)
 redis.call('HINCRBY', KEYS[1], 'n', 1)
 local ttl = tonumber(ARGV[5])
-if redis.call('HGET', KEYS[1], 'bk') then
-  redis.call('PERSIST', KEYS[1])
-  redis.call('PERSIST', KEYS[2])
-else
+-- A blocked session keeps the block's expiry.
+if not redis.call('HGET', KEYS[1], 'bk') then
   redis.call('PEXPIRE', KEYS[1], ttl)
   redis.call('PEXPIRE', KEYS[2], ttl)
 end

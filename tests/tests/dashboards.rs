@@ -23,6 +23,7 @@ use std::path::Path;
 use chrono::{DateTime, Duration, Utc};
 use e2e::grafana::*;
 use e2e::{StoreKind, TestStore};
+use gateway::ledger::loops;
 use gateway::ledger::report::{Aggregate, Dimension, IsoWeek};
 use gateway::ledger::LedgerStore;
 use gateway::metrics::names;
@@ -595,6 +596,49 @@ fn ledger_rows() -> Vec<UsageEvent> {
             e.usage_source = UsageSource::None;
         });
 
+        // beta's agent: progress, two earlier steps, caught on the third (flagged, answered),
+        // then refused twice; a second loop of the same session after two steps of progress,
+        // caught on its second step and refused.
+        let step = |e: &mut UsageEvent, session: &str| {
+            large(e);
+            e.tags.insert("session".into(), session.into());
+        };
+        let minute = |m: i64| at(2, 20) + Duration::minutes(m);
+        push("beta", minute(0), 900 * scale, &|e| step(e, "run-42"));
+        push("beta", minute(1), 1_100 * scale, &|e| step(e, "run-42"));
+        push("beta", minute(2), 1_200 * scale, &|e| step(e, "run-42"));
+        push("beta", minute(3), 1_300 * scale, &|e| {
+            step(e, "run-42");
+            e.loop_flag = true;
+            e.loop_steps = 3;
+        });
+        let refused = |e: &mut UsageEvent, session: &str, steps: u32, avoided: i64| {
+            step(e, session);
+            e.loop_flag = true;
+            e.loop_steps = steps;
+            e.status = 429;
+            e.error_kind = Some("loop_detected".into());
+            e.prompt_tokens = 0;
+            e.completion_tokens = 0;
+            e.avoided_micros = avoided;
+        };
+        push("beta", minute(4), 0, &|e| {
+            refused(e, "run-42", 4, 1_300 * scale)
+        });
+        push("beta", minute(5), 0, &|e| {
+            refused(e, "run-42", 4, 1_300 * scale)
+        });
+        push("beta", minute(30), 700 * scale, &|e| step(e, "run-42"));
+        push("beta", minute(31), 800 * scale, &|e| step(e, "run-42"));
+        push("beta", minute(32), 0, &|e| {
+            refused(e, "run-42", 2, 800 * scale)
+        });
+        // o'brien's agent is caught on its first request.
+        push("o'brien", at(5, 7), 0, &|e| {
+            refused(e, "o'run", 3, 0);
+            e.tags.remove("feature");
+        });
+
         push("o'brien", at(1, 8), 12_000 * scale, &|e| e.tags.clear());
         push("o'brien", at(1, 9), 0, &|e| {
             e.tags.clear();
@@ -871,6 +915,61 @@ async fn check_weekly_cost(
         assert_eq!(
             text(row, "key name"),
             if named { "alpha production" } else { "" }
+        );
+    }
+
+    // The loops the guard caught, as the weekly report and `gatewayctl report loops` count them.
+    let caught = |r: &Row| {
+        (
+            text(r, "tenant"),
+            text(r, "session"),
+            count(r, "repeats"),
+            [
+                count(r, "requests before"),
+                micros(r, "burned before caught"),
+                count(r, "flagged after"),
+                micros(r, "burned after"),
+                count(r, "refused"),
+                micros(r, "avoided"),
+            ],
+        )
+    };
+    let got: Vec<_> = rows("Agent loops the guard caught")
+        .iter()
+        .map(caught)
+        .collect();
+    let want: Vec<_> = loops::detected(ledger, THIS_WEEK.start(), THIS_WEEK.end(), None)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|l| tenants.is_none_or(|t| t.contains(&l.tenant)))
+        .map(|l| {
+            (
+                l.tenant,
+                l.session,
+                i64::from(l.repeats),
+                [
+                    i64::from(l.requests_before),
+                    l.burned_before_micros,
+                    i64::from(l.flagged_requests),
+                    l.burned_after_micros,
+                    i64::from(l.refused),
+                    l.avoided_micros,
+                ],
+            )
+        })
+        .collect();
+    assert_eq!(got, want, "agent loops the guard caught ({ctx})");
+    if tenants.is_none() {
+        assert_eq!(
+            want.len(),
+            3,
+            "two loops of beta's agent, one of o'brien's: {want:?}"
+        );
+        assert_eq!(
+            want[0].3,
+            [2, 2 * 2_300, 1, 2 * 1_300, 2, 2 * 2_600],
+            "beta's first loop"
         );
     }
 

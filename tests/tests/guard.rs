@@ -100,15 +100,31 @@ async fn an_absurd_session_id_is_refused_naming_the_header() {
     app.stop().await;
 }
 
-#[tokio::test]
-async fn a_flagged_loop_is_counted_as_waste_in_the_weekly_report() {
+/// A gateway writing its real ledger (SQLite, flushed every 20 ms), priced, on a simulator.
+async fn ledger_app() -> (TestApp, Sim, tempfile::TempDir) {
     let sim = Sim::zero("sim-small").await;
     let mut c = e2e::config_on(&sim, Some((1.0, 2.0)));
     let dir = tempfile::tempdir().unwrap();
     c.ledger.spool_dir = dir.path().to_owned();
     c.ledger.flush_ms = 20;
     let store = e2e::TestStore::new(StoreKind::Sqlite).await.unwrap();
-    let app = TestApp::spawn_with_ledger(c, store).await;
+    (TestApp::spawn_with_ledger(c, store).await, sim, dir)
+}
+
+/// Wait until the ledger holds `n` rows.
+async fn rows_written(ledger: &dyn gateway::ledger::LedgerStore, n: u64) {
+    e2e::eventually(
+        "the rows written",
+        std::time::Duration::from_secs(5),
+        || async { (ledger.count().await.unwrap() == n).then_some(()) },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_flagged_loop_is_counted_as_waste_in_the_weekly_report() {
+    let (app, _sim, _dir) = ledger_app().await;
+    let ledger = gateway::ledger::open(&app.store.url).await.unwrap();
     let stuck = agent(&["same error", "same error", "same error"]);
     assert!(app
         .chat(stuck)
@@ -116,13 +132,7 @@ async fn a_flagged_loop_is_counted_as_waste_in_the_weekly_report() {
         .headers()
         .contains_key("x-gateway-loop"));
     assert_eq!(app.chat(e2e::chat_body("fast", "hi")).await.status(), 200);
-    let ledger = gateway::ledger::open(&app.store.url).await.unwrap();
-    e2e::eventually(
-        "both rows written",
-        std::time::Duration::from_secs(5),
-        || async { (ledger.count().await.unwrap() == 2).then_some(()) },
-    )
-    .await;
+    rows_written(ledger.as_ref(), 2).await;
     let week = gateway::ledger::report::IsoWeek::containing(chrono::Utc::now());
     let r = gateway::ledger::report::weekly(ledger.as_ref(), week, None)
         .await
@@ -141,6 +151,98 @@ async fn a_flagged_loop_is_counted_as_waste_in_the_weekly_report() {
     app.stop().await;
 }
 
+#[tokio::test]
+async fn the_loops_report_weekly_report_and_page_show_what_a_caught_loop_burned_and_avoided() {
+    let (app, _sim, _dir) = ledger_app().await;
+    let ledger = gateway::ledger::open(&app.store.url).await.unwrap();
+    let (ok, out) = app
+        .ctl(&["guard", "set", "--tenant", "acme", "--action", "throttle"])
+        .await;
+    assert!(ok, "{out}");
+    // Progress, then the agent's first two runs of the failing tests (answered), then the third
+    // (caught: refused) and one more during the cooldown (refused).
+    let hello = send(&app, "run-r", &e2e::chat_body("fast", "hello")).await;
+    assert_eq!(hello.status(), 200);
+    for n in 1..=2 {
+        let results = vec!["FAILED test_parse"; n];
+        assert_eq!(send(&app, "run-r", &agent(&results)).await.status(), 200);
+    }
+    for _ in 0..2 {
+        assert_eq!(send(&app, "run-r", &stuck()).await.status(), 429);
+    }
+    rows_written(ledger.as_ref(), 5).await;
+    let now = chrono::Utc::now();
+    let mut rows = ledger
+        .rows_between(now - chrono::Duration::hours(1), now)
+        .await
+        .unwrap();
+    rows.sort_by_key(|r| r.started_at);
+    let steps: i64 = rows[1..3].iter().map(|r| r.cost_micros).sum();
+    assert!(steps > 0 && rows[1..3].iter().all(|r| !r.loop_flag));
+    let avoided: i64 = rows[3..].iter().map(|r| r.avoided_micros).sum();
+    assert!(avoided > 0, "{rows:?}");
+
+    let (ok, out) = app
+        .ctl(&["--json", "report", "loops", "--hours", "1"])
+        .await;
+    assert!(ok, "{out}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let d = &v["detected"];
+    assert_eq!(d.as_array().map(Vec::len), Some(1), "{v}");
+    assert_eq!(d[0]["session"], "run-r");
+    assert_eq!(d[0]["repeats"], 3);
+    assert_eq!(
+        d[0]["requests_before"], 2,
+        "the two earlier runs, not the hello"
+    );
+    assert_eq!(d[0]["burned_before_micros"], steps);
+    assert_eq!(d[0]["flagged_requests"], 0);
+    assert_eq!(d[0]["refused"], 2);
+    assert_eq!(d[0]["avoided_micros"], avoided);
+    assert_eq!(v["detected_total"]["loops"], 1);
+    let (ok, table) = app.ctl(&["report", "loops", "--hours", "1"]).await;
+    assert!(
+        ok && table.contains("Agent loops the guard caught") && table.contains("run-r"),
+        "{table}"
+    );
+    let (ok, out) = app.ctl(&["report", "loops", "--hours", "0"]).await;
+    assert!(
+        !ok && out.contains("`hours` must be between 1 and"),
+        "{out}"
+    );
+
+    let (ok, out) = app.ctl(&["--json", "report", "weekly"]).await;
+    assert!(ok, "{out}");
+    let w: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(w["loops"]["total"]["loops"], 1, "{w}");
+    assert_eq!(w["loops"]["total"]["burned_before_micros"], steps);
+    assert_eq!(w["loops"]["total"]["avoided_micros"], avoided);
+    assert_eq!(w["loops"]["top"][0]["session"], "run-r");
+
+    let page = app
+        .http
+        .get(format!("{}/dashboard", app.base))
+        .bearer_auth(e2e::ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        page.contains(r#"id="loops-count" data-value="1""#),
+        "{page}"
+    );
+    assert!(page.contains(&format!(
+        r#"id="headline-loops-before" data-cost-micros="{steps}""#
+    )));
+    assert!(page.contains(&format!(
+        r#"id="headline-loops-avoided" data-cost-micros="{avoided}""#
+    )));
+    assert!(page.contains(r#"<tr data-session="run-r""#));
+    app.stop().await;
+}
+
 /// The guard's session store for `kind` (Redis ones keyed by this test's fresh tenant id).
 fn guard_store(kind: e2e::BudgetKind) -> std::sync::Arc<dyn gateway::guard::store::GuardStore> {
     match kind {
@@ -155,6 +257,73 @@ fn guard_store(kind: e2e::BudgetKind) -> std::sync::Arc<dyn gateway::guard::stor
             )
             .unwrap(),
         ),
+    }
+}
+
+#[tokio::test]
+async fn a_block_lasts_its_ttl_on_every_store_then_the_session_starts_afresh() {
+    use gateway::guard::store::{Limits, Mark, SessionKey, Turn};
+    let ttl = std::time::Duration::from_millis(1200);
+    for kind in e2e::BUDGET_STORES {
+        let store: std::sync::Arc<dyn gateway::guard::store::GuardStore> = match kind {
+            e2e::BudgetKind::Memory => std::sync::Arc::new(
+                gateway::guard::memory::MemoryGuard::new(10, std::time::Duration::from_secs(3600))
+                    .with_block_ttl(ttl),
+            ),
+            _ => std::sync::Arc::new(
+                gateway::guard::redis::RedisGuard::new(
+                    kind.redis_urls(),
+                    std::time::Duration::from_secs(2),
+                )
+                .unwrap()
+                .with_block_ttl(ttl),
+            ),
+        };
+        let tenant = format!("ten_block_{}", uuid::Uuid::new_v4().simple());
+        let limits = Limits {
+            turns: 8,
+            ttl_ms: 3_600_000,
+        };
+        let now = chrono::Utc::now().timestamp_millis();
+        let turn = |n: u64| Turn {
+            at_ms: now + i64::try_from(n).unwrap(),
+            step: n,
+            request: n,
+            text: false,
+            answered: false,
+            sketch: None,
+        };
+        let blocked = SessionKey::new(&tenant, "run-blocked");
+        store.record(&blocked, &turn(1), limits).await.unwrap();
+        let block = Mark {
+            refused: Some(10),
+            blocked_at_ms: Some(now),
+            ..Mark::default()
+        };
+        store.mark(&blocked, &block).await.unwrap();
+        // Busy sessions do not push the block out of a full in-memory store.
+        for n in 0..30 {
+            let other = SessionKey::new(&tenant, &format!("busy-{n}"));
+            store.record(&other, &turn(n), limits).await.unwrap();
+        }
+        let seen = store.record(&blocked, &turn(100), limits).await.unwrap();
+        assert_eq!(seen.state.blocked_at_ms, now, "{kind:?}: still blocked");
+        let listed = store.list(&tenant, 5).await.unwrap();
+        assert!(
+            listed.len() <= 5 && listed.iter().any(|s| s.session == "run-blocked"),
+            "{kind:?}: {listed:?}"
+        );
+        tokio::time::sleep(ttl + std::time::Duration::from_millis(400)).await;
+        assert!(
+            store.get(&blocked).await.unwrap().is_none(),
+            "{kind:?}: the block and its session expired"
+        );
+        let seen = store.record(&blocked, &turn(101), limits).await.unwrap();
+        assert_eq!(
+            (seen.state.blocked_at_ms, seen.window.len()),
+            (0, 0),
+            "{kind:?}"
+        );
     }
 }
 

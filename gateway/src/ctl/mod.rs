@@ -325,6 +325,8 @@ pub async fn run(cli: Cli, out: &mut impl Write) -> anyhow::Result<()> {
         Command::Guard { command } => command.run(&admin).await?,
         Command::Sessions { command } => command.run(&admin).await?,
         Command::Report { command, format } => {
+            // `--json` means JSON for every command, reports included.
+            let format = if cli.json { Format::Json } else { format };
             return command.run(&admin).await?.write(format, out);
         }
     };

@@ -4,6 +4,7 @@ use clap::Subcommand;
 use reqwest::Method;
 
 use super::{query, Admin, Answer, Report, Section};
+use crate::ledger::loops::{DetectedLoop, LoopTotals};
 use crate::ledger::report::{Explanation, ReportLine, WeeklyReport};
 use crate::routes::admin::LoopsReport;
 use crate::types::price::Usd;
@@ -37,15 +38,20 @@ pub enum ReportCommand {
         #[arg(long)]
         tenant: Option<String>,
     },
-    /// Keys/sessions repeating the same request at a steady cadence (agent loops), with cost.
+    /// Agent loops: those the guard caught (what each burned before and after it was caught,
+    /// and what refusing it avoided), and keys/sessions repeating the same request at a steady
+    /// cadence found from billing data alone.
     #[command(after_help = "Example:\n  gatewayctl report loops --hours 24 --format csv")]
     Loops {
         /// Look back this many hours.
         #[arg(long, default_value_t = 24)]
         hours: u32,
-        /// Least repeats of the same request.
+        /// Least repeats of the same request (billing data).
         #[arg(long, default_value_t = 5)]
         min_repeats: usize,
+        /// Only this tenant.
+        #[arg(long)]
+        tenant: Option<String>,
     },
 }
 
@@ -84,6 +90,7 @@ impl ReportCommand {
                         rows: lines.iter().map(weekly_row).collect(),
                     });
                 }
+                sections.extend(detected_sections(&r.loops.total, &r.loops.top));
                 Report {
                     json: a.json,
                     sections,
@@ -104,18 +111,23 @@ impl ReportCommand {
                     json: a.json,
                 }
             }
-            Self::Loops { hours, min_repeats } => {
+            Self::Loops {
+                hours,
+                min_repeats,
+                tenant,
+            } => {
                 let (hours, min_repeats) = (hours.to_string(), min_repeats.to_string());
                 let path = query(
                     "reports/loops",
                     &[
                         ("hours", Some(hours.as_str())),
                         ("min_repeats", Some(min_repeats.as_str())),
+                        ("tenant", tenant.as_deref()),
                     ],
                 );
                 let a: Answer<LoopsReport> = admin.call(Method::GET, &path, None).await?;
-                let rows = a
-                    .body
+                let r = &a.body;
+                let rows = r
                     .data
                     .iter()
                     .map(|f| {
@@ -130,25 +142,82 @@ impl ReportCommand {
                         ]
                     })
                     .collect();
+                let mut sections = detected_sections(&r.detected_total, &r.detected);
+                sections.push(Section {
+                    title: "Repeated requests at a steady cadence (from billing data)".into(),
+                    header: &[
+                        "TENANT",
+                        "KEY",
+                        "SESSION",
+                        "FINGERPRINT",
+                        "REPEATS",
+                        "EVERY (s)",
+                        "COST $",
+                    ],
+                    rows,
+                });
                 Report {
                     json: a.json,
-                    sections: vec![Section {
-                        title: "Repeated requests at a steady cadence".into(),
-                        header: &[
-                            "TENANT",
-                            "KEY",
-                            "SESSION",
-                            "FINGERPRINT",
-                            "REPEATS",
-                            "EVERY (s)",
-                            "COST $",
-                        ],
-                        rows,
-                    }],
+                    sections,
                 }
             }
         })
     }
+}
+
+/// The loops the guard caught: a totals line, then one line per loop.
+fn detected_sections(total: &LoopTotals, loops: &[DetectedLoop]) -> Vec<Section> {
+    let rows = loops
+        .iter()
+        .map(|l| {
+            vec![
+                l.tenant.clone(),
+                l.session.clone(),
+                l.detected_at
+                    .to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                l.repeats.to_string(),
+                format!("{} ({})", Usd(l.burned_before_micros), l.requests_before),
+                format!("{} ({})", Usd(l.burned_after_micros), l.flagged_requests),
+                format!("{} ({})", Usd(l.avoided_micros), l.refused),
+            ]
+        })
+        .collect();
+    vec![
+        Section {
+            title: "Agent loops the guard caught".into(),
+            header: &[
+                "LOOPS",
+                "SESSIONS",
+                "BURNED BEFORE CAUGHT $",
+                "BURNED AFTER (FLAGGED) $",
+                "REFUSED",
+                "AVOIDED $",
+            ],
+            rows: vec![vec![
+                total.loops.to_string(),
+                total.sessions.to_string(),
+                Usd(total.burned_before_micros).to_string(),
+                Usd(total.burned_after_micros).to_string(),
+                total.refused.to_string(),
+                Usd(total.avoided_micros).to_string(),
+            ]],
+        },
+        Section {
+            title: "Each loop: cost before it was caught (its earlier steps), after (flagged \
+                    requests answered) and avoided (refused requests)"
+                .into(),
+            header: &[
+                "TENANT",
+                "SESSION",
+                "CAUGHT AT",
+                "REPEATS",
+                "BEFORE $ (REQ)",
+                "AFTER $ (REQ)",
+                "AVOIDED $ (REFUSED)",
+            ],
+            rows,
+        },
+    ]
 }
 
 fn weekly_row(l: &ReportLine) -> Vec<String> {

@@ -3,6 +3,7 @@
 //! request path, spooled to local disk while the database is unreachable.
 
 pub mod journal;
+pub mod loops;
 pub mod postgres;
 pub mod report;
 pub mod spool;
@@ -59,6 +60,15 @@ pub trait LedgerStore: Send + Sync + 'static {
         to: DateTime<Utc>,
         min: usize,
     ) -> Result<Vec<report::RepeatRow>, StoreError>;
+    /// The rows of every session the guard marked (flagged or refused) in `[from, to)`,
+    /// optionally one tenant's, from [`loops::lookback`] before `from`, ordered by session and
+    /// time: what [`loops::detected`] reads.
+    async fn guard_rows(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+        tenant: Option<&str>,
+    ) -> Result<Vec<loops::GuardRow>, StoreError>;
 }
 
 /// Body of [`LedgerStore::rows_between`], identical for both stores.

@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 use chrono::{DateTime, Datelike, Duration, NaiveDate, TimeZone, Utc, Weekday};
 use serde::{Deserialize, Serialize};
 
+use super::loops::{self, DetectedLoop, LoopTotals};
 use super::LedgerStore;
 use crate::store::StoreError;
 
@@ -358,7 +359,24 @@ pub struct WeeklyReport {
     pub total: ReportLine,
     /// By dimension, biggest spend first.
     pub by: BTreeMap<String, Vec<ReportLine>>,
+    /// Agent loops the guard found this week.
+    #[serde(default)]
+    pub loops: WeeklyLoops,
 }
+
+/// The weekly report's agent loops: totals, and the most expensive ones.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct WeeklyLoops {
+    /// Over every loop found this week.
+    pub total: LoopTotals,
+    /// The week before.
+    pub previous: LoopTotals,
+    /// The [`TOP_LOOPS`] most expensive.
+    pub top: Vec<DetectedLoop>,
+}
+
+/// Loops listed by name in the weekly report.
+pub const TOP_LOOPS: usize = 10;
 
 async fn grouped(
     ledger: &dyn LedgerStore,
@@ -421,6 +439,10 @@ pub async fn weekly(
         let prev = grouped(ledger, previous, tenant, &[dim]).await?;
         by.insert(name.to_owned(), lines(this, prev));
     }
+    let mut found = loops::detected(ledger, week.start(), week.end(), tenant).await?;
+    let before = loops::detected(ledger, previous.start(), previous.end(), tenant).await?;
+    let total_loops = LoopTotals::of(&found);
+    found.truncate(TOP_LOOPS);
     Ok(WeeklyReport {
         week: week.to_string(),
         previous_week: previous.to_string(),
@@ -429,6 +451,11 @@ pub async fn weekly(
             ..total
         },
         by,
+        loops: WeeklyLoops {
+            total: total_loops,
+            previous: LoopTotals::of(&before),
+            top: found,
+        },
     })
 }
 

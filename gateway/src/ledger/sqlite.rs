@@ -127,6 +127,15 @@ impl LedgerStore for SqliteLedger {
         super::repeats_body!(&self.pool, from, to, min)
     }
 
+    async fn guard_rows(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+        tenant: Option<&str>,
+    ) -> Result<Vec<super::loops::GuardRow>, StoreError> {
+        super::loops::guard_rows_body!(&self.pool, from, to, tenant)
+    }
+
     async fn spend_since(&self, from: DateTime<Utc>) -> Result<Vec<super::SpendRow>, StoreError> {
         super::spend_since_body!(&self.pool, from)
     }

@@ -13,6 +13,7 @@ use serde_json::{json, Value};
 
 use crate::error::ApiError;
 use crate::keys;
+use crate::ledger::loops::{self, DetectedLoop, LoopTotals};
 use crate::ledger::report::{self, Explanation, IsoWeek, LoopFinding, WeeklyReport};
 use crate::pricing::{usd_to_micros, MicrosPerMtok, Price};
 use crate::routes::Query;
@@ -346,25 +347,49 @@ pub struct LoopsReport {
     pub object: ListObject,
     /// Start of the look-back.
     pub since: DateTime<Utc>,
-    /// Least repeats of the same request counted as a loop.
+    /// Least repeats of the same request counted as a loop (billing data).
     pub min_repeats: usize,
-    /// The loops found.
+    /// Found from billing data alone: the same request repeated at a steady cadence.
     pub data: Vec<LoopFinding>,
+    /// Found by the guard step on the request path, most expensive first.
+    #[serde(default)]
+    pub detected: Vec<DetectedLoop>,
+    /// Totals over `detected`.
+    #[serde(default)]
+    pub detected_total: LoopTotals,
 }
 
-/// `GET /admin/v1/reports/loops[?hours=24&min_repeats=5]`
+/// The longest look-back of the loops report: a year.
+const MAX_LOOKBACK_HOURS: u32 = 366 * 24;
+
+/// `GET /admin/v1/reports/loops[?hours=24&min_repeats=5&tenant=…]`
 pub async fn loops_report(
     State(state): State<AppState>,
     Query(q): Query<ReportQuery>,
 ) -> Result<Json<LoopsReport>, ApiError> {
+    let hours = q.hours.unwrap_or(24);
+    if !(1..=MAX_LOOKBACK_HOURS).contains(&hours) {
+        return Err(ApiError::invalid(
+            "hours",
+            format!("`hours` must be between 1 and {MAX_LOOKBACK_HOURS}, got {hours}"),
+        ));
+    }
     let now = chrono::Utc::now();
-    let since = now - chrono::Duration::hours(i64::from(q.hours.unwrap_or(24)));
+    let since = now - chrono::Duration::hours(i64::from(hours));
     let min = q.min_repeats.unwrap_or(5).max(2);
-    let found = report::loops(ledger(&state)?, since, now, min, 0.5).await?;
+    let store = ledger(&state)?;
+    let tenant = q.tenant.as_deref().filter(|t| !t.is_empty());
+    let mut found = report::loops(store, since, now, min, 0.5).await?;
+    if let Some(t) = tenant {
+        found.retain(|f| f.tenant == t);
+    }
+    let detected = loops::detected(store, since, now, tenant).await?;
     Ok(Json(LoopsReport {
         object: ListObject::List,
         since,
         min_repeats: min,
         data: found,
+        detected_total: LoopTotals::of(&detected),
+        detected,
     }))
 }

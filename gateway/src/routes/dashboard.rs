@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
 use crate::error::ApiError;
-use crate::ledger::report::{self, Explanation, IsoWeek, ReportLine, WeeklyReport};
+use crate::ledger::report::{self, Explanation, IsoWeek, ReportLine, WeeklyLoops, WeeklyReport};
 use crate::routes::Query;
 use crate::routes::{ledger, week};
 use crate::state::AppState;
@@ -166,6 +166,7 @@ fn render(
         let lines = r.by.get(dim).map(Vec::as_slice).unwrap_or_default();
         html.push_str(&chart(dim, title, color, lines));
     }
+    html.push_str(&loops(&r.loops));
     html.push_str(&explanation(e));
     html.push_str(
         "<footer>Amounts are exact: the ledger's micro-dollars shown as USD with 6 decimals. \
@@ -269,6 +270,75 @@ fn chart(dim: &str, title: &str, color: &str, lines: &[ReportLine]) -> String {
             pct = percent(l.this.cost, l.previous.cost),
             requests = l.this.requests,
             waste = usd(l.this.waste()),
+        ));
+    }
+    out.push_str("</tbody>\n</table>\n</section>\n");
+    out
+}
+
+/// The agent loops the guard caught: what they burned before and after being caught, and what
+/// refusing their requests avoided, then the most expensive loops.
+fn loops(l: &WeeklyLoops) -> String {
+    let (a, b) = (&l.total, &l.previous);
+    let mut out = String::from(
+        r#"<section class="loops" id="loops">
+<h2>Agent loops the guard caught</h2>
+<div class="headline">
+"#,
+    );
+    out.push_str(&format!(
+        r#"<div class="card" id="loops-count" data-value="{this}"><div class="label">Loops caught</div><div class="value">{this}</div><div class="change">in {sessions} sessions; {previous} the week before</div></div>
+"#,
+        this = a.loops,
+        sessions = a.sessions,
+        previous = b.loops,
+    ));
+    out.push_str(&card_money(
+        "loops-before",
+        "Burned before caught",
+        a.burned_before_micros,
+        b.burned_before_micros,
+    ));
+    out.push_str(&card_money(
+        "loops-after",
+        "Burned after (flagged, answered)",
+        a.burned_after_micros,
+        b.burned_after_micros,
+    ));
+    out.push_str(&card_money(
+        "loops-avoided",
+        "Avoided by throttle/block",
+        a.avoided_micros,
+        b.avoided_micros,
+    ));
+    out.push_str("</div>\n");
+    if l.top.is_empty() {
+        out.push_str("<p class=\"nav\">No agent loop caught this week.</p>\n</section>\n");
+        return out;
+    }
+    out.push_str(
+        r#"<table class="amounts" id="table-loops">
+<thead><tr><th>Tenant</th><th>Session</th><th>Caught at (UTC)</th><th>Repeats</th><th>Before caught</th><th>After</th><th>Refused</th><th>Avoided</th></tr></thead>
+<tbody>
+"#,
+    );
+    for d in &l.top {
+        out.push_str(&format!(
+            r#"<tr data-session="{session}" data-cost-micros="{burned}" data-avoided-micros="{avoided_micros}"><td>{tenant}</td><td title="{session}">{short}</td><td>{at}</td><td class="num">{repeats}</td><td class="num">{before} ({before_n})</td><td class="num">{after} ({after_n})</td><td class="num">{refused}</td><td class="num">{avoided}</td></tr>
+"#,
+            session = escape(&d.session),
+            short = escape(&shorten(&d.session, 30)),
+            tenant = escape(&d.tenant),
+            burned = d.burned(),
+            avoided_micros = d.avoided_micros,
+            at = d.detected_at.format("%a %H:%M:%S"),
+            repeats = d.repeats,
+            before = usd(d.burned_before_micros),
+            before_n = d.requests_before,
+            after = usd(d.burned_after_micros),
+            after_n = d.flagged_requests,
+            refused = d.refused,
+            avoided = usd(d.avoided_micros),
         ));
     }
     out.push_str("</tbody>\n</table>\n</section>\n");

@@ -91,6 +91,8 @@ pub struct Step {
     action_text: String,
     /// The outcome's masked text; bounded.
     outcome_text: String,
+    /// Words of a tool call's argument values (sorted hashes; empty for a text reply).
+    words: Vec<u64>,
 }
 
 impl Step {
@@ -192,7 +194,10 @@ fn detect_steps(steps: &[Step], d: Detect<'_>) -> Option<Loop> {
     };
     let same = |a: usize, b: usize| {
         let (x, y) = (&steps[a], &steps[b]);
-        x.fingerprint == y.fingerprint || (x.action == y.action && x.shape == y.shape) || near(a, b)
+        x.fingerprint == y.fingerprint
+            || (x.action == y.action && x.shape == y.shape)
+            || similar_actions(x, y)
+            || near(a, b)
     };
     let (repeats, period) = repetition(steps.len(), same, d.repeats)?;
     let n = steps.len();
@@ -254,7 +259,13 @@ fn ask(tail: &[Value], texts: bool) -> Option<Step> {
         }
         role.hash(&mut h);
         let t = text_of(m.get("content"));
-        normalised(&t, &mut h, texts.then_some(&mut text), Some(&mut shape));
+        normalised(
+            &t,
+            &mut h,
+            None,
+            texts.then_some(&mut text),
+            Some(&mut shape),
+        );
     }
     let fingerprint = h.finish();
     (fingerprint != FixedState::default().build_hasher().finish()).then(|| Step {
@@ -266,6 +277,7 @@ fn ask(tail: &[Value], texts: bool) -> Option<Step> {
         what: "the same request".to_owned(),
         action_text: String::new(),
         outcome_text: bounded_text(&text),
+        words: Vec::new(),
     })
 }
 
@@ -287,6 +299,7 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
         names: u64,
         what: String,
         action: Vec<u8>,
+        words: Vec<u64>,
         result: Vec<u8>,
     }
     let close = |o: Open| Step {
@@ -298,6 +311,7 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
         what: o.what,
         action_text: bounded_text(&o.action),
         outcome_text: bounded_text(&o.result),
+        words: o.words,
     };
     let mut out: Vec<Step> = Vec::new();
     let mut current: Option<Open> = None;
@@ -309,7 +323,8 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
             }
             let mut h = FixedState::default().build_hasher();
             let mut action = Vec::new();
-            let (what, names) = action_of(m, &mut h, texts.then_some(&mut action));
+            let mut words = Vec::new();
+            let (what, names) = action_of(m, &mut h, texts.then_some(&mut action), &mut words);
             let action_hash = h.finish();
             current = Some(Open {
                 h,
@@ -319,21 +334,20 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
                 names,
                 what,
                 action,
+                words,
                 result: Vec::new(),
             });
         } else if let Some(o) = current.as_mut() {
             // What came back: tool results, or the user's (or a harness's) reply.
             role.hash(&mut o.h);
             role.hash(&mut o.outcome);
-            let start = o.result.len();
             normalised(
                 &text_of(m.get("content")),
                 &mut o.h,
+                Some(&mut o.outcome),
                 texts.then_some(&mut o.result),
                 Some(&mut o.shape),
             );
-            // The outcome alone is compared only between near-duplicate candidates.
-            o.outcome.write(&o.result[start..]);
         }
     }
     if let Some(o) = current {
@@ -344,7 +358,12 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
 
 /// Hash an assistant turn's action into `h` and write its text to `text` (when kept); returns
 /// what it is (for people) and a hash of the tools it called (0: a text reply).
-fn action_of(m: &Value, h: &mut FoldHasher, mut text: Option<&mut Vec<u8>>) -> (String, u64) {
+fn action_of(
+    m: &Value,
+    h: &mut FoldHasher,
+    mut text: Option<&mut Vec<u8>>,
+    words: &mut Vec<u64>,
+) -> (String, u64) {
     let calls = m
         .get("tool_calls")
         .and_then(Value::as_array)
@@ -357,7 +376,8 @@ fn action_of(m: &Value, h: &mut FoldHasher, mut text: Option<&mut Vec<u8>>) -> (
             t.extend_from_slice(name.as_bytes());
             t.push(b' ');
         }
-        compact(args, h, text.as_deref_mut());
+        let masked = compact(args, h, text.as_deref_mut());
+        value_words(&masked, words);
         if let Some(t) = text.as_deref_mut() {
             t.push(b'\n');
         }
@@ -390,7 +410,13 @@ fn action_of(m: &Value, h: &mut FoldHasher, mut text: Option<&mut Vec<u8>>) -> (
         );
         return (format!("function call `{name}`"), names_h.finish() | 1);
     }
-    normalised(&text_of(m.get("content")), h, text, None);
+    let content = text_of(m.get("content"));
+    if content.trim_start().starts_with(['{', '[']) {
+        // A JSON reply (a ReAct-style action object): its keys in order, its spacing ignored.
+        compact(&content, h, text);
+    } else {
+        normalised(&content, h, None, text, None);
+    }
     ("assistant reply".to_owned(), 0)
 }
 
@@ -402,7 +428,7 @@ const CANONICAL_ARGS: usize = 64 * 1024;
 /// back with sorted keys and no spacing (the same call with its keys in another order is the
 /// same call), then masked like any text (a fresh idempotency key or request id does not make a
 /// new call; a moved offset does).
-fn compact(json: &str, h: &mut FoldHasher, text: Option<&mut Vec<u8>>) {
+fn compact(json: &str, h: &mut FoldHasher, text: Option<&mut Vec<u8>>) -> Vec<u8> {
     let canonical = (json.len() <= CANONICAL_ARGS)
         .then(|| serde_json::from_str::<Value>(json).ok())
         .flatten()
@@ -421,6 +447,95 @@ fn compact(json: &str, h: &mut FoldHasher, text: Option<&mut Vec<u8>>) {
     if let Some(text) = text.filter(|t| t.len() < TEXT_KEPT) {
         text.extend_from_slice(&out[..out.len().min(TEXT_KEPT)]);
     }
+    out
+}
+
+/// Words of a tool call's arguments read for [`similar_actions`], at most.
+const WORDS_KEPT: usize = 64;
+
+/// The words of the string values in masked JSON `json` (not its keys): runs of two or more
+/// ASCII letters, lowercased, hashed, into `words` (sorted, deduplicated, at most
+/// [`WORDS_KEPT`] read).
+fn value_words(json: &[u8], words: &mut Vec<u64>) {
+    let mut in_string = false;
+    let mut escaped = false;
+    let mut string_words: Vec<u64> = Vec::new();
+    let mut word: Vec<u8> = Vec::new();
+    let mut read = words.len();
+    let flush = |word: &mut Vec<u8>, into: &mut Vec<u64>| {
+        if word.len() >= 2 {
+            let mut h = FixedState::default().build_hasher();
+            h.write(word);
+            into.push(h.finish());
+        }
+        word.clear();
+    };
+    let mut i = 0;
+    while i < json.len() && read < WORDS_KEPT {
+        let b = json[i];
+        i += 1;
+        if !in_string {
+            if b == b'"' {
+                in_string = true;
+            }
+            continue;
+        }
+        if escaped {
+            // `\n`, `\t`, … separate words; an escaped letter is not part of one.
+            escaped = false;
+            flush(&mut word, &mut string_words);
+            continue;
+        }
+        match b {
+            b'\\' => escaped = true,
+            b'"' => {
+                in_string = false;
+                flush(&mut word, &mut string_words);
+                let next = json[i..].iter().find(|c| !c.is_ascii_whitespace());
+                if next != Some(&b':') {
+                    read += string_words.len();
+                    words.append(&mut string_words);
+                }
+                string_words.clear();
+            }
+            b if b.is_ascii_alphabetic() => word.push(b.to_ascii_lowercase()),
+            _ => flush(&mut word, &mut string_words),
+        }
+    }
+    words.sort_unstable();
+    words.dedup();
+}
+
+/// Share of word sets two tool calls need in common (Jaccard) to be the same attempt reworded,
+/// when they called the same tools and got the same result back.
+pub const SIMILAR_ACTIONS: f64 = 0.7;
+
+/// Whether two tool calls are one attempt reworded: the same tools, the very same (masked)
+/// result, and arguments whose words mostly agree (`grep -rn 'def f' src` and `grep -Rn "def f"
+/// ./src/` both finding nothing; a search reworded that returns the same hits). A call whose
+/// result changed, or that asks for other things, is not.
+fn similar_actions(x: &Step, y: &Step) -> bool {
+    if !(x.is_tool() && x.names == y.names && x.outcome == y.outcome) {
+        return false;
+    }
+    let (a, b) = (&x.words, &y.words);
+    if a.is_empty() || b.is_empty() {
+        return false;
+    }
+    let (mut i, mut j, mut common) = (0, 0, 0usize);
+    while i < a.len() && j < b.len() {
+        match a[i].cmp(&b[j]) {
+            std::cmp::Ordering::Less => i += 1,
+            std::cmp::Ordering::Greater => j += 1,
+            std::cmp::Ordering::Equal => {
+                common += 1;
+                i += 1;
+                j += 1;
+            }
+        }
+    }
+    let union = a.len() + b.len() - common;
+    common as f64 >= SIMILAR_ACTIONS * union as f64
 }
 
 /// A message's text: the string, or its text parts joined.
@@ -445,6 +560,7 @@ fn text_of(content: Option<&Value>) -> Cow<'_, str> {
 fn normalised(
     text: &str,
     h: &mut FoldHasher,
+    also: Option<&mut FoldHasher>,
     kept: Option<&mut Vec<u8>>,
     shape: Option<&mut FoldHasher>,
 ) {
@@ -460,6 +576,10 @@ fn normalised(
     }
     h.write(&out);
     h.write_u8(0xff);
+    if let Some(also) = also {
+        also.write(&out);
+        also.write_u8(0xff);
+    }
     if let Some(shape) = shape {
         shape_into(&out, shape);
     }
@@ -700,6 +820,67 @@ mod tests {
             m.push(result(r.as_ref()));
         }
         m
+    }
+
+    #[test]
+    fn one_attempt_reworded_with_the_same_result_is_a_loop_and_other_attempts_are_not() {
+        let grep = |cmd: &str| call("bash", json!({ "command": cmd }));
+        let empty = "<returncode>1</returncode><output></output>";
+        let reworded = session(&[
+            (grep("grep -rn 'def load_plugins' src"), empty),
+            (grep("grep -Rn \"def load_plugins\" ./src/"), empty),
+            (
+                grep("grep -rn 'def load_plugins' ./src --include=*.py"),
+                empty,
+            ),
+        ]);
+        assert_eq!(in_request(&reworded).map(|l| l.repeats), Some(3));
+        // Looking for three different things and finding none is not one attempt repeated.
+        let different = session(&[
+            (grep("grep -rn 'def load_plugins' src"), empty),
+            (grep("grep -rn 'class PluginLoader' src"), empty),
+            (grep("grep -rn 'register_plugin' src"), empty),
+        ]);
+        assert_eq!(in_request(&different), None);
+        // Nor is the same search reworded when what comes back changes.
+        let search = |q: &str| call("web_search", json!({ "query": q, "page": 1 }));
+        let progressing = session(&[
+            (search("kafka rebalance storm causes"), "results: KIP-345"),
+            (
+                search("causes of kafka rebalance storms"),
+                "results: KIP-429",
+            ),
+            (
+                search("kafka consumer rebalance storm causes"),
+                "results: KIP-848",
+            ),
+        ]);
+        assert_eq!(in_request(&progressing), None);
+        // Keys are not words: two edits of other files with the same empty output differ.
+        let edit = |path: &str| call("write_file", json!({ "path": path, "content": "x = 1" }));
+        let edits = session(&[
+            (edit("src/app/models.py"), ""),
+            (edit("src/app/views.py"), ""),
+            (edit("docs/usage.md"), ""),
+        ]);
+        assert_eq!(in_request(&edits), None);
+    }
+
+    #[test]
+    fn a_json_reply_is_compared_with_its_spacing_ignored() {
+        let reply = |text: &str| json!({"role": "assistant", "content": text});
+        let error =
+            json!({"role": "user", "content": "Could not parse LLM output: action_input missing"});
+        let mut m = vec![json!({"role": "user", "content": "Where does the Rhine rise?"})];
+        for text in [
+            r#"{"thought": "Switzerland.", "action": "finish"}"#,
+            r#"{"thought": "Switzerland.","action": "finish"}"#,
+            r#"{"action":"finish", "thought":"Switzerland."}"#,
+        ] {
+            m.push(reply(text));
+            m.push(error.clone());
+        }
+        assert_eq!(in_request(&m).map(|l| l.repeats), Some(3));
     }
 
     #[test]

@@ -149,7 +149,10 @@ impl GuardStore for MemoryGuard {
             st.last_loop = Some(found.clone());
         }
         if let Some(at) = mark.blocked_at_ms {
-            st.blocked_at_ms = at;
+            // The first block stands: its time, and the expiry counted from it.
+            if st.blocked_at_ms == 0 {
+                st.blocked_at_ms = at;
+            }
             drop(s);
             // Moved out of the active sessions: when the block expires the session is gone.
             if !self.blocked.contains_key(key) {

@@ -175,7 +175,10 @@ impl Guard {
                 request: req.request,
                 text: !step.is_tool(),
                 answered: false,
-                sketch: near.and_then(|n| n.sketch(&step.text())),
+                // Only text turns are compared by sketch across requests.
+                sketch: near
+                    .filter(|_| !step.is_tool())
+                    .and_then(|n| n.sketch(&step.text())),
             });
         let turn = turn.unwrap_or(Turn {
             at_ms: now,

@@ -16,12 +16,13 @@ if ARGV[5] ~= '' then
   -- Blocked until an admin clears it or the block's ttl ends (the index keeps it listed).
   local at = tonumber(ARGV[5])
   local ttl = tonumber(ARGV[8])
+  -- The first block stands: its time, and the expiry counted from it.
   if not redis.call('HGET', KEYS[1], 'bk') then
+    redis.call('HSET', KEYS[1], 'bk', ARGV[5])
     redis.call('PEXPIRE', KEYS[1], ttl)
     redis.call('PEXPIRE', KEYS[2], ttl)
     redis.call('ZADD', KEYS[3], at, ARGV[7])
   end
-  redis.call('HSET', KEYS[1], 'bk', ARGV[5])
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', at - ttl)
   redis.call('PEXPIRE', KEYS[3], ttl)
 end

@@ -1,0 +1,284 @@
+//! One conformance suite for the guard's session stores: the in-process [`MemoryGuard`], Redis
+//! and Redis Cluster ([`RedisGuard`]) must answer every call alike — the window, retries, the
+//! decisions written back, settlement, listing, clearing and a block's expiry.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use e2e::BudgetKind;
+use gateway::guard::memory::MemoryGuard;
+use gateway::guard::near::{Sketch, SKETCH_DIM};
+use gateway::guard::redis::RedisGuard;
+use gateway::guard::store::{GuardStore, Limits, LoopNote, Mark, SessionKey, Turn};
+
+/// A store of `kind` keeping at most `max` sessions in memory, blocks lasting `block_ttl`.
+fn store(kind: BudgetKind, max: u64, block_ttl: Duration) -> Arc<dyn GuardStore> {
+    match kind {
+        BudgetKind::Memory => {
+            Arc::new(MemoryGuard::new(max, Duration::from_secs(3600)).with_block_ttl(block_ttl))
+        }
+        _ => Arc::new(
+            RedisGuard::new(kind.redis_urls(), Duration::from_secs(2))
+                .unwrap()
+                .with_block_ttl(block_ttl),
+        ),
+    }
+}
+
+/// A tenant id no other test (or earlier run against the same Redis) uses.
+fn fresh_tenant() -> String {
+    format!("ten_conf_{}", uuid::Uuid::new_v4().simple())
+}
+
+const LIMITS: Limits = Limits {
+    turns: 4,
+    ttl_ms: 3_600_000,
+};
+
+fn turn(at_ms: i64, step: u64, request: u64) -> Turn {
+    Turn {
+        at_ms,
+        step,
+        request,
+        text: false,
+        answered: false,
+        sketch: None,
+    }
+}
+
+#[tokio::test]
+async fn the_window_keeps_the_latest_turns_and_a_retry_of_an_unanswered_request_is_not_a_turn() {
+    for kind in e2e::BUDGET_STORES {
+        let s = store(kind, 100, Duration::from_secs(60));
+        let key = SessionKey::new(&fresh_tenant(), "run-1");
+        let first = s.record(&key, &turn(1_000, 11, 101), LIMITS).await.unwrap();
+        assert!(
+            first.window.is_empty() && !first.retry,
+            "{kind:?}: {first:?}"
+        );
+        assert_eq!(first.state.requests, 0, "{kind:?}: the session as it was");
+
+        // The same request again, unanswered: a client retry, not added.
+        let again = s.record(&key, &turn(1_100, 11, 101), LIMITS).await.unwrap();
+        assert!(again.retry, "{kind:?}");
+        assert_eq!(again.window.len(), 1, "{kind:?}");
+        // Answered, then sent again: a new turn (the agent repeated itself).
+        s.settle(&key, 101, true, 250).await.unwrap();
+        let repeat = s.record(&key, &turn(1_200, 11, 101), LIMITS).await.unwrap();
+        assert!(!repeat.retry, "{kind:?}");
+        assert!(
+            repeat.window[0].answered,
+            "{kind:?}: settle marked it answered"
+        );
+        assert_eq!(repeat.state.last_cost_micros, 250, "{kind:?}");
+
+        for n in 0..5 {
+            s.record(
+                &key,
+                &turn(2_000 + n, 20 + n as u64, 200 + n as u64),
+                LIMITS,
+            )
+            .await
+            .unwrap();
+        }
+        let seen = s.record(&key, &turn(3_000, 99, 999), LIMITS).await.unwrap();
+        let steps: Vec<u64> = seen.window.iter().map(|t| t.step).collect();
+        assert_eq!(
+            steps,
+            vec![21, 22, 23, 24],
+            "{kind:?}: the latest {} turns",
+            LIMITS.turns
+        );
+        assert_eq!(
+            (
+                seen.state.first_seen_ms,
+                seen.state.last_seen_ms,
+                seen.state.requests
+            ),
+            (1_000, 2_004, 8),
+            "{kind:?}: retries count as requests"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_turn_round_trips_with_its_flags_and_sketch() {
+    let mut sketch = [0i8; SKETCH_DIM];
+    for (i, x) in sketch.iter_mut().enumerate() {
+        *x = i8::try_from(i % 255).unwrap_or(0) - 64;
+    }
+    for kind in e2e::BUDGET_STORES {
+        let s = store(kind, 100, Duration::from_secs(60));
+        let key = SessionKey::new(&fresh_tenant(), "run-sketch");
+        let t = Turn {
+            at_ms: 5_000,
+            step: u64::MAX - 7,
+            request: 0x0123_4567_89ab_cdef,
+            text: true,
+            answered: false,
+            sketch: Some(Sketch(sketch)),
+        };
+        s.record(&key, &t, LIMITS).await.unwrap();
+        let seen = s.record(&key, &turn(5_001, 1, 2), LIMITS).await.unwrap();
+        assert_eq!(seen.window, vec![t], "{kind:?}");
+    }
+}
+
+#[tokio::test]
+async fn decisions_written_back_add_up_and_listing_is_most_recent_first() {
+    for kind in e2e::BUDGET_STORES {
+        let s = store(kind, 100, Duration::from_secs(60));
+        let tenant = fresh_tenant();
+        let key = SessionKey::new(&tenant, "run-a");
+        // Marking or settling a session never seen is a no-op, not an error.
+        s.mark(
+            &key,
+            &Mark {
+                flagged: true,
+                ..Mark::default()
+            },
+        )
+        .await
+        .unwrap();
+        s.settle(&key, 1, true, 10).await.unwrap();
+        assert!(s.get(&key).await.unwrap().is_none(), "{kind:?}");
+
+        s.record(&key, &turn(1_000, 1, 1), LIMITS).await.unwrap();
+        let note = LoopNote {
+            what: "tool call `run_tests`".into(),
+            repeats: 3,
+            period: 1,
+            at_ms: 1_000,
+        };
+        s.mark(
+            &key,
+            &Mark {
+                flagged: true,
+                found: Some(note.clone()),
+                ..Mark::default()
+            },
+        )
+        .await
+        .unwrap();
+        s.settle(&key, 1, true, 300).await.unwrap();
+        for avoided in [300, 300] {
+            s.mark(
+                &key,
+                &Mark {
+                    refused: Some(avoided),
+                    cooldown_until_ms: Some(61_000),
+                    ..Mark::default()
+                },
+            )
+            .await
+            .unwrap();
+        }
+        s.settle(&key, 2, false, 0).await.unwrap();
+        let info = s.get(&key).await.unwrap().unwrap();
+        let st = &info.state;
+        assert_eq!(
+            (st.flagged, st.refused, st.avoided_micros, st.cost_micros),
+            (1, 2, 600, 300),
+            "{kind:?}: {st:?}"
+        );
+        assert_eq!(
+            (st.cooldown_until_ms, st.blocked_at_ms, st.last_cost_micros),
+            (61_000, 0, 300),
+            "{kind:?}"
+        );
+        assert_eq!(st.last_loop.as_ref(), Some(&note), "{kind:?}");
+        assert_eq!(info.turns, 1, "{kind:?}");
+
+        for (n, at) in [("run-b", 3_000), ("run-c", 2_000)] {
+            s.record(&SessionKey::new(&tenant, n), &turn(at, 1, 1), LIMITS)
+                .await
+                .unwrap();
+        }
+        let listed: Vec<String> = s
+            .list(&tenant, 2)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|i| i.session)
+            .collect();
+        assert_eq!(listed, vec!["run-b", "run-c"], "{kind:?}");
+        assert!(
+            s.list(&fresh_tenant(), 10).await.unwrap().is_empty(),
+            "{kind:?}: per tenant"
+        );
+
+        assert!(s.clear(&key).await.unwrap(), "{kind:?}");
+        assert!(!s.clear(&key).await.unwrap(), "{kind:?}: cleared already");
+        assert!(s.get(&key).await.unwrap().is_none(), "{kind:?}");
+        let fresh = s.record(&key, &turn(4_000, 1, 1), LIMITS).await.unwrap();
+        assert_eq!(fresh.state.refused, 0, "{kind:?}: cleared means forgotten");
+    }
+}
+
+#[tokio::test]
+async fn a_block_lasts_its_ttl_and_busy_sessions_do_not_push_it_out() {
+    let ttl = Duration::from_millis(1200);
+    for kind in e2e::BUDGET_STORES {
+        let s = store(kind, 10, ttl);
+        let tenant = fresh_tenant();
+        let now = chrono::Utc::now().timestamp_millis();
+        let blocked = SessionKey::new(&tenant, "run-blocked");
+        s.record(&blocked, &turn(now, 1, 1), LIMITS).await.unwrap();
+        let block = Mark {
+            refused: Some(10),
+            blocked_at_ms: Some(now),
+            ..Mark::default()
+        };
+        s.mark(&blocked, &block).await.unwrap();
+        // More sessions than the in-memory store keeps: the blocked one is kept apart.
+        for n in 0..30u64 {
+            let other = SessionKey::new(&tenant, &format!("busy-{n}"));
+            s.record(&other, &turn(now + 1, n, n), LIMITS)
+                .await
+                .unwrap();
+        }
+        let seen = s
+            .record(&blocked, &turn(now + 100, 2, 2), LIMITS)
+            .await
+            .unwrap();
+        assert_eq!(seen.state.blocked_at_ms, now, "{kind:?}: still blocked");
+        // A second block mark (another refused request) keeps the first block's time.
+        s.mark(
+            &blocked,
+            &Mark {
+                refused: Some(10),
+                blocked_at_ms: Some(now + 100),
+                ..Mark::default()
+            },
+        )
+        .await
+        .unwrap();
+        let info = s.get(&blocked).await.unwrap().unwrap();
+        assert_eq!(
+            (info.state.blocked_at_ms, info.state.refused),
+            (now, 2),
+            "{kind:?}"
+        );
+        let listed = s.list(&tenant, 5).await.unwrap();
+        assert!(
+            listed.len() <= 5 && listed.iter().any(|i| i.session == "run-blocked"),
+            "{kind:?}: {listed:?}"
+        );
+        tokio::time::sleep(ttl + Duration::from_millis(400)).await;
+        assert!(
+            s.get(&blocked).await.unwrap().is_none(),
+            "{kind:?}: the block and its session expired"
+        );
+        let seen = s
+            .record(&blocked, &turn(now + 200, 3, 3), LIMITS)
+            .await
+            .unwrap();
+        assert_eq!(
+            (seen.state.blocked_at_ms, seen.window.len()),
+            (0, 0),
+            "{kind:?}: the session starts afresh"
+        );
+    }
+}

@@ -121,6 +121,25 @@ impl StaticEmbedder {
         self.dim
     }
 
+    /// The same tokenizer over a table whose every row is mapped by `f` into `dim` values (a
+    /// linear projection, say: then a text's vector is the projection of its vector, computed
+    /// at the cost of `dim`-sized rows).
+    pub fn map_rows(&self, dim: usize, f: impl Fn(&[f32], &mut [f32])) -> Self {
+        let mut table = vec![0.0f32; self.table.len() / self.dim.max(1) * dim];
+        for (row, out) in self
+            .table
+            .chunks_exact(self.dim.max(1))
+            .zip(table.chunks_exact_mut(dim.max(1)))
+        {
+            f(row, out);
+        }
+        Self {
+            dim,
+            table,
+            tokenizer: self.tokenizer.clone(),
+        }
+    }
+
     /// The static embedding of `text`: the L2-normalised mean of its tokens' vectors (zero for
     /// a text without tokens).
     pub fn embed(&self, text: &str) -> Result<Vec<f32>, EmbedError> {

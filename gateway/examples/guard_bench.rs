@@ -62,7 +62,64 @@ fn measure(name: &str, body: &Map<String, Value>) {
     );
 }
 
-fn main() {
+/// The whole step as the pipeline runs it (`Guard::check`, then `Guard::observe` at settle) on
+/// the in-process store, each call a new turn of one of `sessions` sessions.
+async fn measure_step(sessions: usize, body: &Map<String, Value>) -> anyhow::Result<()> {
+    use std::sync::Arc;
+    let store = gateway::store::open("sqlite::memory:").await?;
+    let config = gateway::config::GuardConfig::default();
+    let guard = gateway::guard::Guard::new(
+        config.clone(),
+        Arc::new(gateway::guard::memory::MemoryGuard::new(
+            config.max_sessions,
+            std::time::Duration::from_secs(config.session_ttl_secs),
+        )),
+        store,
+        None,
+        Arc::new(gateway::budget::SystemClock),
+        gateway::metrics::Metrics::new()?,
+    )
+    .await?;
+    let messages = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    let ids: Vec<String> = (0..sessions).map(|i| format!("session-{i}")).collect();
+    let mut times = Vec::with_capacity(50_000);
+    for n in 0..50_000u64 {
+        let id = &ids[n as usize % sessions];
+        let t = Instant::now();
+        let d = guard
+            .check(gateway::guard::Check {
+                tenant_id: "ten_bench",
+                tenant_name: "bench",
+                session: id,
+                messages: Some(&messages),
+                request: n,
+            })
+            .await;
+        guard.observe("ten_bench", id, n, true, 100).await;
+        std::hint::black_box(d);
+        times.push(t.elapsed().as_nanos() as f64 / 1000.0);
+    }
+    times.sort_by(f64::total_cmp);
+    let pct = |p: f64| times[((times.len() as f64 - 1.0) * p) as usize];
+    println!(
+        "check + observe, {} messages, {sessions} sessions: p50 {:.1} us, p99 {:.1} us",
+        messages.len(),
+        pct(0.5),
+        pct(0.99)
+    );
+    Ok(())
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
     measure("2-message request", &conversation(0));
     measure("60-message request", &conversation(29));
+    for sessions in [1, 10_000] {
+        measure_step(sessions, &conversation(0)).await?;
+    }
+    Ok(())
 }

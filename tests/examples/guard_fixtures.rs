@@ -4,7 +4,7 @@
 //! for each progressing one, whether anything was flagged.
 //!
 //! ```sh
-//! cargo run --release -p e2e --example guard_fixtures [-- --exact-only] [-- --verbose]
+//! cargo run --release -p e2e --example guard_fixtures [-- --exact-only] [--verbose] [--similarity 0.97]
 //! ```
 //!
 //! Near-duplicates use the static table in `models/all-MiniLM-L6-v2` (`gateway embed distill`).
@@ -33,7 +33,15 @@ async fn main() -> anyhow::Result<()> {
         Some(Arc::new(NearDup::with_model(Arc::new(table))))
     };
     let store = gateway::store::open("sqlite::memory:").await?;
-    let config = GuardConfig::default();
+    // `--similarity 0.97`: the near-duplicate threshold (default: the configuration's).
+    let mut config = GuardConfig::default();
+    if let Some(v) = args
+        .iter()
+        .position(|a| a == "--similarity")
+        .and_then(|i| args.get(i + 1))
+    {
+        config.similarity = v.parse()?;
+    }
     let (mut caught, mut late, mut missed, mut early, mut fp, mut progressing, mut looping) =
         (0, 0, 0, 0, 0, 0, 0);
     let mut delays = Vec::new();

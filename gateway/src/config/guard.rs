@@ -50,9 +50,9 @@ pub struct GuardConfig {
     pub block_ttl_secs: u64,
     /// Compare texts by their static embeddings (the cache's model directory,
     /// `cache.semantic.model_dir`), so a paraphrased re-ask is a repeat too. Loaded in the
-    /// background on the first request; about 50 MB. Off by default: every chat request then
-    /// pays a tokenization and a projection (saturation fell to 31% of the guard off in
-    /// `SESSIONS=10000 bench/ab.sh`), and its threshold is not yet tuned on the fixtures.
+    /// background on the first request. Off by default: on the agent-session fixtures every
+    /// threshold that catches paraphrased loops also flags progressing chats (2-9 of 45 for
+    /// similarity 0.99-0.93, docs/benchmarks.md).
     pub near_duplicates: bool,
 }
 

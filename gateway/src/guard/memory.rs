@@ -5,6 +5,7 @@
 //! `max_sessions` blocked sessions are kept (the oldest block goes first).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -24,22 +25,39 @@ struct Session {
 
 type Shared = Arc<Mutex<Session>>;
 
+/// The caches' hasher: foldhash, seeded per process (session ids come from clients).
+type Hasher = foldhash::fast::FixedState;
+
+type Sessions = Cache<SessionKey, Shared, Hasher>;
+
 /// Sessions in this process.
 pub struct MemoryGuard {
-    sessions: Cache<SessionKey, Shared>,
-    blocked: Cache<SessionKey, Shared>,
+    sessions: Sessions,
+    blocked: Sessions,
+    /// Blocks placed minus blocks cleared (expired ones are not subtracted): while 0, no
+    /// lookup goes to `blocked`.
+    blocks: AtomicU64,
     max_sessions: u64,
+    hasher: Hasher,
 }
 
 /// How long a block lasts when nobody clears it, unless set otherwise.
 pub const DEFAULT_BLOCK_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 
-fn blocked_cache(max: u64, ttl: Duration) -> Cache<SessionKey, Shared> {
+fn blocked_cache(max: u64, ttl: Duration, hasher: Hasher) -> Sessions {
     Cache::builder()
         .max_capacity(max)
         .time_to_live(ttl)
         .eviction_policy(EvictionPolicy::lru())
-        .build()
+        .build_with_hasher(hasher)
+}
+
+fn seeded() -> Hasher {
+    use std::hash::{BuildHasher, Hasher as _};
+    let seed = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    Hasher::with_seed(seed)
 }
 
 impl std::fmt::Debug for MemoryGuard {
@@ -56,26 +74,34 @@ impl MemoryGuard {
     /// cache, and a session never kept would never show its loop.) Blocks last
     /// [`DEFAULT_BLOCK_TTL`].
     pub fn new(max_sessions: u64, ttl: Duration) -> Self {
+        let hasher = seeded();
         Self {
             sessions: Cache::builder()
                 .max_capacity(max_sessions)
                 .time_to_idle(ttl)
                 .eviction_policy(EvictionPolicy::lru())
-                .build(),
-            blocked: blocked_cache(max_sessions, DEFAULT_BLOCK_TTL),
+                .build_with_hasher(hasher.clone()),
+            blocked: blocked_cache(max_sessions, DEFAULT_BLOCK_TTL, hasher.clone()),
+            blocks: AtomicU64::new(0),
             max_sessions,
+            hasher,
         }
     }
 
     /// Blocks last `ttl` unless cleared first.
     #[must_use]
     pub fn with_block_ttl(mut self, ttl: Duration) -> Self {
-        self.blocked = blocked_cache(self.max_sessions, ttl);
+        self.blocked = blocked_cache(self.max_sessions, ttl, self.hasher.clone());
         self
     }
 
     fn find(&self, key: &SessionKey) -> Option<Shared> {
-        self.blocked.get(key).or_else(|| self.sessions.get(key))
+        if self.blocks.load(Ordering::Relaxed) > 0 {
+            if let Some(s) = self.blocked.get(key) {
+                return Some(s);
+            }
+        }
+        self.sessions.get(key)
     }
 }
 
@@ -157,6 +183,7 @@ impl GuardStore for MemoryGuard {
             // Moved out of the active sessions: when the block expires the session is gone.
             if !self.blocked.contains_key(key) {
                 self.blocked.insert(key.clone(), Arc::clone(&shared));
+                self.blocks.fetch_add(1, Ordering::Relaxed);
             }
             self.sessions.invalidate(key);
         }
@@ -212,6 +239,9 @@ impl GuardStore for MemoryGuard {
 
     async fn clear(&self, key: &SessionKey) -> Result<bool, GuardError> {
         let blocked = self.blocked.remove(key).is_some();
+        if blocked {
+            self.blocks.fetch_sub(1, Ordering::Relaxed);
+        }
         let held = self.sessions.remove(key).is_some();
         Ok(blocked || held)
     }

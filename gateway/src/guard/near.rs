@@ -3,6 +3,9 @@
 //! [`SKETCH_DIM`] dimensions by a fixed random ±1 matrix and quantised to bytes, so a session's
 //! window keeps a few turns in a few hundred bytes. Cosines of sketches estimate the cosines
 //! of the embeddings (Johnson–Lindenstrauss: within about ±0.01 near 0.95).
+//!
+//! The projection is linear, so it is applied once to every row of the static table when the
+//! model loads: a sketch then costs a tokenization and a sum of 128-value rows.
 
 use std::sync::{Arc, OnceLock};
 
@@ -87,8 +90,14 @@ impl NearDup {
     /// A model already loaded (tests, benchmarks).
     pub fn with_model(model: Arc<StaticEmbedder>) -> Self {
         let n = Self::new(std::path::PathBuf::new());
-        let _ = n.model.set(Some(model));
+        let projected = n.projected(&model);
+        let _ = n.model.set(Some(Arc::new(projected)));
         n
+    }
+
+    /// `model` with the projection applied to every row.
+    fn projected(&self, model: &StaticEmbedder) -> StaticEmbedder {
+        model.map_rows(SKETCH_DIM, |row, out| self.project_into(row, out))
     }
 
     /// Whether the model is loaded.
@@ -107,7 +116,7 @@ impl NearDup {
         let me = Arc::clone(self);
         let load = move || {
             let loaded = match crate::cache::semantic::static_table(&me.dir) {
-                Ok(t) => Some(Arc::new(t)),
+                Ok(t) => Some(Arc::new(me.projected(&t))),
                 Err(e) => {
                     tracing::warn!(error = %e, dir = %me.dir.display(),
                         "the loop detector compares exact repeats only: no static embedding table");
@@ -127,12 +136,13 @@ impl NearDup {
     /// The sketch of `text`, `None` while the model is not loaded.
     pub fn sketch(&self, text: &str) -> Option<Sketch> {
         let model = self.model.get()?.as_ref()?;
-        let v = model.embed(text).ok()?;
-        Some(self.project(&v))
+        // The projected table: the text's vector is already its projection.
+        let acc = model.embed(text).ok()?;
+        Some(quantise(&acc))
     }
 
-    fn project(&self, v: &[f32]) -> Sketch {
-        let mut acc = [0f32; SKETCH_DIM];
+    /// Project one embedding-sized vector to [`SKETCH_DIM`] values.
+    fn project_into(&self, v: &[f32], acc: &mut [f32]) {
         for (x, signs) in v.iter().zip(&self.signs) {
             for (j, a) in acc.iter_mut().enumerate() {
                 if signs >> j & 1 == 1 {
@@ -142,16 +152,20 @@ impl NearDup {
                 }
             }
         }
-        let max = acc.iter().fold(0f32, |m, a| m.max(a.abs()));
-        let mut out = [0i8; SKETCH_DIM];
-        if max > 0.0 {
-            for (o, a) in out.iter_mut().zip(acc) {
-                #[expect(clippy::cast_possible_truncation, reason = "scaled into i8's range")]
-                {
-                    *o = (a / max * 127.0).round() as i8;
-                }
+    }
+}
+
+/// A projected vector as bytes: scaled so its largest value is ±127.
+fn quantise(acc: &[f32]) -> Sketch {
+    let max = acc.iter().fold(0f32, |m, a| m.max(a.abs()));
+    let mut out = [0i8; SKETCH_DIM];
+    if max > 0.0 {
+        for (o, a) in out.iter_mut().zip(acc.iter().copied()) {
+            #[expect(clippy::cast_possible_truncation, reason = "scaled into i8's range")]
+            {
+                *o = (a / max * 127.0).round() as i8;
             }
         }
-        Sketch(out)
     }
+    Sketch(out)
 }

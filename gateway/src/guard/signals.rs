@@ -259,13 +259,7 @@ fn ask(tail: &[Value], texts: bool) -> Option<Step> {
         }
         role.hash(&mut h);
         let t = text_of(m.get("content"));
-        normalised(
-            &t,
-            &mut h,
-            None,
-            texts.then_some(&mut text),
-            Some(&mut shape),
-        );
+        normalised(&t, &mut h, texts.then_some(&mut text), Some(&mut shape));
     }
     let fingerprint = h.finish();
     (fingerprint != FixedState::default().build_hasher().finish()).then(|| Step {
@@ -339,15 +333,18 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
             });
         } else if let Some(o) = current.as_mut() {
             // What came back: tool results, or the user's (or a harness's) reply.
-            role.hash(&mut o.h);
-            role.hash(&mut o.outcome);
+            // Hashed once, into the step's fingerprint and its outcome alike.
+            let mut part = FixedState::default().build_hasher();
+            role.hash(&mut part);
             normalised(
                 &text_of(m.get("content")),
-                &mut o.h,
-                Some(&mut o.outcome),
+                &mut part,
                 texts.then_some(&mut o.result),
                 Some(&mut o.shape),
             );
+            let part = part.finish();
+            o.h.write_u64(part);
+            o.outcome.write_u64(part);
         }
     }
     if let Some(o) = current {
@@ -415,7 +412,7 @@ fn action_of(
         // A JSON reply (a ReAct-style action object): its keys in order, its spacing ignored.
         compact(&content, h, text);
     } else {
-        normalised(&content, h, None, text, None);
+        normalised(&content, h, text, None);
     }
     ("assistant reply".to_owned(), 0)
 }
@@ -459,48 +456,46 @@ const WORDS_KEPT: usize = 64;
 fn value_words(json: &[u8], words: &mut Vec<u64>) {
     let mut in_string = false;
     let mut escaped = false;
-    let mut string_words: Vec<u64> = Vec::new();
-    let mut word: Vec<u8> = Vec::new();
-    let mut read = words.len();
-    let flush = |word: &mut Vec<u8>, into: &mut Vec<u64>| {
-        if word.len() >= 2 {
+    // Where the current string's words start in `words` (dropped again if it is a key).
+    let mut string_from = words.len();
+    let mut word_from: Option<usize> = None;
+    let word = |from: Option<usize>, to: usize, words: &mut Vec<u64>| {
+        if let Some(from) = from.filter(|f| to - f >= 2) {
             let mut h = FixedState::default().build_hasher();
-            h.write(word);
-            into.push(h.finish());
+            for &b in &json[from..to] {
+                h.write_u8(b.to_ascii_lowercase());
+            }
+            words.push(h.finish());
         }
-        word.clear();
     };
     let mut i = 0;
-    while i < json.len() && read < WORDS_KEPT {
+    while i < json.len() && words.len() < WORDS_KEPT {
         let b = json[i];
-        i += 1;
         if !in_string {
             if b == b'"' {
                 in_string = true;
+                string_from = words.len();
             }
-            continue;
-        }
-        if escaped {
+        } else if escaped {
             // `\n`, `\t`, … separate words; an escaped letter is not part of one.
             escaped = false;
-            flush(&mut word, &mut string_words);
-            continue;
-        }
-        match b {
-            b'\\' => escaped = true,
-            b'"' => {
-                in_string = false;
-                flush(&mut word, &mut string_words);
-                let next = json[i..].iter().find(|c| !c.is_ascii_whitespace());
-                if next != Some(&b':') {
-                    read += string_words.len();
-                    words.append(&mut string_words);
+        } else if b.is_ascii_alphabetic() {
+            word_from.get_or_insert(i);
+        } else {
+            word(word_from.take(), i, words);
+            match b {
+                b'\\' => escaped = true,
+                b'"' => {
+                    in_string = false;
+                    let next = json[i + 1..].iter().find(|c| !c.is_ascii_whitespace());
+                    if next == Some(&b':') {
+                        words.truncate(string_from);
+                    }
                 }
-                string_words.clear();
+                _ => {}
             }
-            b if b.is_ascii_alphabetic() => word.push(b.to_ascii_lowercase()),
-            _ => flush(&mut word, &mut string_words),
         }
+        i += 1;
     }
     words.sort_unstable();
     words.dedup();
@@ -560,7 +555,6 @@ fn text_of(content: Option<&Value>) -> Cow<'_, str> {
 fn normalised(
     text: &str,
     h: &mut FoldHasher,
-    also: Option<&mut FoldHasher>,
     kept: Option<&mut Vec<u8>>,
     shape: Option<&mut FoldHasher>,
 ) {
@@ -576,10 +570,6 @@ fn normalised(
     }
     h.write(&out);
     h.write_u8(0xff);
-    if let Some(also) = also {
-        also.write(&out);
-        also.write_u8(0xff);
-    }
     if let Some(shape) = shape {
         shape_into(&out, shape);
     }

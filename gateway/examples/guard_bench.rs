@@ -51,15 +51,19 @@ fn measure(name: &str, body: &Map<String, Value>) {
         std::hint::black_box(s);
         times.push(t.elapsed().as_nanos() as f64 / 1000.0);
     }
-    times.sort_by(f64::total_cmp);
-    let pct = |p: f64| times[((times.len() as f64 - 1.0) * p) as usize];
+    let (p50, p99) = percentiles(&mut times);
     println!(
-        "{name}: {} messages, p50 {:.1} us, p99 {:.1} us ({found} of {} flagged)",
+        "{name}: {} messages, p50 {p50:.1} us, p99 {p99:.1} us ({found} of {} flagged)",
         messages.len(),
-        pct(0.5),
-        pct(0.99),
         times.len()
     );
+}
+
+/// p50 and p99 of `times`.
+fn percentiles(times: &mut [f64]) -> (f64, f64) {
+    times.sort_by(f64::total_cmp);
+    let pct = |p: f64| times[((times.len() as f64 - 1.0) * p) as usize];
+    (pct(0.5), pct(0.99))
 }
 
 /// The whole step as the pipeline runs it (`Guard::check`, then `Guard::observe` at settle) on
@@ -103,13 +107,10 @@ async fn measure_step(sessions: usize, body: &Map<String, Value>) -> anyhow::Res
         std::hint::black_box(d);
         times.push(t.elapsed().as_nanos() as f64 / 1000.0);
     }
-    times.sort_by(f64::total_cmp);
-    let pct = |p: f64| times[((times.len() as f64 - 1.0) * p) as usize];
+    let (p50, p99) = percentiles(&mut times);
     println!(
-        "check + observe, {} messages, {sessions} sessions: p50 {:.1} us, p99 {:.1} us",
-        messages.len(),
-        pct(0.5),
-        pct(0.99)
+        "check + observe, {} messages, {sessions} sessions: p50 {p50:.1} us, p99 {p99:.1} us",
+        messages.len()
     );
     Ok(())
 }

@@ -31,21 +31,12 @@ async fn app() -> (TestApp, Sim) {
 #[tokio::test]
 async fn a_looping_agent_is_flagged_with_its_session_and_a_progressing_one_is_not() {
     let (mut app, _sim) = app().await;
-    let url = format!("{}/v1/chat/completions", app.base);
     let stuck = agent(&[
         "FAILED test_parse (0.51s) at 10:00:01",
         "FAILED test_parse (0.48s) at 10:00:09",
         "FAILED test_parse (0.50s) at 10:00:17",
     ]);
-    let r = app
-        .http
-        .post(&url)
-        .bearer_auth(&app.api_key)
-        .header("x-session-id", "run-7")
-        .json(&stuck)
-        .send()
-        .await
-        .unwrap();
+    let r = send(&app, "run-7", &stuck).await;
     assert_eq!(r.status(), 200);
     let flag = r.headers()["x-gateway-loop"].to_str().unwrap().to_owned();
     assert!(
@@ -276,9 +267,14 @@ async fn app_on(
 }
 
 async fn send(app: &TestApp, session: &str, body: &Value) -> reqwest::Response {
+    send_as(app, &app.api_key, session, body).await
+}
+
+/// [`send`] with another API key (a second gateway on the first one's store).
+async fn send_as(app: &TestApp, key: &str, session: &str, body: &Value) -> reqwest::Response {
     app.http
         .post(format!("{}/v1/chat/completions", app.base))
-        .bearer_auth(&app.api_key)
+        .bearer_auth(key)
         .header("x-session-id", session)
         .json(body)
         .send()
@@ -434,28 +430,12 @@ async fn two_gateways_sharing_redis_see_one_session_window() {
         // A stateless client re-sends the same question: twice to one gateway, once to the other.
         let ask = e2e::chat_body("fast", "What is the status of order 1182?");
         for app in [&a, &a] {
-            let r = app
-                .http
-                .post(format!("{}/v1/chat/completions", app.base))
-                .bearer_auth(&a.api_key)
-                .header("x-session-id", "widget-9")
-                .json(&ask)
-                .send()
-                .await
-                .unwrap();
+            let r = send(app, "widget-9", &ask).await;
             assert_eq!(r.status(), 200);
             assert!(!r.headers().contains_key("x-gateway-loop"));
         }
         let _ = (a.next_event().await, a.next_event().await);
-        let r = b
-            .http
-            .post(format!("{}/v1/chat/completions", b.base))
-            .bearer_auth(&a.api_key)
-            .header("x-session-id", "widget-9")
-            .json(&ask)
-            .send()
-            .await
-            .unwrap();
+        let r = send_as(&b, &a.api_key, "widget-9", &ask).await;
         assert_eq!(r.status(), 200);
         let flag = r
             .headers()

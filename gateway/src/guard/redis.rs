@@ -283,25 +283,22 @@ impl GuardStore for RedisGuard {
     }
 
     async fn list(&self, tenant_id: &str, limit: usize) -> Result<Vec<SessionInfo>, GuardError> {
-        let mut ids: Vec<String> = self
-            .query(
-                redis::cmd("ZREVRANGE")
-                    .arg(index_key(tenant_id))
-                    .arg(0)
-                    .arg(limit.saturating_sub(1)),
-            )
-            .await?;
-        let blocked: Vec<String> = self
-            .query(
-                redis::cmd("ZREVRANGE")
-                    .arg(blocked_key(tenant_id))
-                    .arg(0)
-                    .arg(limit.saturating_sub(1)),
-            )
-            .await?;
-        for b in blocked {
-            if !ids.contains(&b) {
-                ids.push(b);
+        // The most recently seen sessions, then the most recently blocked (a blocked one may
+        // have dropped out of the index).
+        let mut ids: Vec<String> = Vec::new();
+        for set in [index_key(tenant_id), blocked_key(tenant_id)] {
+            let newest: Vec<String> = self
+                .query(
+                    redis::cmd("ZREVRANGE")
+                        .arg(set)
+                        .arg(0)
+                        .arg(limit.saturating_sub(1)),
+                )
+                .await?;
+            for id in newest {
+                if !ids.contains(&id) {
+                    ids.push(id);
+                }
             }
         }
         let mut out = Vec::new();
@@ -323,20 +320,11 @@ impl GuardStore for RedisGuard {
             .query(redis::cmd("DEL").arg(state_key(key)).arg(window_key(key)))
             .await?;
         // Same slot as the session's keys (the tenant's hash tag).
-        let _: i64 = self
-            .query(
-                redis::cmd("ZREM")
-                    .arg(index_key(&key.tenant_id))
-                    .arg(&key.session),
-            )
-            .await?;
-        let _: i64 = self
-            .query(
-                redis::cmd("ZREM")
-                    .arg(blocked_key(&key.tenant_id))
-                    .arg(&key.session),
-            )
-            .await?;
+        for set in [index_key(&key.tenant_id), blocked_key(&key.tenant_id)] {
+            let _: i64 = self
+                .query(redis::cmd("ZREM").arg(set).arg(&key.session))
+                .await?;
+        }
         Ok(deleted > 0)
     }
 }

@@ -408,8 +408,9 @@ fn action_of(
         return (format!("function call `{name}`"), names_h.finish() | 1);
     }
     let content = text_of(m.get("content"));
-    if content.trim_start().starts_with(['{', '[']) {
+    if content.len() <= CANONICAL_ARGS && content.trim_start().starts_with(['{', '[']) {
         // A JSON reply (a ReAct-style action object): its keys in order, its spacing ignored.
+        // A longer one is read at its ends like any text, so the work stays bounded.
         compact(&content, h, text);
     } else {
         normalised(&content, h, text, None);

@@ -10,6 +10,8 @@
 //! - [`learn`]: the learners it is built from (trees, logistic regression, PCA, grouped folds).
 //! - [`semantic`]: the semantic cache's decision (nearest stored questions, then the verifier).
 //! - [`static_embed`]: the static embedding table distilled from the transformer (microseconds).
+//! - [`tier`]: the small/large tier classifier behind `model: "auto"` (text features, two
+//!   logistic regressions, a held-out curve grouped by subject; RouteLLM's figures).
 //!
 //! No HTTP, no storage: a pure library.
 
@@ -21,4 +23,5 @@ pub mod index;
 pub mod learn;
 pub mod semantic;
 pub mod static_embed;
+pub mod tier;
 pub mod verifier;

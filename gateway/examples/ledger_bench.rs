@@ -76,6 +76,7 @@ fn event(i: u64, week: IsoWeek) -> UsageEvent {
         retry_storm_flag: false,
         loop_steps: 0,
         avoided_micros: 0,
+        route_reason: Some("explicit".into()),
         fingerprint: format!("{:032x}", i % 50_000),
     }
 }

@@ -99,6 +99,12 @@ pub fn build_router(state: AppState) -> Router {
                 .delete(routes::guard::delete_policy),
         )
         .route(
+            "/admin/v1/tenants/{tenant}/routing-policy",
+            put(routes::routing::set_policy)
+                .get(routes::routing::get_policy)
+                .delete(routes::routing::delete_policy),
+        )
+        .route(
             "/admin/v1/tenants/{tenant}/sessions",
             get(routes::guard::list_sessions),
         )

@@ -20,6 +20,9 @@ pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// the `x-request-id` it sent), echoed back and logged.
 pub const CLIENT_REQUEST_ID: HeaderName = HeaderName::from_static("x-client-request-id");
 
+/// Response, on a routed (`auto`) request: why it went to its tier
+/// (`tier=small reason=classifier p_large=0.17 policy=balanced`).
+pub const ROUTE: HeaderName = HeaderName::from_static("x-gateway-route");
 /// Response: the tier that answered (`small`, `large`).
 pub const TIER: HeaderName = HeaderName::from_static("x-gateway-tier");
 /// Response: the replica that answered.

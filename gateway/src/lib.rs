@@ -32,6 +32,7 @@ pub mod pipeline;
 pub mod pricing;
 pub mod redis_conn;
 pub mod routes;
+pub mod routing;
 pub mod server;
 pub mod simulator;
 pub mod state;

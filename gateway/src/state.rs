@@ -47,6 +47,8 @@ pub struct Inner {
     pub cache: Arc<crate::cache::Cache>,
     /// Agent-loop detection.
     pub guard: Arc<crate::guard::Guard>,
+    /// The tier router for `auto`.
+    pub routing: Arc<crate::routing::TierRouter>,
     /// The ledger, when the gateway writes one.
     pub ledger: Option<Arc<dyn LedgerStore>>,
     /// The ledger writer task, flushed on shutdown.
@@ -203,6 +205,15 @@ impl AppState {
             .await
             .context("starting the guard")?,
         );
+        let routed = config
+            .models
+            .values()
+            .any(|t| *t == crate::types::ModelTarget::Auto);
+        let routing = Arc::new(
+            crate::routing::TierRouter::new(config.routing.clone(), Arc::clone(&store), routed)
+                .await
+                .context("starting the tier router")?,
+        );
         // Everything is built: the components start their loops (stopped by `serve`).
         let every = Duration::from_millis(config.store.key_refresh_ms);
         auth.start(&background, every);
@@ -210,6 +221,7 @@ impl AppState {
         budgets.start(&background, every);
         cache.start(&background, every);
         guard.start(&background, every);
+        routing.start(&background, every);
         Ok(Self(Arc::new(Inner {
             config,
             store,
@@ -221,6 +233,7 @@ impl AppState {
             budgets,
             cache,
             guard,
+            routing,
             ledger,
             ledger_writer: std::sync::Mutex::new(ledger_writer),
             tasks: TaskTracker::new(),

@@ -1,4 +1,4 @@
-//! Pure routing logic for the gateway: which replica of a tier serves a request.
+//! Pure routing logic for the gateway: which tier and which replica of it serve a request.
 //!
 //! This crate knows nothing about HTTP or storage. The gateway owns one [`ReplicaSet`] per tier,
 //! asks it for a [`Lease`] on the least-loaded healthy replica, and reports the outcome back so
@@ -6,6 +6,8 @@
 //!
 //! Time is always passed in by the caller (`now: Instant`) so behaviour is testable without sleeps.
 //!
+//! - [`tier`]: the small/large decision for `model: "auto"` (a classifier score against a
+//!   threshold read off its held-out curve for the tenant's policy, moved by budget pressure).
 //! - [`replica`]: replica choice (least in flight, under max concurrency) and passive health.
 //! - [`prefix`]: prefix block hashing. The gateway cannot see a model server's KV cache, but it
 //!   can describe a prompt as a chain of hashes of fixed-size token blocks, the same way the
@@ -15,6 +17,7 @@
 
 pub mod prefix;
 pub mod replica;
+pub mod tier;
 
 pub use prefix::{prefix_block_hashes, PrefixLru};
 pub use replica::{HealthPolicy, Lease, Replica, ReplicaSet, ReplicaSnapshot};

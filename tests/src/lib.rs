@@ -786,6 +786,7 @@ pub fn ledger_event(request_id: String, billed: Billed<'_>) -> gateway::usage::U
         retry_storm_flag: false,
         loop_steps: 0,
         avoided_micros: 0,
+        route_reason: None,
         fingerprint: format!("fp-{tenant}-{}", at.timestamp_micros()),
     }
 }

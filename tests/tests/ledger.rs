@@ -52,6 +52,7 @@ fn full_event(i: u32) -> UsageEvent {
         fingerprint: "0123456789abcdef0123456789abcdef".into(),
         loop_steps: 4,
         avoided_micros: 4_321,
+        route_reason: Some("classifier".into()),
     }
 }
 

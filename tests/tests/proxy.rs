@@ -244,14 +244,6 @@ async fn unknown_fields_are_forwarded_untouched_and_model_is_rewritten() {
     assert_eq!(seen["model"], "sim-small");
 }
 
-#[tokio::test]
-async fn auto_goes_to_the_large_tier() {
-    let s = setup().await;
-    let resp = s.app.chat(chat_body("auto", "hi")).await;
-    assert_eq!(resp.status(), 200);
-    assert_eq!(resp.headers()["x-gateway-tier"], "large");
-}
-
 async fn error_of(resp: reqwest::Response) -> (u16, Value) {
     let status = resp.status().as_u16();
     let body: Value = resp.json().await.unwrap();

@@ -100,11 +100,48 @@ fn standardise(x: &Matrix, rows: &[usize]) -> (Matrix, Vec<f32>, Vec<f32>) {
     (z, mean, scale)
 }
 
-/// Mean log loss plus `lambda/2 ‖w‖²` and its gradient, at `wb` (weights then bias).
-fn objective(z: &Matrix, y: &[f32], wb: &[f32], lambda: f32, grad: &mut [f32]) -> f64 {
-    let d = z.cols;
+/// The rows a linear model is fitted on, dense or sparse: row `i`'s dot product with `w`, and
+/// `g += r · row i`.
+trait Rows: Sync {
+    fn dot(&self, i: usize, w: &[f32]) -> f32;
+    fn add_scaled(&self, i: usize, r: f32, g: &mut [f32]);
+}
+
+impl Rows for Matrix {
+    fn dot(&self, i: usize, w: &[f32]) -> f32 {
+        dot(w, self.row(i))
+    }
+    fn add_scaled(&self, i: usize, r: f32, g: &mut [f32]) {
+        for (gj, &xj) in g.iter_mut().zip(self.row(i)) {
+            *gj += r * xj;
+        }
+    }
+}
+
+impl Rows for Sparse {
+    fn dot(&self, i: usize, w: &[f32]) -> f32 {
+        self.rows[i].iter().map(|&(j, v)| w[j as usize] * v).sum()
+    }
+    fn add_scaled(&self, i: usize, r: f32, g: &mut [f32]) {
+        for &(j, v) in &self.rows[i] {
+            g[j as usize] += r * v;
+        }
+    }
+}
+
+/// Mean log loss over `rows` (labels `y[k]` for `rows[k]`) plus `lambda/2 ‖w‖²` and its
+/// gradient, at `wb` (`d` weights then the bias).
+fn objective(
+    x: &impl Rows,
+    rows: &[usize],
+    y: &[f32],
+    wb: &[f32],
+    lambda: f32,
+    grad: &mut [f32],
+) -> f64 {
+    let d = wb.len() - 1;
     let (w, b) = (&wb[..d], wb[d]);
-    let n = y.len();
+    let n = rows.len();
     let chunk = n.div_ceil(rayon::current_num_threads().max(1) * 4).max(256);
     let (loss, g) = (0..n)
         .into_par_iter()
@@ -112,14 +149,11 @@ fn objective(z: &Matrix, y: &[f32], wb: &[f32], lambda: f32, grad: &mut [f32]) -
         .map(|idx| {
             let mut g = vec![0.0f32; d + 1];
             let mut loss = 0.0f64;
-            for i in idx {
-                let row = z.row(i);
-                let m = b + dot(w, row);
-                loss += loss_at(f64::from(m), f64::from(y[i]));
-                let r = sigmoid(m) - y[i];
-                for (gj, &xj) in g[..d].iter_mut().zip(row) {
-                    *gj += r * xj;
-                }
+            for k in idx {
+                let m = b + x.dot(rows[k], w);
+                loss += loss_at(f64::from(m), f64::from(y[k]));
+                let r = sigmoid(m) - y[k];
+                x.add_scaled(rows[k], r, &mut g[..d]);
                 g[d] += r;
             }
             (loss, g)
@@ -152,29 +186,32 @@ pub fn fit(
 ) -> (Linear, Vec<f32>) {
     let (z, mean, scale) = standardise(x, rows);
     let labels: Vec<f32> = rows.iter().map(|&r| if y[r] { 1.0 } else { 0.0 }).collect();
-    let wb = lbfgs(
-        &z,
-        &labels,
-        (1.0 / (c * rows.len().max(1) as f64)) as f32,
-        start,
-    );
+    let lambda = (1.0 / (c * rows.len().max(1) as f64)) as f32;
+    let all: Vec<usize> = (0..rows.len()).collect();
+    let wb = lbfgs(z.cols + 1, start, |wb, g| {
+        objective(&z, &all, &labels, wb, lambda, g)
+    });
     let d = x.cols;
     let weights: Vec<f32> = wb[..d].iter().zip(&scale).map(|(w, s)| w / s).collect();
     let bias = wb[d] - weights.iter().zip(&mean).map(|(w, m)| w * m).sum::<f32>();
     (Linear { weights, bias }, wb)
 }
 
-/// Limited-memory BFGS (10 pairs) with a backtracking Armijo line search.
-fn lbfgs(z: &Matrix, y: &[f32], lambda: f32, start: Option<&[f32]>) -> Vec<f32> {
+/// Limited-memory BFGS (10 pairs) with a backtracking Armijo line search, minimising
+/// `objective(x, grad)` (which returns the value and writes the gradient) over `d` variables.
+fn lbfgs(
+    d: usize,
+    start: Option<&[f32]>,
+    mut objective: impl FnMut(&[f32], &mut [f32]) -> f64,
+) -> Vec<f32> {
     const MEMORY: usize = 10;
     const MAX_ITER: usize = 500;
-    let d = z.cols + 1;
     let mut x = match start {
         Some(s) if s.len() == d => s.to_vec(),
         _ => vec![0.0f32; d],
     };
     let mut g = vec![0.0f32; d];
-    let mut f = objective(z, y, &x, lambda, &mut g);
+    let mut f = objective(&x, &mut g);
     let mut hist: std::collections::VecDeque<(Vec<f32>, Vec<f32>, f32)> = Default::default();
     let mut g_new = vec![0.0f32; d];
     for _ in 0..MAX_ITER {
@@ -219,7 +256,7 @@ fn lbfgs(z: &Matrix, y: &[f32], lambda: f32, start: Option<&[f32]>) -> Vec<f32> 
                 .zip(&x)
                 .zip(&dir)
                 .for_each(|((n, o), di)| *n = o + step * di);
-            let f_new = objective(z, y, &x_new, lambda, &mut g_new);
+            let f_new = objective(&x_new, &mut g_new);
             if f_new <= f + 1e-4 * f64::from(step * slope) {
                 let s: Vec<f32> = x_new.iter().zip(&x).map(|(a, b)| a - b).collect();
                 let yv: Vec<f32> = g_new.iter().zip(&g).map(|(a, b)| a - b).collect();
@@ -247,6 +284,41 @@ fn lbfgs(z: &Matrix, y: &[f32], lambda: f32, start: Option<&[f32]>) -> Vec<f32> 
         }
     }
     x
+}
+
+/// Sparse rows: each a list of `(column, value)` over `cols` columns.
+#[derive(Debug, Clone, Default)]
+pub struct Sparse {
+    /// Columns per row.
+    pub cols: usize,
+    /// The rows.
+    pub rows: Vec<Vec<(u32, f32)>>,
+}
+
+impl Linear {
+    /// The log-odds of a sparse row.
+    pub fn margin_sparse(&self, x: &[(u32, f32)]) -> f32 {
+        self.bias
+            + x.iter()
+                .map(|&(j, v)| self.weights.get(j as usize).map_or(0.0, |w| w * v))
+                .sum::<f32>()
+    }
+}
+
+/// Fit on the selected `rows` of sparse `x` with labels `y` (indexed like `x`) and inverse
+/// regularisation `c`, on the inputs as they are (no standardisation: for TF-IDF rows, scaling
+/// each column to unit variance would blow up rare terms). Same objective as [`fit`].
+pub fn fit_sparse(x: &Sparse, y: &[bool], rows: &[usize], c: f64) -> Linear {
+    let d = x.cols;
+    let lambda = (1.0 / (c * rows.len().max(1) as f64)) as f32;
+    let labels: Vec<f32> = rows.iter().map(|&r| if y[r] { 1.0 } else { 0.0 }).collect();
+    let wb = lbfgs(d + 1, None, |wb, g| {
+        objective(x, rows, &labels, wb, lambda, g)
+    });
+    Linear {
+        weights: wb[..d].to_vec(),
+        bias: wb[d],
+    }
 }
 
 /// Mean log loss of `model` on the selected rows.

@@ -100,6 +100,44 @@ struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
+enum RouterCommand {
+    /// Train the small/large tier classifier on labelled prompts (JSON lines `{"prompt",
+    /// "small_correct", "large_correct", "source"}`), cross-validated with folds grouped by
+    /// `source`; prints RouteLLM's figures held out and writes the artefact.
+    ///
+    /// Example: gateway router train --data ../shared/data/routing-dev.jsonl --out router.json
+    Train {
+        /// The labelled prompts.
+        #[arg(long)]
+        data: PathBuf,
+        /// Output file.
+        #[arg(long, default_value = "tier-router.json")]
+        out: PathBuf,
+        /// Folds (subjects are spread over them).
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u16).range(2..=50))]
+        folds: u16,
+        /// Inverse L2 regularisation of the regressions.
+        #[arg(long, default_value_t = embedder::tier::TierTrainOptions::default().c)]
+        c: f64,
+        /// Seed of the fold assignment.
+        #[arg(long, default_value_t = embedder::tier::TierTrainOptions::default().seed)]
+        seed: u64,
+    },
+    /// Evaluate a tier classifier on labelled prompts: PGR at 20/50/80% large calls, APGR and
+    /// CPT(50%)/CPT(80%), beside a random router and prompt length.
+    ///
+    /// Example: gateway router eval --data held-out.jsonl
+    Eval {
+        /// The labelled prompts.
+        #[arg(long)]
+        data: PathBuf,
+        /// A classifier artefact (default: the shipped one).
+        #[arg(long)]
+        model: Option<PathBuf>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 enum Command {
     /// Serve the OpenAI-compatible API.
     Serve {
@@ -118,6 +156,12 @@ enum Command {
         /// Database URL; overrides the config's `store.url`.
         #[arg(long, env = "DATABASE_URL")]
         database_url: Option<String>,
+    },
+    /// Tier router tools (the small/large classifier behind `model: "auto"`).
+    Router {
+        /// Router command.
+        #[command(subcommand)]
+        command: RouterCommand,
     },
     /// Embedding model tools.
     Embed {
@@ -190,6 +234,27 @@ async fn main() -> anyhow::Result<()> {
             println!("migrated {}", gateway::state::redact_url(&url));
             Ok(())
         }
+        Command::Router {
+            command:
+                RouterCommand::Train {
+                    data,
+                    out,
+                    folds,
+                    c,
+                    seed,
+                },
+        } => gateway::routing::tools::train_router(
+            &data,
+            &out,
+            embedder::tier::TierTrainOptions {
+                folds: usize::from(folds),
+                c,
+                seed,
+            },
+        ),
+        Command::Router {
+            command: RouterCommand::Eval { data, model },
+        } => gateway::routing::tools::eval_router(&data, model),
         Command::Embed {
             command:
                 EmbedCommand::Distill {

@@ -15,6 +15,7 @@ mod cache;
 mod guard;
 mod ledger;
 mod prices;
+mod routing;
 mod server;
 mod store;
 mod tiers;
@@ -33,6 +34,7 @@ pub use cache::{CacheConfig, EmbedDevice, SemanticConfig};
 pub use guard::{GuardConfig, GuardStoreKind};
 pub use ledger::LedgerConfig;
 pub use prices::PriceConfig;
+pub use routing::{RoutingConfig, ToolsRule, Unavailable};
 pub use server::ServerConfig;
 pub use store::StoreConfig;
 pub use tiers::{ReplicaConfig, TierConfig};
@@ -104,6 +106,8 @@ pub struct Config {
     pub cache: CacheConfig,
     /// Agent-loop detection (per-tenant policies: `gatewayctl guard`).
     pub guard: GuardConfig,
+    /// The tier router for `auto` (per-tenant policies: `gatewayctl routing`).
+    pub routing: RoutingConfig,
 }
 
 impl Config {
@@ -147,6 +151,10 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.admin.validate()?;
         self.guard.validate()?;
+        self.routing
+            .defaults()
+            .check()
+            .map_err(|(field, message)| invalid(format!("routing.{field}"), message))?;
         if self.server.max_body_bytes == 0 {
             return Err(invalid("server.max_body_bytes", "must be greater than 0"));
         }

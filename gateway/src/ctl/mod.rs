@@ -13,6 +13,7 @@ mod keys;
 mod limits;
 mod prices;
 mod report;
+mod routing;
 mod tenants;
 mod usage;
 
@@ -37,6 +38,7 @@ pub use keys::KeyCommand;
 pub use limits::LimitCommand;
 pub use prices::PriceCommand;
 pub use report::ReportCommand;
+pub use routing::RoutingCommand;
 pub use tenants::TenantCommand;
 
 /// Admin CLI for the LLM gateway: tenants, API keys, prices, budgets, rate limits and reports.
@@ -120,6 +122,13 @@ pub enum Command {
         /// Guard command.
         #[command(subcommand)]
         command: GuardCommand,
+    },
+    /// A tenant's routing policy for `model: "auto"`: how many requests the tier classifier
+    /// sends to the large tier.
+    Routing {
+        /// Routing command.
+        #[command(subcommand)]
+        command: RoutingCommand,
     },
     /// The sessions the loop guard tracks: list them, show one, clear a throttled or blocked one.
     Sessions {
@@ -323,6 +332,7 @@ pub async fn run(cli: Cli, out: &mut impl Write) -> anyhow::Result<()> {
         Command::Usage { tenant } => usage::run(&admin, &tenant).await?,
         Command::Cache { command } => command.run(&admin).await?,
         Command::Guard { command } => command.run(&admin).await?,
+        Command::Routing { command } => command.run(&admin).await?,
         Command::Sessions { command } => command.run(&admin).await?,
         Command::Report { command, format } => {
             // `--json` means JSON for every command, reports included.

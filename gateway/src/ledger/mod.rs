@@ -253,7 +253,7 @@ pub(crate) const COLUMNS: &str = "request_id, started_at, tenant_id, tenant_name
      feature, end_user, session, tags, endpoint, requested_model, served_model, tier, replica, \
      prompt_tokens, completion_tokens, cached_tokens, usage_source, cost_micros, output_cost_micros, saved_micros, \
      cache_status, status, error_kind, stream, client_disconnected, latency_ms, ttft_ms, retries, \
-     loop_flag, retry_storm_flag, fingerprint, loop_steps, avoided_micros";
+     loop_flag, retry_storm_flag, fingerprint, loop_steps, avoided_micros, route_reason";
 
 fn enum_text<T: serde::Serialize>(v: &T) -> String {
     match serde_json::to_value(v) {
@@ -307,6 +307,7 @@ macro_rules! decode_row {
             fingerprint: r.try_get("fingerprint")?,
             loop_steps: u32::try_from(r.try_get::<i32, _>("loop_steps")?).unwrap_or(0),
             avoided_micros: r.try_get("avoided_micros")?,
+            route_reason: r.try_get("route_reason")?,
         })
     }};
 }

@@ -337,6 +337,70 @@ impl ParsedRequest {
         hex::encode(&hasher.0.finalize()[..16])
     }
 
+    /// What the tier router reads: the text of the latest user message (a chat) or the prompt
+    /// (a completion; its first string when a list), and whether the request carries tools,
+    /// functions or non-text content parts (images, audio).
+    pub fn routing_view(&self) -> (String, bool) {
+        let non_empty = |k: &str| match self.body.get(k) {
+            Some(Value::Array(a)) => !a.is_empty(),
+            Some(Value::Null) | None => false,
+            Some(_) => true,
+        };
+        let mut special = non_empty("tools") || non_empty("functions");
+        let text = match self.endpoint {
+            Endpoint::Chat => {
+                let messages = match self.body.get("messages") {
+                    Some(Value::Array(m)) => m.as_slice(),
+                    _ => &[],
+                };
+                let mut text = String::new();
+                if let Some(last) = messages
+                    .iter()
+                    .rev()
+                    .find(|m| m.get("role").and_then(Value::as_str) == Some("user"))
+                {
+                    match last.get("content") {
+                        Some(Value::String(s)) => text.push_str(s),
+                        Some(Value::Array(parts)) => {
+                            for part in parts {
+                                match part.get("type").and_then(Value::as_str) {
+                                    Some("text") => {
+                                        if let Some(t) = part.get("text").and_then(Value::as_str) {
+                                            if !text.is_empty() {
+                                                text.push('\n');
+                                            }
+                                            text.push_str(t);
+                                        }
+                                    }
+                                    _ => special = true,
+                                }
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                text
+            }
+            Endpoint::Completions | Endpoint::Embeddings => {
+                let field = if self.endpoint == Endpoint::Completions {
+                    "prompt"
+                } else {
+                    "input"
+                };
+                match self.body.get(field) {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(Value::Array(a)) => a
+                        .iter()
+                        .find_map(Value::as_str)
+                        .unwrap_or_default()
+                        .to_owned(),
+                    _ => String::new(),
+                }
+            }
+        };
+        (text, special)
+    }
+
     /// The request's `user` field (OpenAI's end-user id), if any.
     pub fn end_user(&self) -> Option<&str> {
         self.body.get("user").and_then(Value::as_str)

@@ -6,8 +6,8 @@
 //!
 //! Every step takes and fills one per-request [`Call`]: who asks, what was asked, the usage event
 //! being built, the tier, the budget reservation and the cache lookup. The guard seat (agent
-//! loops, client retries) and the route seat (the tier router, prefix affinity) are where the
-//! next steps go; today the guard admits everything and `auto` goes to the large tier.
+//! loops) and the route seat (the tier router for `auto`; prefix affinity next) sit between
+//! the parse and the budget.
 //!
 //! [`run`] is spawned on the app's task tracker by the handlers, so a client hang-up never cancels
 //! it: a non-streamed request still completes and settles, and a streamed one keeps reading the
@@ -121,7 +121,7 @@ pub async fn run(
     if let Some(hit) = call.cache_lookup().await {
         return hit;
     }
-    // Route seat: the tier router and prefix affinity decide here; `auto` is large for now.
+    call.route(target).await;
     if let Err(e) = call.admit().await {
         return call.reject(e);
     }
@@ -299,6 +299,31 @@ impl Call {
         i64::try_from(micros).unwrap_or(i64::MAX)
     }
 
+    /// The route step: an explicit model keeps its tier; a routed one (`auto`) gets the tier
+    /// the classifier and the tenant's policy pick, said in `x-gateway-route` and recorded in
+    /// the ledger's `route_reason`.
+    async fn route(&mut self, target: ModelTarget) {
+        if let Some(tier) = target.tier() {
+            self.tier = tier;
+            self.event.route_reason = Some(router::tier::Reason::Explicit.as_str().to_owned());
+            return;
+        }
+        let router = Arc::clone(&self.state.routing);
+        let req = &self.req;
+        let tenant = &self.ctx.key.tenant_id;
+        // Reading the prompt walks the body: a large one off the async workers.
+        let routed = crate::tokens::off_workers(req.body_bytes, || {
+            let (text, special) = req.routing_view();
+            router.route(tenant, &text, special)
+        })
+        .await;
+        self.tier = routed.tier;
+        self.event.route_reason = Some(routed.reason.as_str().to_owned());
+        if let Ok(v) = HeaderValue::from_str(&routed.header()) {
+            self.headers.push((crate::headers::ROUTE, v));
+        }
+    }
+
     /// The cache step: a hit is answered (and settled at cost 0) here.
     async fn cache_lookup(&mut self) -> Option<Response> {
         let lookup = self.cache.as_mut()?;
@@ -317,6 +342,9 @@ impl Call {
         let mut admission = self.state.budgets.admit(&plan, input).await?;
         self.headers.extend(respond::budget_headers(&admission));
         if admission.downgraded {
+            if self.tier == Tier::Large {
+                self.event.route_reason = Some(router::tier::Reason::Budget.as_str().to_owned());
+            }
             self.tier = Tier::Small;
             self.fallback = false;
         }
@@ -439,6 +467,7 @@ fn new_event(ctx: &RequestContext, endpoint: Endpoint) -> UsageEvent {
         retry_storm_flag: false,
         loop_steps: 0,
         avoided_micros: 0,
+        route_reason: None,
         fingerprint: String::new(),
     }
 }

@@ -41,6 +41,11 @@ const SQLITE: Embedded = &[
         "guard policies and ledger",
         include_str!("../../../migrations/sqlite/0006_guard.sql"),
     ),
+    (
+        7,
+        "routing policies and route reason",
+        include_str!("../../../migrations/sqlite/0007_routing.sql"),
+    ),
 ];
 
 const POSTGRES: Embedded = &[
@@ -73,6 +78,11 @@ const POSTGRES: Embedded = &[
         6,
         "guard policies and ledger",
         include_str!("../../../migrations/postgres/0006_guard.sql"),
+    ),
+    (
+        7,
+        "routing policies and route reason",
+        include_str!("../../../migrations/postgres/0007_routing.sql"),
     ),
 ];
 

@@ -19,6 +19,7 @@ use crate::types::budget::{Action, BudgetPolicy, FailMode, Limit, RateLimit, Sco
 use crate::types::cache::CachePolicy;
 use crate::types::guard::GuardPolicy;
 use crate::types::price::Price;
+use crate::types::routing::RoutingPolicy;
 
 pub use migrations::{postgres_migrator, sqlite_migrator};
 
@@ -173,6 +174,8 @@ pub enum PolicyKind {
     Cache,
     /// The guard ([`GuardPolicy`]).
     Guard,
+    /// The tier router ([`RoutingPolicy`]).
+    Routing,
 }
 
 /// A per-tenant policy stored as JSON.
@@ -187,6 +190,10 @@ impl TenantPolicy for CachePolicy {
 
 impl TenantPolicy for GuardPolicy {
     const KIND: PolicyKind = PolicyKind::Guard;
+}
+
+impl TenantPolicy for RoutingPolicy {
+    const KIND: PolicyKind = PolicyKind::Routing;
 }
 
 /// Set `tenant_id`'s policy of type `P`.

@@ -105,6 +105,7 @@ pub(super) fn policy_sql(kind: super::PolicyKind) -> (&'static str, &'static str
     match kind {
         super::PolicyKind::Cache => policy_sql!("tenant_cache_policies"),
         super::PolicyKind::Guard => policy_sql!("tenant_guard_policies"),
+        super::PolicyKind::Routing => policy_sql!("tenant_routing_policies"),
     }
 }
 

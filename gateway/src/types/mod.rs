@@ -1,5 +1,5 @@
 //! Plain data shared by the configuration, the stores and the request path: tiers and routing
-//! targets, budget, cache and guard policies, prices, token usage. A leaf: it imports nothing else from
+//! targets, budget, cache, guard and routing policies, prices, token usage. A leaf: it imports nothing else from
 //! the gateway, so [`crate::config`] and [`crate::store`] can use these types without depending
 //! on the components that act on them.
 
@@ -7,6 +7,7 @@ pub mod budget;
 pub mod cache;
 pub mod guard;
 pub mod price;
+pub mod routing;
 pub mod tier;
 pub mod usage;
 

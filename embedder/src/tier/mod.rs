@@ -1,0 +1,153 @@
+//! The small/large tier classifier behind `model: "auto"`: how much a prompt gains from the
+//! large model over the small one.
+//!
+//! Two L2-regularised logistic regressions over the same input row ([`features`]: TF-IDF of words
+//! and word pairs, plus markers of the question's kind) estimate the probability that each model
+//! answers correctly; the **gain** is their difference, the expected quality recovered by sending
+//! this prompt to the large model. Ranking by gain beats ranking by "the small model fails"
+//! because some prompts defeat both models (no point paying for the large one) and a few are
+//! answered by the small one only. `p_large`, the probability that the large model is needed
+//! (small wrong, large right), is the gain calibrated by a one-variable logistic fit on held-out
+//! gains.
+//!
+//! [`train`] cross-validates with folds grouped by subject (every subject is held out once, as
+//! real traffic brings subjects the training never saw) and ships the held-out curve, so a policy
+//! ("recover 80% of the quality gap", "30% large calls") becomes a threshold on the gain read off
+//! traffic the model had not seen. [`eval`] has RouteLLM's figures.
+
+pub mod eval;
+pub mod features;
+pub mod train;
+
+use serde::{Deserialize, Serialize};
+
+pub use eval::{Outcome, RouteCurve, RouteSummary};
+pub use features::{Scaler, Vocabulary, HAND};
+pub use train::{train, Labelled, TierTrainOptions, TierTrained};
+
+use crate::learn::linear::Linear;
+use crate::learn::trees::sigmoid;
+
+/// The classifier shipped with the gateway, trained on the RouteLLM MMLU dev file with
+/// `gateway router train --data ../shared/data/routing-dev.jsonl`.
+pub const SHIPPED_TIER_MODEL: &str = include_str!("../../assets/tier-router.json");
+
+/// One point of the held-out curve: with prompts whose gain is at least `threshold` sent large,
+/// `large_share` of calls went large and `pgr` of the quality gap was recovered.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct SharePoint {
+    /// Share of calls on the large model (0..=1, ascending along the curve).
+    pub large_share: f64,
+    /// Gain threshold giving that share on held-out prompts.
+    pub threshold: f32,
+    /// Held-out PGR at that share.
+    pub pgr: f64,
+}
+
+/// Points kept on the shipped curve (every 1% of large calls).
+pub const CURVE_POINTS: usize = 100;
+
+/// A trained tier classifier.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TierModel {
+    /// The marker columns it was trained on (must equal [`HAND`] to load).
+    pub hand_columns: Vec<String>,
+    /// TF-IDF vocabulary.
+    pub vocabulary: Vocabulary,
+    /// Marker standardisation.
+    pub scaler: Scaler,
+    /// Log-odds that the large model answers correctly.
+    pub large: Linear,
+    /// Log-odds that the small model answers correctly.
+    pub small: Linear,
+    /// `p_large = sigmoid(a · gain + b)`, fitted on held-out gains.
+    pub calibration: [f32; 2],
+    /// Held-out curve, ascending in large share.
+    pub curve: Vec<SharePoint>,
+    /// Held-out figures (folds grouped by subject).
+    pub held_out: RouteSummary,
+    /// What it was trained on.
+    pub trained_on: String,
+}
+
+/// The classifier's judgement of one prompt.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TierScore {
+    /// Expected quality gained on the large model (`P(large right) − P(small right)`, −1..1).
+    pub gain: f32,
+    /// Probability that the large model is needed (small wrong, large right).
+    pub p_large: f32,
+}
+
+impl TierModel {
+    /// Load an artefact, checking that it was trained on this build's features.
+    pub fn from_json(json: &str) -> Result<Self, String> {
+        let mut m: Self = serde_json::from_str(json).map_err(|e| {
+            format!("unreadable tier classifier: {e}; retrain it with `gateway router train`")
+        })?;
+        if m.hand_columns != HAND {
+            return Err(format!(
+                "the tier classifier was trained on markers {:?}, this build computes {:?}; \
+                 retrain it with `gateway router train`",
+                m.hand_columns, HAND
+            ));
+        }
+        let d = m.vocabulary.len() + HAND.len();
+        if m.vocabulary.idf.len() != m.vocabulary.len()
+            || m.large.weights.len() != d
+            || m.small.weights.len() != d
+            || m.scaler.mean.len() != HAND.len()
+            || m.scaler.scale.len() != HAND.len()
+        {
+            return Err(format!(
+                "the tier classifier's parts do not fit together ({} terms, {} idf, weights {} \
+                 and {}, expected {d}); retrain it with `gateway router train`",
+                m.vocabulary.len(),
+                m.vocabulary.idf.len(),
+                m.large.weights.len(),
+                m.small.weights.len()
+            ));
+        }
+        if m.curve.len() < 2
+            || m.curve
+                .windows(2)
+                .any(|w| w[0].large_share > w[1].large_share)
+        {
+            return Err("the tier classifier has no usable held-out curve".into());
+        }
+        m.vocabulary = m.vocabulary.indexed();
+        Ok(m)
+    }
+
+    /// Score one prompt (any text: an empty one scores like any other).
+    pub fn score(&self, prompt: &str) -> TierScore {
+        let row = features::row(&self.vocabulary, &self.scaler, prompt);
+        let gain =
+            sigmoid(self.large.margin_sparse(&row)) - sigmoid(self.small.margin_sparse(&row));
+        TierScore {
+            gain,
+            p_large: sigmoid(self.calibration[0] * gain + self.calibration[1]),
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_model_loads_scores_any_text_and_refuses_a_mismatch() {
+        let m = TierModel::from_json(SHIPPED_TIER_MODEL).expect("shipped tier model loads");
+        assert!(m.held_out.apgr > 0.5, "{:?}", m.held_out);
+        let s = m.score("");
+        assert!(s.gain.is_finite() && (0.0..=1.0).contains(&s.p_large));
+        let mut broken: serde_json::Value = serde_json::from_str(SHIPPED_TIER_MODEL).unwrap();
+        broken["hand_columns"] = serde_json::json!(["length"]);
+        let e = TierModel::from_json(&broken.to_string()).unwrap_err();
+        assert!(e.contains("retrain"), "{e}");
+        assert!(TierModel::from_json("{}")
+            .unwrap_err()
+            .contains("unreadable"));
+    }
+}

@@ -1,0 +1,188 @@
+//! The route step's tier choice for `model: "auto"` (and any model name configured as `auto`):
+//! the tier classifier from `embedder` scores the prompt, the pure decision in
+//! `router::tier` turns the score and the tenant's policy into a tier and a reason.
+
+pub mod tools;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use embedder::tier::TierModel;
+use router::tier::{Choice, Curve, Decision, Policy, Reason, Signals};
+
+use crate::config::{RoutingConfig, ToolsRule, Unavailable};
+use crate::store::{Store, StoreError};
+use crate::tasks::Background;
+use crate::types::routing::RoutingPolicy;
+use crate::types::Tier;
+
+/// The tier router: the classifier (when loaded), its held-out curve and the tenants' policies.
+pub struct TierRouter {
+    config: RoutingConfig,
+    model: Option<(TierModel, Curve)>,
+    tenants: Arc<dyn Store>,
+    policies: ArcSwap<HashMap<String, RoutingPolicy>>,
+}
+
+impl std::fmt::Debug for TierRouter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TierRouter")
+            .field(
+                "classifier",
+                &self.model.as_ref().map(|(m, _)| &m.trained_on),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the route step decided for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routed {
+    /// The tier.
+    pub tier: Tier,
+    /// Why.
+    pub reason: Reason,
+    /// The classifier's probability that the large tier is needed, when it scored the prompt.
+    pub p_large: Option<f32>,
+    /// The policy in force (`balanced`, `share=0.30`, …).
+    pub policy: String,
+}
+
+impl Routed {
+    /// The `x-gateway-route` header value: `tier=small reason=classifier p_large=0.17
+    /// policy=balanced`.
+    pub fn header(&self) -> String {
+        let mut v = format!("tier={} reason={}", self.tier, self.reason.as_str());
+        if let Some(p) = self.p_large {
+            v.push_str(&format!(" p_large={p:.2}"));
+        }
+        v.push_str(" policy=");
+        v.push_str(&self.policy);
+        v
+    }
+}
+
+/// Load the classifier `config` names (the shipped one by default).
+fn load(config: &RoutingConfig) -> Result<(TierModel, Curve), String> {
+    let json = match &config.classifier {
+        Some(path) => std::fs::read_to_string(path)
+            .map_err(|e| format!("reading routing.classifier {}: {e}", path.display()))?,
+        None => embedder::tier::SHIPPED_TIER_MODEL.to_owned(),
+    };
+    let model = TierModel::from_json(&json)?;
+    let curve = Curve::new(
+        model
+            .curve
+            .iter()
+            .map(|p| (p.large_share, p.threshold, p.pgr))
+            .collect(),
+    )
+    .ok_or("the tier classifier's held-out curve is not ascending")?;
+    Ok((model, curve))
+}
+
+impl TierRouter {
+    /// A router with the tenants' policies from `tenants`. The classifier is loaded only when
+    /// `routed` (some model name is configured as `auto`); one that cannot be loaded is an error
+    /// unless `routing.if_unavailable = "large"`.
+    pub async fn new(
+        config: RoutingConfig,
+        tenants: Arc<dyn Store>,
+        routed: bool,
+    ) -> anyhow::Result<Self> {
+        let model = if routed {
+            match load(&config) {
+                Ok(m) => Some(m),
+                Err(e) if config.if_unavailable == Unavailable::Large => {
+                    tracing::warn!(error = %e, "no tier classifier: `auto` goes to the large tier");
+                    None
+                }
+                Err(e) => anyhow::bail!(
+                    "{e} (set routing.if_unavailable = \"large\" to start without it)"
+                ),
+            }
+        } else {
+            None
+        };
+        let router = Self {
+            config,
+            model,
+            tenants,
+            policies: ArcSwap::from_pointee(HashMap::new()),
+        };
+        router.refresh().await?;
+        Ok(router)
+    }
+
+    /// Reload the policies every `every` until `background` stops.
+    pub fn start(self: &Arc<Self>, background: &Background, every: Duration) {
+        let router = Arc::clone(self);
+        background.every("routing policies", every, move || {
+            let router = Arc::clone(&router);
+            async move { router.refresh().await }
+        });
+    }
+
+    /// Reload every tenant's policy.
+    pub async fn refresh(&self) -> Result<(), StoreError> {
+        let all = crate::store::list_policies::<RoutingPolicy>(self.tenants.as_ref()).await?;
+        self.policies.store(Arc::new(all.into_iter().collect()));
+        Ok(())
+    }
+
+    /// The policy in force for `tenant_id`: its own, else the config's default.
+    pub fn policy(&self, tenant_id: &str) -> RoutingPolicy {
+        self.policies
+            .load()
+            .get(tenant_id)
+            .cloned()
+            .unwrap_or_else(|| self.config.defaults())
+    }
+
+    /// The classifier in use, if any.
+    pub fn classifier(&self) -> Option<&TierModel> {
+        self.model.as_ref().map(|(m, _)| m)
+    }
+
+    /// The share of large calls a policy asks for, read off the classifier's held-out curve.
+    pub fn share_for(&self, policy: &RoutingPolicy) -> Option<f64> {
+        let p = policy.decision_policy().unwrap_or(Policy::Balanced);
+        self.model.as_ref().map(|(_, c)| c.share_for(p))
+    }
+
+    /// Decide the tier of a routed request from its prompt text.
+    pub fn route(&self, tenant_id: &str, prompt: &str, tools_or_images: bool) -> Routed {
+        let policy = self
+            .policy(tenant_id)
+            .decision_policy()
+            .unwrap_or(Policy::Balanced);
+        let rule = match (tools_or_images, self.config.tools) {
+            (true, ToolsRule::Large) => Some(Choice::Large),
+            (true, ToolsRule::Small) => Some(Choice::Small),
+            _ => None,
+        };
+        let score = match (&self.model, rule) {
+            (Some((m, _)), None) => Some(m.score(prompt)),
+            _ => None,
+        };
+        let signals = Signals {
+            score: score.map(|s| s.gain),
+            policy,
+            utilisation: 0.0,
+            rule,
+        };
+        let Decision { tier, reason, .. } =
+            router::tier::decide(self.model.as_ref().map(|(_, c)| c), &signals);
+        Routed {
+            tier: match tier {
+                Choice::Small => Tier::Small,
+                Choice::Large => Tier::Large,
+            },
+            reason,
+            p_large: score.map(|s| s.p_large),
+            policy: policy.label(),
+        }
+    }
+}

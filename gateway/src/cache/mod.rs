@@ -21,18 +21,16 @@ pub mod semantic;
 pub mod shared;
 pub mod tools;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwap;
 use bytes::Bytes;
 use serde_json::{Map, Value};
 
 use crate::config::CacheConfig;
 use crate::metrics::Metrics;
 use crate::openai::{Endpoint, ParsedRequest, Usage};
-use crate::store::{Store, StoreError};
+use crate::store::{Store, StoreError, TenantPolicies};
 use crate::tasks::Background;
 use crate::usage::CacheStatus;
 
@@ -122,8 +120,7 @@ pub struct Found {
 /// The cache of one gateway replica.
 pub struct Cache {
     config: CacheConfig,
-    policies: ArcSwap<HashMap<String, CachePolicy>>,
-    store: Arc<dyn Store>,
+    policies: TenantPolicies<CachePolicy>,
     exact: moka::sync::Cache<u128, Arc<Entry>>,
     shared: Option<shared::Shared>,
     /// Started on first need (the default mode, or a tenant's policy, is `semantic`); `None`
@@ -276,8 +273,7 @@ impl Cache {
         };
         let cache = Self {
             config,
-            policies: ArcSwap::from_pointee(HashMap::new()),
-            store,
+            policies: TenantPolicies::new(store),
             exact,
             shared,
             semantic: std::sync::OnceLock::new(),
@@ -317,13 +313,12 @@ impl Cache {
 
     /// Reload every tenant's policy (called every `store.key_refresh_ms`).
     pub async fn refresh(&self) -> Result<(), StoreError> {
-        let all = crate::store::list_policies::<CachePolicy>(self.store.as_ref()).await?;
-        if all.iter().any(|(_, p)| p.mode == Some(CacheMode::Semantic)) {
+        self.policies.refresh().await?;
+        if self.policies.any(|p| p.mode == Some(CacheMode::Semantic)) {
             if let Err(e) = self.start_semantic() {
                 tracing::error!(error = %e, "a tenant's cache policy is semantic, but the semantic layer cannot start");
             }
         }
-        self.policies.store(Arc::new(all.into_iter().collect()));
         self.metrics
             .cache_entries
             .set(i64::try_from(self.exact.entry_count()).unwrap_or(i64::MAX));
@@ -335,12 +330,7 @@ impl Cache {
 
     /// The policy in force for `tenant_id`, defaults filled in.
     pub fn policy(&self, tenant_id: &str) -> CachePolicy {
-        let own = self
-            .policies
-            .load()
-            .get(tenant_id)
-            .cloned()
-            .unwrap_or_default();
+        let own = self.policies.get(tenant_id).unwrap_or_default();
         CachePolicy {
             mode: Some(own.mode.unwrap_or(self.config.mode)),
             ttl_secs: Some(own.ttl_secs.unwrap_or(self.config.ttl_secs)),

@@ -25,16 +25,14 @@ pub mod session;
 pub mod signals;
 pub mod store;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
 use serde_json::Value;
 
 use crate::config::GuardConfig;
 use crate::metrics::Metrics;
-use crate::store::{Store, StoreError};
+use crate::store::{Store, StoreError, TenantPolicies};
 use crate::tasks::Background;
 pub use crate::types::guard::{GuardPolicy, LoopAction};
 pub use decide::{Decision, Refusal};
@@ -46,8 +44,7 @@ use store::{GuardError, GuardStore, Limits, SessionInfo, SessionKey, Turn};
 pub struct Guard {
     config: GuardConfig,
     store: Arc<dyn GuardStore>,
-    tenants: Arc<dyn Store>,
-    policies: ArcSwap<HashMap<String, GuardPolicy>>,
+    policies: TenantPolicies<GuardPolicy>,
     near: Option<Arc<near::NearDup>>,
     clock: Arc<dyn crate::budget::Clock>,
     metrics: Metrics,
@@ -93,8 +90,7 @@ impl Guard {
         let guard = Self {
             config,
             store,
-            tenants,
-            policies: ArcSwap::from_pointee(HashMap::new()),
+            policies: TenantPolicies::new(tenants),
             near,
             clock,
             metrics,
@@ -125,14 +121,12 @@ impl Guard {
 
     /// Reload every tenant's policy.
     pub async fn refresh(&self) -> Result<(), StoreError> {
-        let all = crate::store::list_policies::<GuardPolicy>(self.tenants.as_ref()).await?;
-        self.policies.store(Arc::new(all.into_iter().collect()));
-        Ok(())
+        self.policies.refresh().await
     }
 
     /// The policy in force for `tenant_id`, every field set.
     pub fn policy(&self, tenant_id: &str) -> GuardPolicy {
-        self.config.effective(self.policies.load().get(tenant_id))
+        self.config.effective(self.policies.get(tenant_id).as_ref())
     }
 
     fn limits(&self) -> Limits {

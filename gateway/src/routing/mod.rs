@@ -4,16 +4,14 @@
 
 pub mod tools;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
 use embedder::tier::TierModel;
 use router::tier::{Choice, Curve, Decision, Policy, Reason, Signals};
 
 use crate::config::{RoutingConfig, ToolsRule, Unavailable};
-use crate::store::{Store, StoreError};
+use crate::store::{Store, StoreError, TenantPolicies};
 use crate::tasks::Background;
 use crate::types::routing::RoutingPolicy;
 use crate::types::Tier;
@@ -22,8 +20,7 @@ use crate::types::Tier;
 pub struct TierRouter {
     config: RoutingConfig,
     model: Option<(TierModel, Curve)>,
-    tenants: Arc<dyn Store>,
-    policies: ArcSwap<HashMap<String, RoutingPolicy>>,
+    policies: TenantPolicies<RoutingPolicy>,
 }
 
 impl std::fmt::Debug for TierRouter {
@@ -109,8 +106,7 @@ impl TierRouter {
         let router = Self {
             config,
             model,
-            tenants,
-            policies: ArcSwap::from_pointee(HashMap::new()),
+            policies: TenantPolicies::new(tenants),
         };
         router.refresh().await?;
         Ok(router)
@@ -127,17 +123,13 @@ impl TierRouter {
 
     /// Reload every tenant's policy.
     pub async fn refresh(&self) -> Result<(), StoreError> {
-        let all = crate::store::list_policies::<RoutingPolicy>(self.tenants.as_ref()).await?;
-        self.policies.store(Arc::new(all.into_iter().collect()));
-        Ok(())
+        self.policies.refresh().await
     }
 
     /// The policy in force for `tenant_id`: its own, else the config's default.
     pub fn policy(&self, tenant_id: &str) -> RoutingPolicy {
         self.policies
-            .load()
             .get(tenant_id)
-            .cloned()
             .unwrap_or_else(|| self.config.defaults())
     }
 

@@ -223,6 +223,41 @@ pub async fn list_policies<P: TenantPolicy>(
         .collect()
 }
 
+/// Every tenant's own policy of type `P`, as last loaded from the store: what the request path
+/// reads (no database round trip), reloaded by [`TenantPolicies::refresh`] on the components'
+/// refresh loops and after an admin change.
+pub struct TenantPolicies<P> {
+    store: Arc<dyn Store>,
+    loaded: arc_swap::ArcSwap<std::collections::HashMap<String, P>>,
+}
+
+impl<P: TenantPolicy + Clone> TenantPolicies<P> {
+    /// Nothing loaded yet: call [`TenantPolicies::refresh`].
+    pub fn new(store: Arc<dyn Store>) -> Self {
+        Self {
+            store,
+            loaded: arc_swap::ArcSwap::from_pointee(Default::default()),
+        }
+    }
+
+    /// Reload every tenant's policy from the store.
+    pub async fn refresh(&self) -> Result<(), StoreError> {
+        let all = list_policies::<P>(self.store.as_ref()).await?;
+        self.loaded.store(Arc::new(all.into_iter().collect()));
+        Ok(())
+    }
+
+    /// `tenant_id`'s own policy, if it has one.
+    pub fn get(&self, tenant_id: &str) -> Option<P> {
+        self.loaded.load().get(tenant_id).cloned()
+    }
+
+    /// Whether any tenant's policy satisfies `f`.
+    pub fn any(&self, f: impl Fn(&P) -> bool) -> bool {
+        self.loaded.load().values().any(f)
+    }
+}
+
 /// `tenant_id`'s own policy of type `P`, if it has one.
 pub async fn policy_of<P: TenantPolicy>(
     store: &dyn Store,

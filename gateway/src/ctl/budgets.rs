@@ -5,7 +5,7 @@ use clap::Subcommand;
 use reqwest::Method;
 use serde_json::json;
 
-use super::{opt, query, table, Admin, Answer, Reply};
+use super::{opt, query, segment, table, Admin, Answer, Reply};
 use crate::budget::{BudgetPolicy, Limit};
 use crate::routes::budgets::{DeletedBudget, TenantFailMode};
 use crate::types::price::Usd;
@@ -121,7 +121,7 @@ impl BudgetCommand {
                 let a: Answer<TenantFailMode> = admin
                     .call(
                         Method::PUT,
-                        &format!("tenants/{tenant}/fail-mode"),
+                        &format!("tenants/{}/fail-mode", segment(&tenant)),
                         Some(json!({"mode": mode})),
                     )
                     .await?;

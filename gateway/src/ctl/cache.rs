@@ -4,7 +4,7 @@ use clap::Subcommand;
 use reqwest::Method;
 use serde_json::{Map, Value};
 
-use super::{opt, table, Admin, Answer, Reply};
+use super::{opt, segment, table, Admin, Answer, Reply};
 use crate::cache::CacheMode;
 use crate::routes::budgets::CachePolicyView;
 
@@ -82,7 +82,11 @@ impl CacheCommand {
             Self::Reset { tenant } => (Method::DELETE, tenant, None),
         };
         let a: Answer<CachePolicyView> = admin
-            .call(method, &format!("tenants/{tenant}/cache-policy"), body)
+            .call(
+                method,
+                &format!("tenants/{}/cache-policy", segment(&tenant)),
+                body,
+            )
             .await?;
         let h = render(&a.body);
         Ok(a.reply(h))

@@ -5,7 +5,7 @@ use clap::Subcommand;
 use reqwest::Method;
 use serde_json::{Map, Value};
 
-use super::{opt, query, table, time, Admin, Answer, Reply};
+use super::{opt, query, segment, table, time, Admin, Answer, Reply};
 use crate::guard::decide::describe;
 use crate::routes::guard::{ClearedSession, GuardPolicyView, SessionView};
 use crate::routes::List;
@@ -157,11 +157,6 @@ pub enum SessionCommand {
         /// Session id.
         session: String,
     },
-}
-
-/// `s` as one path segment.
-fn segment(s: &str) -> String {
-    percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
 }
 
 const HEADER: &[&str] = &[

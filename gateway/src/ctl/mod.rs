@@ -288,6 +288,11 @@ fn table(header: &[&str], rows: Vec<Vec<String>>) -> String {
     t.to_string()
 }
 
+/// `s` as one path segment.
+fn segment(s: &str) -> String {
+    percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
+}
+
 /// `v`, or `-` when absent.
 fn opt<T: Display>(v: Option<T>) -> String {
     v.map_or_else(|| "-".to_owned(), |v| v.to_string())

@@ -4,7 +4,7 @@ use clap::Subcommand;
 use reqwest::Method;
 use serde_json::{json, Value};
 
-use super::{table, Admin, Answer, Reply};
+use super::{segment, table, Admin, Answer, Reply};
 use crate::routes::routing::RoutingPolicyView;
 
 /// `gatewayctl routing …`
@@ -66,10 +66,7 @@ impl RoutingCommand {
             Self::Show { tenant } => (Method::GET, tenant, None),
             Self::Reset { tenant } => (Method::DELETE, tenant, None),
         };
-        let path = format!(
-            "tenants/{}/routing-policy",
-            percent_encoding::utf8_percent_encode(&tenant, percent_encoding::NON_ALPHANUMERIC)
-        );
+        let path = format!("tenants/{}/routing-policy", segment(&tenant));
         let a: Answer<RoutingPolicyView> = admin.call(method, &path, body).await?;
         let b = &a.body;
         let policy = match (b.effective.policy, b.effective.large_share) {

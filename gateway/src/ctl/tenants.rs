@@ -4,7 +4,7 @@ use clap::Subcommand;
 use reqwest::Method;
 use serde_json::json;
 
-use super::{time, Admin, Answer, Reply};
+use super::{segment, time, Admin, Answer, Reply};
 use crate::routes::admin::DeletedTenant;
 use crate::store::Tenant;
 
@@ -49,7 +49,11 @@ impl TenantCommand {
             }
             Self::Delete { tenant } => {
                 let a: Answer<DeletedTenant> = admin
-                    .call(Method::DELETE, &format!("tenants/{tenant}"), None)
+                    .call(
+                        Method::DELETE,
+                        &format!("tenants/{}", segment(&tenant)),
+                        None,
+                    )
                     .await?;
                 let h = format!("deleted tenant {} and revoked its keys", a.body.name);
                 a.reply(h)

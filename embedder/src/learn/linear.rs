@@ -61,24 +61,26 @@ fn loss_at(m: f64, y: f64) -> f64 {
     m.max(0.0) + (-m.abs()).exp().ln_1p() - y * m
 }
 
-/// Standardised copy of the selected rows, and each column's (mean, scale).
-fn standardise(x: &Matrix, rows: &[usize]) -> (Matrix, Vec<f32>, Vec<f32>) {
-    let d = x.cols;
-    let n = rows.len().max(1) as f64;
+/// Each of `d` columns' mean and standard deviation over `rows` (1 where a column is constant).
+pub fn column_stats<'a>(rows: impl Iterator<Item = &'a [f32]>, d: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut n = 0usize;
     let mut mean = vec![0.0f64; d];
     let mut sq = vec![0.0f64; d];
-    for &r in rows {
-        for (j, &v) in x.row(r).iter().enumerate() {
+    for row in rows {
+        n += 1;
+        for (j, &v) in row.iter().enumerate() {
             mean[j] += f64::from(v);
             sq[j] += f64::from(v) * f64::from(v);
         }
     }
-    let mean: Vec<f32> = mean.iter().map(|m| (m / n) as f32).collect();
+    let n = n.max(1) as f64;
+    let mean: Vec<f64> = mean.iter().map(|m| m / n).collect();
+    // The variance from the unrounded mean: `s/n − m²` cancels badly for columns far from 0.
     let scale: Vec<f32> = sq
         .iter()
         .zip(&mean)
-        .map(|(s, &m)| {
-            let var = s / n - f64::from(m) * f64::from(m);
+        .map(|(s, m)| {
+            let var = s / n - m * m;
             if var > 1e-12 {
                 var.sqrt() as f32
             } else {
@@ -86,6 +88,13 @@ fn standardise(x: &Matrix, rows: &[usize]) -> (Matrix, Vec<f32>, Vec<f32>) {
             }
         })
         .collect();
+    (mean.iter().map(|&m| m as f32).collect(), scale)
+}
+
+/// Standardised copy of the selected rows, and each column's (mean, scale).
+fn standardise(x: &Matrix, rows: &[usize]) -> (Matrix, Vec<f32>, Vec<f32>) {
+    let d = x.cols;
+    let (mean, scale) = column_stats(rows.iter().map(|&r| x.row(r)), d);
     let mut z = Matrix::new(d);
     z.data.reserve(rows.len() * d);
     for &r in rows {

@@ -277,42 +277,28 @@ pub struct Scaler {
 
 impl Scaler {
     /// Fit on rows of markers.
-    pub fn fit(rows: &[&[f32]]) -> Self {
-        let d = HAND.len();
-        let n = rows.len().max(1) as f64;
-        let mut mean = vec![0.0f64; d];
-        let mut sq = vec![0.0f64; d];
-        for r in rows {
-            for (j, &v) in r.iter().enumerate() {
-                mean[j] += f64::from(v);
-                sq[j] += f64::from(v) * f64::from(v);
-            }
-        }
-        let mean: Vec<f64> = mean.iter().map(|m| m / n).collect();
-        let scale = sq
-            .iter()
-            .zip(&mean)
-            .map(|(s, m)| {
-                let var = s / n - m * m;
-                if var > 1e-12 {
-                    var.sqrt() as f32
-                } else {
-                    1.0
-                }
-            })
-            .collect();
-        Self {
-            mean: mean.iter().map(|&m| m as f32).collect(),
-            scale,
-        }
+    pub fn fit<'a>(rows: impl Iterator<Item = &'a [f32]>) -> Self {
+        let (mean, scale) = crate::learn::linear::column_stats(rows, HAND.len());
+        Self { mean, scale }
     }
 }
 
 /// The classifier's input row for a prompt: TF-IDF columns, then the scaled markers.
 pub fn row(vocab: &Vocabulary, scaler: &Scaler, prompt: &str) -> Vec<(u32, f32)> {
-    let mut r = vocab.tfidf(&terms(prompt));
+    row_of(vocab, scaler, &terms(prompt), &hand(prompt))
+}
+
+/// The input row from a prompt's [`terms`] and [`hand`] markers (training computes them once
+/// and builds each fold's rows from them).
+pub fn row_of(
+    vocab: &Vocabulary,
+    scaler: &Scaler,
+    terms: &[String],
+    hand: &[f32],
+) -> Vec<(u32, f32)> {
+    let mut r = vocab.tfidf(terms);
     let base = vocab.len() as u32;
-    for (j, v) in hand(prompt).into_iter().enumerate() {
+    for (j, v) in hand.iter().enumerate() {
         let z = (v - scaler.mean[j]) / scaler.scale[j] * HAND_WEIGHT;
         r.push((base + j as u32, z));
     }

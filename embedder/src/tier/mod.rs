@@ -79,6 +79,11 @@ pub struct TierScore {
     pub p_large: f32,
 }
 
+/// `P(large right) − P(small right)` for an input row.
+fn gain(large: &Linear, small: &Linear, row: &[(u32, f32)]) -> f32 {
+    sigmoid(large.margin_sparse(row)) - sigmoid(small.margin_sparse(row))
+}
+
 impl TierModel {
     /// Load an artefact, checking that it was trained on this build's features.
     pub fn from_json(json: &str) -> Result<Self, String> {
@@ -122,8 +127,7 @@ impl TierModel {
     /// Score one prompt (any text: an empty one scores like any other).
     pub fn score(&self, prompt: &str) -> TierScore {
         let row = features::row(&self.vocabulary, &self.scaler, prompt);
-        let gain =
-            sigmoid(self.large.margin_sparse(&row)) - sigmoid(self.small.margin_sparse(&row));
+        let gain = gain(&self.large, &self.small, &row);
         TierScore {
             gain,
             p_large: sigmoid(self.calibration[0] * gain + self.calibration[1]),

@@ -66,23 +66,12 @@ struct Prepared {
 /// The input rows for `rows` under a vocabulary and scaler fitted on `fit_on`.
 fn fitted_inputs(p: &Prepared, fit_on: &[usize]) -> (Vocabulary, Scaler, Sparse) {
     let vocab = Vocabulary::fit(fit_on.iter().map(|&r| p.terms[r].as_slice()));
-    let hand: Vec<&[f32]> = fit_on.iter().map(|&r| p.hand[r].as_slice()).collect();
-    let scaler = Scaler::fit(&hand);
-    let base = vocab.len() as u32;
+    let scaler = Scaler::fit(fit_on.iter().map(|&r| p.hand[r].as_slice()));
     let rows = p
         .terms
         .iter()
         .zip(&p.hand)
-        .map(|(t, h)| {
-            let mut row = vocab.tfidf(t);
-            row.extend(h.iter().enumerate().map(|(j, v)| {
-                (
-                    base + j as u32,
-                    (v - scaler.mean[j]) / scaler.scale[j] * features::HAND_WEIGHT,
-                )
-            }));
-            row
-        })
+        .map(|(t, h)| features::row_of(&vocab, &scaler, t, h))
         .collect();
     let x = Sparse {
         cols: vocab.len() + HAND.len(),
@@ -118,9 +107,7 @@ fn fit(p: &Prepared, data: &[Labelled], rows: &[usize], c: f64) -> Fitted {
 
 impl Fitted {
     fn gain(&self, r: usize) -> f32 {
-        use crate::learn::trees::sigmoid;
-        let row = &self.x.rows[r];
-        sigmoid(self.large.margin_sparse(row)) - sigmoid(self.small.margin_sparse(row))
+        super::gain(&self.large, &self.small, &self.x.rows[r])
     }
 }
 

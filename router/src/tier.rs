@@ -114,23 +114,33 @@ impl Curve {
         }
     }
 
-    /// The score threshold giving `share` large calls, interpolated between the curve's points.
-    pub fn threshold_at(&self, share: f64) -> f32 {
+    /// A column of the curve at `share`, interpolated linearly between its points.
+    fn at(&self, share: f64, column: impl Fn(&(f64, f32, f64)) -> f64) -> f64 {
         let share = share.clamp(0.0, 1.0);
         let i = self.points.partition_point(|p| p.0 < share);
         if i == 0 {
-            return self.points[0].1;
+            return column(&self.points[0]);
         }
         let Some(hi) = self.points.get(i) else {
-            return self.points[self.points.len() - 1].1;
+            return column(&self.points[self.points.len() - 1]);
         };
-        let lo = self.points[i - 1];
+        let lo = &self.points[i - 1];
         let span = hi.0 - lo.0;
         if span <= 0.0 {
-            return hi.1;
+            return column(hi);
         }
-        let t = ((share - lo.0) / span) as f32;
-        lo.1 + (hi.1 - lo.1) * t
+        let t = (share - lo.0) / span;
+        column(lo) + (column(hi) - column(lo)) * t
+    }
+
+    /// The score threshold giving `share` large calls.
+    pub fn threshold_at(&self, share: f64) -> f32 {
+        self.at(share, |p| f64::from(p.1)) as f32
+    }
+
+    /// The share of the quality gap recovered with `share` large calls (held out).
+    pub fn pgr_at(&self, share: f64) -> f64 {
+        self.at(share, |p| p.2)
     }
 }
 
@@ -245,6 +255,8 @@ mod tests {
         assert_eq!(c.share_for(Policy::Quality), 0.6);
         assert_eq!(c.share_for(Policy::LargeShare(1.7)), 1.0);
         assert!((c.threshold_at(0.25) - 0.5).abs() < 1e-6, "interpolated");
+        assert!((c.pgr_at(0.3) - 0.5).abs() < 1e-12);
+        assert_eq!(c.pgr_at(0.9), 1.0);
         assert_eq!(c.threshold_at(0.0), 1.0);
         assert_eq!(c.threshold_at(1.0), -1.0);
         assert!(Curve::new(vec![(0.5, 0.0, 0.0), (0.2, 0.0, 0.0)]).is_none());

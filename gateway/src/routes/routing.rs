@@ -29,25 +29,13 @@ pub struct RoutingPolicyView {
 }
 
 fn policy_view(state: &AppState, tenant_id: &str, own: Option<RoutingPolicy>) -> RoutingPolicyView {
-    let effective = state.routing.policy(tenant_id);
-    let share = state.routing.share_for(&effective);
-    let recovered = share.and_then(|s| {
-        let m = state.routing.classifier()?;
-        m.curve
-            .iter()
-            .min_by(|a, b| {
-                (a.large_share - s)
-                    .abs()
-                    .total_cmp(&(b.large_share - s).abs())
-            })
-            .map(|p| p.pgr)
-    });
+    let expected = state.routing.expected(tenant_id);
     RoutingPolicyView {
         tenant: tenant_id.to_owned(),
         policy: own,
-        effective,
-        expected_large_share: share,
-        expected_quality_recovered: recovered,
+        effective: state.routing.policy(tenant_id),
+        expected_large_share: expected.map(|(share, _)| share),
+        expected_quality_recovered: expected.map(|(_, pgr)| pgr),
     }
 }
 

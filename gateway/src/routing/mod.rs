@@ -61,14 +61,21 @@ impl Routed {
     }
 }
 
-/// Load the classifier `config` names (the shipped one by default).
-fn load(config: &RoutingConfig) -> Result<(TierModel, Curve), String> {
-    let json = match &config.classifier {
-        Some(path) => std::fs::read_to_string(path)
-            .map_err(|e| format!("reading routing.classifier {}: {e}", path.display()))?,
+/// Read a classifier artefact (the shipped one without a path), checked against this build.
+pub fn read_classifier(path: Option<&std::path::Path>) -> Result<TierModel, String> {
+    let json = match path {
+        Some(p) => {
+            std::fs::read_to_string(p).map_err(|e| format!("reading {}: {e}", p.display()))?
+        }
         None => embedder::tier::SHIPPED_TIER_MODEL.to_owned(),
     };
-    let model = TierModel::from_json(&json)?;
+    TierModel::from_json(&json)
+}
+
+/// Load the classifier `config` names, with its held-out curve.
+fn load(config: &RoutingConfig) -> Result<(TierModel, Curve), String> {
+    let model = read_classifier(config.classifier.as_deref())
+        .map_err(|e| format!("routing.classifier: {e}"))?;
     let curve = Curve::new(
         model
             .curve
@@ -133,23 +140,25 @@ impl TierRouter {
             .unwrap_or_else(|| self.config.defaults())
     }
 
-    /// The classifier in use, if any.
-    pub fn classifier(&self) -> Option<&TierModel> {
-        self.model.as_ref().map(|(m, _)| m)
+    /// The decision's form of `tenant_id`'s policy (a stored or configured policy always names
+    /// one; `balanced` otherwise).
+    fn decision_policy(&self, tenant_id: &str) -> Policy {
+        self.policy(tenant_id)
+            .decision_policy()
+            .unwrap_or(Policy::Balanced)
     }
 
-    /// The share of large calls a policy asks for, read off the classifier's held-out curve.
-    pub fn share_for(&self, policy: &RoutingPolicy) -> Option<f64> {
-        let p = policy.decision_policy().unwrap_or(Policy::Balanced);
-        self.model.as_ref().map(|(_, c)| c.share_for(p))
+    /// What `tenant_id`'s policy means on the classifier's held-out curve: the share of routed
+    /// requests sent large and the share of the quality gap recovered (`None`: no classifier).
+    pub fn expected(&self, tenant_id: &str) -> Option<(f64, f64)> {
+        let (_, curve) = self.model.as_ref()?;
+        let share = curve.share_for(self.decision_policy(tenant_id));
+        Some((share, curve.pgr_at(share)))
     }
 
     /// Decide the tier of a routed request from its prompt text.
     pub fn route(&self, tenant_id: &str, prompt: &str, tools_or_images: bool) -> Routed {
-        let policy = self
-            .policy(tenant_id)
-            .decision_policy()
-            .unwrap_or(Policy::Balanced);
+        let policy = self.decision_policy(tenant_id);
         let rule = match (tools_or_images, self.config.tools) {
             (true, ToolsRule::Large) => Some(Choice::Large),
             (true, ToolsRule::Small) => Some(Choice::Small),

@@ -5,10 +5,7 @@ use std::io::BufRead;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use embedder::tier::{
-    train, Labelled, Outcome, RouteCurve, RouteSummary, TierModel, TierTrainOptions,
-    SHIPPED_TIER_MODEL,
-};
+use embedder::tier::{train, Labelled, Outcome, RouteCurve, RouteSummary, TierTrainOptions};
 
 /// Read JSON lines `{"prompt", "small_correct", "large_correct", "source"?}`; a row without a
 /// `source` is its own group.
@@ -115,21 +112,10 @@ pub fn train_router(data: &Path, out: &Path, opts: TierTrainOptions) -> anyhow::
     Ok(())
 }
 
-/// Load a classifier artefact (the shipped one without a path).
-pub fn load_model(path: Option<&Path>) -> anyhow::Result<TierModel> {
-    let json = match path {
-        Some(p) => {
-            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?
-        }
-        None => SHIPPED_TIER_MODEL.to_owned(),
-    };
-    TierModel::from_json(&json).map_err(anyhow::Error::msg)
-}
-
 /// `gateway router eval`: the artefact's figures on a labelled file.
 pub fn eval_router(data: &Path, model: Option<PathBuf>) -> anyhow::Result<()> {
     let rows = read_labelled(data)?;
-    let m = load_model(model.as_deref())?;
+    let m = super::read_classifier(model.as_deref()).map_err(anyhow::Error::msg)?;
     let outcomes: Vec<Outcome> = rows.iter().map(|r| r.outcome).collect();
     let mut micros = Vec::with_capacity(rows.len());
     let scores: Vec<f32> = rows

@@ -50,12 +50,6 @@ pub async fn set_policy(
     policy
         .check()
         .map_err(|(field, message)| ApiError::invalid(field, format!("`{field}` {message}")))?;
-    if policy.decision_policy().is_none() {
-        return Err(ApiError::invalid(
-            "policy",
-            "give `policy` (quality, balanced or cost) or `large_share` (0..1)",
-        ));
-    }
     let t = tenant(&state, &id_or_name).await?;
     crate::store::set_policy(state.store.as_ref(), &t.id, &policy).await?;
     state.routing.refresh().await?;

@@ -29,8 +29,14 @@ pub struct RoutingPolicy {
 }
 
 impl RoutingPolicy {
-    /// Check the fields; the error names the field.
+    /// Check the fields (one of the two must be set); the error names the field.
     pub fn check(&self) -> Result<(), (&'static str, &'static str)> {
+        if self.policy.is_none() && self.large_share.is_none() {
+            return Err((
+                "policy",
+                "must be given (quality, balanced or cost), or `large_share` (0..1) instead",
+            ));
+        }
         if self.large_share.is_some_and(|s| !(0.0..=1.0).contains(&s)) {
             return Err(("large_share", "must be between 0 and 1"));
         }

@@ -11,9 +11,12 @@ use axum::Router;
 use tokio::net::TcpListener;
 use tower_http::trace::TraceLayer;
 
+use crate::cache::CachePolicy;
 use crate::config::Config;
+use crate::guard::GuardPolicy;
 use crate::middleware::request_id::RequestId;
 use crate::state::{AppState, Deps};
+use crate::types::routing::RoutingPolicy;
 use crate::{middleware, routes};
 
 /// The whole HTTP surface. Layers, outermost first:
@@ -88,21 +91,21 @@ pub fn build_router(state: AppState) -> Router {
         )
         .route(
             "/admin/v1/tenants/{tenant}/cache-policy",
-            put(routes::budgets::set_cache_policy)
-                .get(routes::budgets::get_cache_policy)
-                .delete(routes::budgets::delete_cache_policy),
+            put(routes::policy::set_policy::<CachePolicy>)
+                .get(routes::policy::get_policy::<CachePolicy>)
+                .delete(routes::policy::delete_policy::<CachePolicy>),
         )
         .route(
             "/admin/v1/tenants/{tenant}/guard-policy",
-            put(routes::guard::set_policy)
-                .get(routes::guard::get_policy)
-                .delete(routes::guard::delete_policy),
+            put(routes::policy::set_policy::<GuardPolicy>)
+                .get(routes::policy::get_policy::<GuardPolicy>)
+                .delete(routes::policy::delete_policy::<GuardPolicy>),
         )
         .route(
             "/admin/v1/tenants/{tenant}/routing-policy",
-            put(routes::routing::set_policy)
-                .get(routes::routing::get_policy)
-                .delete(routes::routing::delete_policy),
+            put(routes::policy::set_policy::<RoutingPolicy>)
+                .get(routes::policy::get_policy::<RoutingPolicy>)
+                .delete(routes::policy::delete_policy::<RoutingPolicy>),
         )
         .route(
             "/admin/v1/tenants/{tenant}/sessions",

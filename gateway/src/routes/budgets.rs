@@ -18,7 +18,7 @@ use crate::routes::Query;
 use crate::routes::{parse_json, read_body, List, ListObject};
 use crate::routes::{tenant, ADMIN_BODY_LIMIT};
 use crate::state::AppState;
-use crate::store::{NewBudget, PolicyKind, Tenant};
+use crate::store::{NewBudget, Tenant};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -375,52 +375,35 @@ fn cache_policy_view(
     }
 }
 
-/// `PUT /admin/v1/tenants/{tenant}/cache-policy {"mode", "ttl_secs", "min_precision",
-/// "any_temperature", "tools"}` (fields left out take the config's defaults).
-pub async fn set_cache_policy(
-    State(state): State<AppState>,
-    Path(id_or_name): Path<String>,
-    body: Body,
-) -> Result<Json<CachePolicyView>, ApiError> {
-    let policy: CachePolicy = parse_json(&read_body(body, ADMIN_BODY_LIMIT).await?)?;
-    if let Some(p) = policy.min_precision {
-        if !(0.0..=1.0).contains(&p) {
-            return Err(ApiError::invalid(
-                "min_precision",
-                "must be between 0 and 1 (e.g. 0.9)",
-            ));
+impl crate::routes::policy::AdminPolicy for CachePolicy {
+    type View = CachePolicyView;
+    const NAME: &'static str = "cache";
+
+    /// `{"mode", "ttl_secs", "min_precision", "any_temperature", "tools"}` (fields left out
+    /// take the config's defaults).
+    fn check(&self) -> Result<(), ApiError> {
+        if let Some(p) = self.min_precision {
+            if !(0.0..=1.0).contains(&p) {
+                return Err(ApiError::invalid(
+                    "min_precision",
+                    "must be between 0 and 1 (e.g. 0.9)",
+                ));
+            }
         }
+        if self.ttl_secs == Some(0) {
+            return Err(ApiError::invalid("ttl_secs", "must be at least 1"));
+        }
+        Ok(())
     }
-    if policy.ttl_secs == Some(0) {
-        return Err(ApiError::invalid("ttl_secs", "must be at least 1"));
-    }
-    let t = tenant(&state, &id_or_name).await?;
-    crate::store::set_policy(state.store.as_ref(), &t.id, &policy).await?;
-    state.cache.refresh().await?;
-    Ok(Json(cache_policy_view(&state, &t.id, Some(policy))))
-}
 
-/// `GET /admin/v1/tenants/{tenant}/cache-policy`
-pub async fn get_cache_policy(
-    State(state): State<AppState>,
-    Path(id_or_name): Path<String>,
-) -> Result<Json<CachePolicyView>, ApiError> {
-    let t = tenant(&state, &id_or_name).await?;
-    let own = crate::store::policy_of::<CachePolicy>(state.store.as_ref(), &t.id).await?;
-    Ok(Json(cache_policy_view(&state, &t.id, own)))
-}
-
-/// `DELETE /admin/v1/tenants/{tenant}/cache-policy`: back to the config's defaults.
-pub async fn delete_cache_policy(
-    State(state): State<AppState>,
-    Path(id_or_name): Path<String>,
-) -> Result<Json<CachePolicyView>, ApiError> {
-    let t = tenant(&state, &id_or_name).await?;
-    if !state.store.delete_policy(PolicyKind::Cache, &t.id).await? {
-        return Err(ApiError::NotFound(
-            "this tenant has no cache policy of its own".into(),
-        ));
+    fn reload(
+        state: &AppState,
+    ) -> impl std::future::Future<Output = Result<(), crate::store::StoreError>> + Send {
+        let cache = std::sync::Arc::clone(&state.cache);
+        async move { cache.refresh().await }
     }
-    state.cache.refresh().await?;
-    Ok(Json(cache_policy_view(&state, &t.id, None)))
+
+    fn view(state: &AppState, tenant_id: &str, own: Option<Self>) -> CachePolicyView {
+        cache_policy_view(state, tenant_id, own)
+    }
 }

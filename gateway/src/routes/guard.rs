@@ -1,7 +1,6 @@
 //! Admin routes of the guard: a tenant's guard policy, and its sessions (list, show, clear:
 //! what `gatewayctl guard` and `gatewayctl sessions` call).
 
-use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::Json;
 use chrono::{DateTime, TimeZone, Utc};
@@ -10,9 +9,8 @@ use serde::{Deserialize, Serialize};
 use crate::error::ApiError;
 use crate::guard::store::{GuardError, SessionInfo};
 use crate::guard::GuardPolicy;
-use crate::routes::{parse_json, read_body, tenant, List, Query, ADMIN_BODY_LIMIT};
+use crate::routes::{tenant, List, Query};
 use crate::state::AppState;
-use crate::store::PolicyKind;
 
 /// Body of the `/admin/v1/tenants/{tenant}/guard-policy` endpoints.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -33,46 +31,26 @@ fn policy_view(state: &AppState, tenant_id: &str, own: Option<GuardPolicy>) -> G
     }
 }
 
-/// `PUT /admin/v1/tenants/{tenant}/guard-policy {"action", "repeats", "window_secs",
-/// "similarity", "cooldown_secs"}` (fields left out take the config's defaults).
-pub async fn set_policy(
-    State(state): State<AppState>,
-    Path(id_or_name): Path<String>,
-    body: Body,
-) -> Result<Json<GuardPolicyView>, ApiError> {
-    let policy: GuardPolicy = parse_json(&read_body(body, ADMIN_BODY_LIMIT).await?)?;
-    policy
-        .check()
-        .map_err(|(field, message)| ApiError::invalid(field, format!("`{field}` {message}")))?;
-    let t = tenant(&state, &id_or_name).await?;
-    crate::store::set_policy(state.store.as_ref(), &t.id, &policy).await?;
-    state.guard.refresh().await?;
-    Ok(Json(policy_view(&state, &t.id, Some(policy))))
-}
+impl crate::routes::policy::AdminPolicy for GuardPolicy {
+    type View = GuardPolicyView;
+    const NAME: &'static str = "guard";
 
-/// `GET /admin/v1/tenants/{tenant}/guard-policy`
-pub async fn get_policy(
-    State(state): State<AppState>,
-    Path(id_or_name): Path<String>,
-) -> Result<Json<GuardPolicyView>, ApiError> {
-    let t = tenant(&state, &id_or_name).await?;
-    let own = crate::store::policy_of::<GuardPolicy>(state.store.as_ref(), &t.id).await?;
-    Ok(Json(policy_view(&state, &t.id, own)))
-}
-
-/// `DELETE /admin/v1/tenants/{tenant}/guard-policy`: back to the config's defaults.
-pub async fn delete_policy(
-    State(state): State<AppState>,
-    Path(id_or_name): Path<String>,
-) -> Result<Json<GuardPolicyView>, ApiError> {
-    let t = tenant(&state, &id_or_name).await?;
-    if !state.store.delete_policy(PolicyKind::Guard, &t.id).await? {
-        return Err(ApiError::NotFound(
-            "this tenant has no guard policy of its own".into(),
-        ));
+    /// Fields left out take the config's defaults.
+    fn check(&self) -> Result<(), ApiError> {
+        GuardPolicy::check(self)
+            .map_err(|(field, message)| ApiError::invalid(field, format!("`{field}` {message}")))
     }
-    state.guard.refresh().await?;
-    Ok(Json(policy_view(&state, &t.id, None)))
+
+    fn reload(
+        state: &AppState,
+    ) -> impl std::future::Future<Output = Result<(), crate::store::StoreError>> + Send {
+        let guard = std::sync::Arc::clone(&state.guard);
+        async move { guard.refresh().await }
+    }
+
+    fn view(state: &AppState, tenant_id: &str, own: Option<Self>) -> GuardPolicyView {
+        policy_view(state, tenant_id, own)
+    }
 }
 
 /// The latest loop found in a session.

@@ -7,6 +7,7 @@ pub mod dashboard;
 pub mod guard;
 pub mod health;
 pub mod openai;
+pub mod policy;
 pub mod routing;
 
 use axum::body::Body;

@@ -1,15 +1,10 @@
-//! Admin routes of the tier router: a tenant's routing policy for `model: "auto"` (what
-//! `gatewayctl routing` calls).
+//! The tier router's admin view: a tenant's routing policy for `model: "auto"` and what it means
+//! on the classifier's curve (served by [`crate::routes::policy`]; what `gatewayctl routing` calls).
 
-use axum::body::Body;
-use axum::extract::{Path, State};
-use axum::Json;
 use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
-use crate::routes::{parse_json, read_body, tenant, ADMIN_BODY_LIMIT};
 use crate::state::AppState;
-use crate::store::PolicyKind;
 use crate::types::routing::RoutingPolicy;
 
 /// Body of the `/admin/v1/tenants/{tenant}/routing-policy` endpoints.
@@ -39,48 +34,24 @@ fn policy_view(state: &AppState, tenant_id: &str, own: Option<RoutingPolicy>) ->
     }
 }
 
-/// `PUT /admin/v1/tenants/{tenant}/routing-policy {"policy": "quality"|"balanced"|"cost"}` or
-/// `{"large_share": 0.3}`.
-pub async fn set_policy(
-    State(state): State<AppState>,
-    Path(id_or_name): Path<String>,
-    body: Body,
-) -> Result<Json<RoutingPolicyView>, ApiError> {
-    let policy: RoutingPolicy = parse_json(&read_body(body, ADMIN_BODY_LIMIT).await?)?;
-    policy
-        .check()
-        .map_err(|(field, message)| ApiError::invalid(field, format!("`{field}` {message}")))?;
-    let t = tenant(&state, &id_or_name).await?;
-    crate::store::set_policy(state.store.as_ref(), &t.id, &policy).await?;
-    state.routing.refresh().await?;
-    Ok(Json(policy_view(&state, &t.id, Some(policy))))
-}
+impl crate::routes::policy::AdminPolicy for RoutingPolicy {
+    type View = RoutingPolicyView;
+    const NAME: &'static str = "routing";
 
-/// `GET /admin/v1/tenants/{tenant}/routing-policy`
-pub async fn get_policy(
-    State(state): State<AppState>,
-    Path(id_or_name): Path<String>,
-) -> Result<Json<RoutingPolicyView>, ApiError> {
-    let t = tenant(&state, &id_or_name).await?;
-    let own = crate::store::policy_of::<RoutingPolicy>(state.store.as_ref(), &t.id).await?;
-    Ok(Json(policy_view(&state, &t.id, own)))
-}
-
-/// `DELETE /admin/v1/tenants/{tenant}/routing-policy`: back to the config's default.
-pub async fn delete_policy(
-    State(state): State<AppState>,
-    Path(id_or_name): Path<String>,
-) -> Result<Json<RoutingPolicyView>, ApiError> {
-    let t = tenant(&state, &id_or_name).await?;
-    if !state
-        .store
-        .delete_policy(PolicyKind::Routing, &t.id)
-        .await?
-    {
-        return Err(ApiError::NotFound(
-            "this tenant has no routing policy of its own".into(),
-        ));
+    /// `{"policy": "quality"|"balanced"|"cost"}` or `{"large_share": 0.3}`.
+    fn check(&self) -> Result<(), ApiError> {
+        RoutingPolicy::check(self)
+            .map_err(|(field, message)| ApiError::invalid(field, format!("`{field}` {message}")))
     }
-    state.routing.refresh().await?;
-    Ok(Json(policy_view(&state, &t.id, None)))
+
+    fn reload(
+        state: &AppState,
+    ) -> impl std::future::Future<Output = Result<(), crate::store::StoreError>> + Send {
+        let routing = std::sync::Arc::clone(&state.routing);
+        async move { routing.refresh().await }
+    }
+
+    fn view(state: &AppState, tenant_id: &str, own: Option<Self>) -> RoutingPolicyView {
+        policy_view(state, tenant_id, own)
+    }
 }

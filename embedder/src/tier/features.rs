@@ -266,6 +266,12 @@ pub fn hand(prompt: &str) -> Vec<f32> {
     ]
 }
 
+/// Standardised markers are clipped to this many standard deviations. A marker that barely
+/// varies in training (every MMLU prompt has four options) would otherwise standardise a prompt
+/// unlike the training ones (a chat turn with no options) to dozens of deviations, and that one
+/// weight would decide its tier alone.
+pub const CLIP: f32 = 3.0;
+
 /// Per-column mean and scale of the markers, fitted on the training prompts.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Scaler {
@@ -273,13 +279,25 @@ pub struct Scaler {
     pub mean: Vec<f32>,
     /// Standard deviations (1 where a column is constant).
     pub scale: Vec<f32>,
+    /// Standardised values are clipped to `±clip` (an artefact without it predates clipping
+    /// and does not load: its weights were fitted on unclipped markers).
+    pub clip: f32,
 }
 
 impl Scaler {
     /// Fit on rows of markers.
     pub fn fit<'a>(rows: impl Iterator<Item = &'a [f32]>) -> Self {
         let (mean, scale) = crate::learn::linear::column_stats(rows, HAND.len());
-        Self { mean, scale }
+        Self {
+            mean,
+            scale,
+            clip: CLIP,
+        }
+    }
+
+    /// Marker `j`'s value standardised, clipped and weighted as the classifier reads it.
+    pub fn scaled(&self, j: usize, v: f32) -> f32 {
+        ((v - self.mean[j]) / self.scale[j]).clamp(-self.clip, self.clip) * HAND_WEIGHT
     }
 }
 
@@ -298,9 +316,8 @@ pub fn row_of(
 ) -> Vec<(u32, f32)> {
     let mut r = vocab.tfidf(terms);
     let base = vocab.len() as u32;
-    for (j, v) in hand.iter().enumerate() {
-        let z = (v - scaler.mean[j]) / scaler.scale[j] * HAND_WEIGHT;
-        r.push((base + j as u32, z));
+    for (j, &v) in hand.iter().enumerate() {
+        r.push((base + j as u32, scaler.scaled(j, v)));
     }
     r
 }
@@ -341,6 +358,31 @@ mod tests {
         assert!(
             hand("").iter().all(|v| v.is_finite()),
             "an empty prompt has markers"
+        );
+    }
+
+    #[test]
+    fn a_marker_far_outside_the_training_range_is_clipped() {
+        // Options: always 4 in training but one prompt; a prompt without options is far out.
+        let rows: Vec<Vec<f32>> = (0..100)
+            .map(|i| {
+                let mut h = vec![1.0; HAND.len()];
+                h[3] = if i == 0 { 5.0 } else { 4.0 };
+                h
+            })
+            .collect();
+        let s = Scaler::fit(rows.iter().map(Vec::as_slice));
+        assert_eq!(s.scaled(3, 0.0), -CLIP * HAND_WEIGHT);
+        assert_eq!(s.scaled(3, 40.0), CLIP * HAND_WEIGHT);
+        assert!(
+            (s.scaled(3, 4.0) - (-0.1005 * HAND_WEIGHT)).abs() < 1e-3,
+            "{}",
+            s.scaled(3, 4.0)
+        );
+        assert_eq!(
+            s.scaled(0, 1.0),
+            0.0,
+            "a constant column is centred, scale 1"
         );
     }
 

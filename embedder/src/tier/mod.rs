@@ -103,6 +103,8 @@ impl TierModel {
             || m.small.weights.len() != d
             || m.scaler.mean.len() != HAND.len()
             || m.scaler.scale.len() != HAND.len()
+            || m.scaler.clip.is_nan()
+            || m.scaler.clip <= 0.0
         {
             return Err(format!(
                 "the tier classifier's parts do not fit together ({} terms, {} idf, weights {} \
@@ -150,8 +152,35 @@ mod tests {
         broken["hand_columns"] = serde_json::json!(["length"]);
         let e = TierModel::from_json(&broken.to_string()).unwrap_err();
         assert!(e.contains("retrain"), "{e}");
+        let mut unclipped: serde_json::Value = serde_json::from_str(SHIPPED_TIER_MODEL).unwrap();
+        unclipped["scaler"].as_object_mut().unwrap().remove("clip");
+        let e = TierModel::from_json(&unclipped.to_string()).unwrap_err();
+        assert!(e.contains("clip") && e.contains("retrain"), "{e}");
         assert!(TierModel::from_json("{}")
             .unwrap_err()
             .contains("unreadable"));
+    }
+
+    #[test]
+    fn free_form_prompts_are_scored_by_their_words_not_pinned_by_a_missing_marker() {
+        // The training prompts are all multiple choice; a chat turn has no options. Unclipped,
+        // that one marker put every such prompt at a gain of ~1 (always large).
+        let m = TierModel::from_json(SHIPPED_TIER_MODEL).unwrap();
+        let gains: Vec<f32> = [
+            "What is 2+2?",
+            "Hi",
+            "Explain quantum entanglement to a ten-year-old.",
+            "Write a Python function that parses ISO 8601 dates and handles time zones.",
+            "Translate 'good morning' into French.",
+            "What is the capital of France?",
+        ]
+        .iter()
+        .map(|p| m.score(p).gain)
+        .collect();
+        assert!(gains.iter().all(|&g| g < 0.9), "{gains:?}");
+        let (lo, hi) = gains
+            .iter()
+            .fold((f32::MAX, f32::MIN), |(lo, hi), &g| (lo.min(g), hi.max(g)));
+        assert!(hi - lo > 0.1, "{gains:?}");
     }
 }

@@ -114,7 +114,7 @@ pub struct UsageEvent {
     #[serde(default)]
     pub avoided_micros: i64,
     /// Why the request went to its tier (`explicit`, `classifier`, `budget`, `rule`,
-    /// `fallback`); `None` when it was refused before the route step.
+    /// `fallback`, `unhealthy`); `None` when it was refused before the route step.
     #[serde(default)]
     pub route_reason: Option<String>,
     /// SHA-256 (first 32 hex digits) of the canonical request: same question, same fingerprint.

@@ -27,6 +27,9 @@ pub enum Reason {
     Rule,
     /// No classifier is loaded (configured to fall back to the large tier).
     Fallback,
+    /// The chosen tier could not answer (no healthy replica, or every attempt failed) and the
+    /// other tier did.
+    Unhealthy,
 }
 
 impl Reason {
@@ -38,6 +41,7 @@ impl Reason {
             Self::Budget => "budget",
             Self::Rule => "rule",
             Self::Fallback => "fallback",
+            Self::Unhealthy => "unhealthy",
         }
     }
 }

@@ -324,3 +324,114 @@ async fn router_train_and_eval_run_on_the_small_fixture() {
         "{text}"
     );
 }
+
+/// A chat body with a small `max_tokens` and its own `user` (its own guard session).
+fn routed_body(text: &str, i: usize) -> Value {
+    json!({"model": "auto", "max_tokens": 16, "user": format!("u{i}"),
+           "messages": [{"role": "user", "content": text}]})
+}
+
+#[tokio::test]
+async fn budget_pressure_moves_a_prompt_to_small_before_the_limit_and_any_429() {
+    let sim = Sim::zero("sim-small").await;
+    let mut c = e2e::config_on(&sim, None);
+    c.cache.mode = gateway::cache::CacheMode::Off;
+    let mut app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    // A prompt the balanced policy sends large, with no pressure.
+    let mut prompt = None;
+    for p in prompts().iter().step_by(3) {
+        let r = app.chat(routed_body(p, 0)).await;
+        let e = app.next_event().await;
+        if r.headers()["x-gateway-tier"] == "large" {
+            prompt = Some((p.clone(), e.prompt_tokens + e.completion_tokens));
+            break;
+        }
+    }
+    let (prompt, tokens) = prompt.expect("some prompt goes large");
+    // Room for about 40 such requests below the soft limit.
+    let limit = 40 * tokens;
+    let r = app
+        .admin(
+            Method::POST,
+            "budgets",
+            Some(
+                json!({"tenant": "acme", "window": "day", "limit_tokens": limit,
+                        "action": "downgrade", "hard_limit_tokens": 2 * limit}),
+            ),
+        )
+        .await;
+    assert_eq!(r.status(), 201);
+    // Until the hard cap refuses: (tier, reason, budget_used, header).
+    let mut seen = Vec::new();
+    for i in 1..=200 {
+        let r = app.chat(routed_body(&prompt, i)).await;
+        if r.status() == 429 {
+            break;
+        }
+        assert_eq!(r.status(), 200, "request {i}");
+        let h = route_header(&r);
+        let e = app.next_event().await;
+        let used = h
+            .split(' ')
+            .find_map(|kv| kv.strip_prefix("budget_used="))
+            .map(|u| u.parse::<f64>().unwrap());
+        seen.push((e.tier.unwrap(), e.route_reason.unwrap(), used, h));
+    }
+    assert!(seen.len() < 200, "the hard cap never refused: {seen:#?}");
+    let moved = seen
+        .iter()
+        .position(|s| s.1 == "budget")
+        .unwrap_or_else(|| panic!("pressure never moved the prompt: {seen:#?}"));
+    for (i, s) in seen.iter().enumerate() {
+        if i < moved {
+            assert_eq!(
+                (s.0.as_str(), s.1.as_str()),
+                ("large", "classifier"),
+                "{s:?}"
+            );
+        } else {
+            // Once pressure moves it, it stays small (pressure only grows within the window).
+            assert_eq!((s.0.as_str(), s.1.as_str()), ("small", "budget"), "{s:?}");
+        }
+    }
+    // It moved before the soft limit was reached: smoothly, not at the limit.
+    let used = seen[moved].2.expect("the header says the pressure");
+    assert!((0.8..1.0).contains(&used), "{:?}", seen[moved]);
+    assert!(
+        seen[..moved].iter().all(|s| s.2.is_none_or(|u| u < used)),
+        "{seen:#?}"
+    );
+    // The refusal came only once the soft limit was passed (the hard cap is twice it).
+    assert_eq!(seen.last().unwrap().2, Some(1.0), "{seen:#?}");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn an_answer_from_the_other_tier_says_the_chosen_one_was_unhealthy() {
+    let sim = Sim::zero("sim-small").await;
+    // The large tier's only replica refuses connections.
+    let mut c = e2e::config(
+        vec![e2e::replica("s", &sim.url, "sim-small")],
+        vec![e2e::replica("l", "http://127.0.0.1:9/v1", "sim-large")],
+    );
+    c.cache.mode = gateway::cache::CacheMode::Off;
+    let mut app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    let body = json!({"model": "auto", "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]});
+    let r = app.chat(body).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-gateway-tier"], "small");
+    assert_eq!(route_header(&r), "tier=small reason=unhealthy chosen=large");
+    let e = app.next_event().await;
+    assert_eq!(e.route_reason.as_deref(), Some("unhealthy"));
+    assert_eq!(e.tier.as_deref(), Some("small"));
+    // An explicit name that fails over says so too.
+    let r = app.chat(chat_body("smart", "hi")).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(route_header(&r), "tier=small reason=unhealthy chosen=large");
+    assert_eq!(
+        app.next_event().await.route_reason.as_deref(),
+        Some("unhealthy")
+    );
+    app.stop().await;
+}

@@ -38,13 +38,15 @@ async fn read_all(resp: UpstreamResponse, deadline: Instant, limit: usize) -> Bu
     }
 }
 
-/// Try the planned tiers until one answers; respond with its answer, or settle the last error.
+/// Try the planned tiers until one answers; respond with its answer (and the tier that gave
+/// it), or settle the last error. An answer from the other tier than the one chosen is
+/// recorded with the routing reason `unhealthy`.
 ///
 /// Time limits: each attempt waits for response headers up to its first-byte timeout
 /// (`upstream.stream_first_byte_timeout_ms` for streams, `first_byte_timeout_ms` otherwise),
 /// but never beyond what is left of the first-byte budget the attempts share
 /// (`first_byte_budget_ms`); the whole exchange ends at `total_timeout_ms`.
-pub(super) async fn forward(mut call: Call) -> Response {
+pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
     // The pools are borrowed from this handle while the call itself moves on to respond.
     let state = call.state.clone();
     let up = state.upstreams.config();
@@ -95,14 +97,18 @@ pub(super) async fn forward(mut call: Call) -> Response {
             }
             Ok(resp) if call.req.stream && resp.status().is_success() => {
                 pool.set.record_success(&lease);
-                call.event.retries = attempts - 1;
-                return respond::streamed(call, pool, lease, resp, deadline);
+                answered_by(&mut call, tier, attempts);
+                return (
+                    respond::streamed(call, pool, lease, resp, deadline),
+                    Some(tier),
+                );
             }
             Ok(resp) => match read_all(resp, deadline, limit).await {
                 Buffered::Done(status, headers, body) => {
                     pool.set.record_success(&lease);
-                    call.event.retries = attempts - 1;
-                    return respond::buffered(call, pool, &lease, status, &headers, body);
+                    answered_by(&mut call, tier, attempts);
+                    let response = respond::buffered(call, pool, &lease, status, &headers, body);
+                    return (response, Some(tier));
                 }
                 Buffered::Failed(e) if !e.is_replica_failure() => {
                     // Any replica would answer the same: no failover, and no mark against it.
@@ -159,7 +165,16 @@ pub(super) async fn forward(mut call: Call) -> Response {
     event.error_kind = Some(error.kind().to_owned());
     event.latency_ms = ms_since(ctx.started);
     settle(&state, event, reservation);
-    error.into_response()
+    (error.into_response(), None)
+}
+
+/// Record that `tier` answered after `attempts` attempts: a tier other than the chosen one means
+/// the chosen one was unhealthy.
+fn answered_by(call: &mut Call, tier: Tier, attempts: u32) {
+    call.event.retries = attempts - 1;
+    if tier != call.tier {
+        call.event.route_reason = Some(router::tier::Reason::Unhealthy.as_str().to_owned());
+    }
 }
 
 fn attempt_error(e: &AttemptError) -> ApiError {

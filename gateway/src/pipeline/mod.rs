@@ -126,8 +126,17 @@ pub async fn run(
         return call.reject(e);
     }
     let cache_status = call.event.cache_status;
-    let headers = std::mem::take(&mut call.headers);
-    let mut response = attempt::forward(call).await;
+    let mut headers = std::mem::take(&mut call.headers);
+    let chosen = call.tier;
+    let (mut response, served) = attempt::forward(call).await;
+    if let Some(served) = served.filter(|t| *t != chosen) {
+        // The other tier answered: say so instead of the route step's choice.
+        headers.retain(|(name, _)| *name != crate::headers::ROUTE);
+        let why = format!("tier={served} reason=unhealthy chosen={chosen}");
+        if let Ok(v) = HeaderValue::from_str(&why) {
+            headers.push((crate::headers::ROUTE, v));
+        }
+    }
     response.headers_mut().extend(headers);
     response.headers_mut().insert(
         crate::headers::CACHE,
@@ -311,10 +320,12 @@ impl Call {
         let router = Arc::clone(&self.state.routing);
         let req = &self.req;
         let tenant = &self.ctx.key.tenant_id;
+        // Budget pressure as this replica last saw it: no round trip.
+        let budget_used = self.state.budgets.pressure(&self.ctx.key, &self.event.tags);
         // Reading the prompt walks the body: a large one off the async workers.
         let routed = crate::tokens::off_workers(req.body_bytes, || {
             let (text, special) = req.routing_view();
-            router.route(tenant, &text, special)
+            router.route(tenant, &text, special, budget_used)
         })
         .await;
         self.tier = routed.tier;

@@ -45,6 +45,9 @@ pub struct Routed {
     pub p_large: Option<f32>,
     /// The policy in force (`balanced`, `share=0.30`, …).
     pub policy: String,
+    /// The budget pressure that moved the threshold: the share used of the tenant's tightest
+    /// `downgrade` budget, when past [`router::tier::PRESSURE_START`].
+    pub budget_used: Option<f64>,
 }
 
 impl Routed {
@@ -57,6 +60,9 @@ impl Routed {
         }
         v.push_str(" policy=");
         v.push_str(&self.policy);
+        if let Some(u) = self.budget_used {
+            v.push_str(&format!(" budget_used={u:.2}"));
+        }
         v
     }
 }
@@ -156,8 +162,15 @@ impl TierRouter {
         Some((share, curve.pgr_at(share)))
     }
 
-    /// Decide the tier of a routed request from its prompt text.
-    pub fn route(&self, tenant_id: &str, prompt: &str, tools_or_images: bool) -> Routed {
+    /// Decide the tier of a routed request from its prompt text, under `budget_used` pressure
+    /// (the share used of the tenant's tightest `downgrade` budget, 0..=1).
+    pub fn route(
+        &self,
+        tenant_id: &str,
+        prompt: &str,
+        tools_or_images: bool,
+        budget_used: f64,
+    ) -> Routed {
         let policy = self.decision_policy(tenant_id);
         let rule = match (tools_or_images, self.config.tools) {
             (true, ToolsRule::Large) => Some(Choice::Large),
@@ -171,7 +184,7 @@ impl TierRouter {
         let signals = Signals {
             score: score.map(|s| s.gain),
             policy,
-            utilisation: 0.0,
+            utilisation: budget_used,
             rule,
         };
         let Decision { tier, reason, .. } =
@@ -184,6 +197,8 @@ impl TierRouter {
             reason,
             p_large: score.map(|s| s.p_large),
             policy: policy.label(),
+            budget_used: (score.is_some() && budget_used > router::tier::PRESSURE_START)
+                .then_some(budget_used.min(1.0)),
         }
     }
 }

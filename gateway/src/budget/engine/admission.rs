@@ -397,6 +397,17 @@ impl Budgets {
         let mut flagged = Vec::new();
         let mut warnings = Vec::new();
         for (i, (p, state)) in plan.policies.iter().zip(counters).enumerate() {
+            if p.action == Action::Downgrade {
+                // A downgraded request means the soft limit is reached: full pressure.
+                let used = if downgraded {
+                    1.0
+                } else {
+                    1.0 - left_share(state, &p.limit)
+                };
+                if let Some(spec) = req.counters.get(i) {
+                    self.saw_pressure(spec, used);
+                }
+            }
             let limit = if downgraded && p.action == Action::Downgrade {
                 if p.hard_limit.is_unlimited() {
                     continue;
@@ -406,13 +417,7 @@ impl Budgets {
                 p.limit
             };
             let (rem_t, rem_m) = state.remaining(&limit);
-            let frac_t = limit
-                .tokens
-                .map(|l| rem_t.unwrap_or(0) as f64 / l.max(1) as f64);
-            let frac_m = limit
-                .micros
-                .map(|l| rem_m.unwrap_or(0) as f64 / l.max(1) as f64);
-            let frac = frac_t.unwrap_or(1.0).min(frac_m.unwrap_or(1.0));
+            let frac = left_share(state, &limit);
             if p.action == Action::Flag && frac <= 0.0 {
                 flagged.push(p.id.clone());
             }
@@ -499,4 +504,17 @@ impl Budgets {
             now,
         })
     }
+}
+
+/// The share of `limit` a counter in `state` has left (0..=1): the lesser of its tokens' and its
+/// dollars' shares, 1 for a limit on neither.
+fn left_share(state: &CounterState, limit: &Limit) -> f64 {
+    let (rem_t, rem_m) = state.remaining(limit);
+    let frac_t = limit
+        .tokens
+        .map(|l| rem_t.unwrap_or(0) as f64 / l.max(1) as f64);
+    let frac_m = limit
+        .micros
+        .map(|l| rem_m.unwrap_or(0) as f64 / l.max(1) as f64);
+    frac_t.unwrap_or(1.0).min(frac_m.unwrap_or(1.0))
 }

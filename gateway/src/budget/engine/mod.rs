@@ -152,6 +152,10 @@ pub struct Budgets {
     reseeding: tokio::sync::Mutex<HashMap<(String, i64), i64>>,
     /// Leases in the shared store (`None`: every request reserves on its own).
     leases: Option<Leases>,
+    /// Budget pressure as this replica last saw it: each `downgrade` counter's key → the share
+    /// of its limit used (spent and reserved) after the latest admission against it, leased or
+    /// reserved, and when the counter expires (ms). Read by [`Budgets::pressure`] with no I/O.
+    pressure: Mutex<HashMap<String, (f64, i64)>>,
 }
 
 impl std::fmt::Debug for Budgets {
@@ -223,6 +227,7 @@ impl Budgets {
             down_until_ms: AtomicI64::new(0),
             backlog: Mutex::new(VecDeque::new()),
             ttl_ms,
+            pressure: Mutex::new(HashMap::new()),
         };
         budgets.refresh().await?;
         Ok(budgets)
@@ -248,6 +253,11 @@ impl Budgets {
             snap.rates.entry(r.tenant_id.clone()).or_default().push(r);
         }
         snap.fail_modes = modes.into_iter().collect();
+        let now_ms = ms(self.clock.now());
+        self.pressure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|_, (_, expire_at_ms)| *expire_at_ms > now_ms);
         let fresh: Vec<BudgetPolicy> = {
             let now = self.clock.now();
             let seeded = self.seeded.lock().unwrap_or_else(|e| e.into_inner());
@@ -392,6 +402,39 @@ impl Budgets {
                 .copied()
                 .unwrap_or(self.config.fail_mode),
         })
+    }
+
+    /// The budget pressure on a request by `key` carrying `tags`: the highest share of its limit
+    /// used (0..=1) among the `downgrade` budgets that apply to it, in their current windows, as
+    /// this replica saw it at its latest admission against each (from a lease or the store).
+    /// No I/O, so the route step can move the tier threshold before the budget step runs. 0
+    /// when no `downgrade` budget applies, or none has admitted anything on this replica in
+    /// its current window yet.
+    pub fn pressure(&self, key: &ApiKey, tags: &BTreeMap<String, String>) -> f64 {
+        let snap = self.snapshot.load();
+        let Some(policies) = snap.policies.get(&key.tenant_id) else {
+            return 0.0;
+        };
+        let mut downgrading = policies
+            .iter()
+            .filter(|p| p.action == Action::Downgrade && p.scope.matches(&key.id, tags))
+            .peekable();
+        if downgrading.peek().is_none() {
+            return 0.0;
+        }
+        let now = self.clock.now();
+        let seen = self.pressure.lock().unwrap_or_else(|e| e.into_inner());
+        downgrading
+            .filter_map(|p| seen.get(&counter_key(&p.tenant_id, &p.id, p.window.start(now))))
+            .fold(0.0, |most, (used, _)| most.max(*used))
+    }
+
+    /// Remember the share of `downgrade` counter `spec`'s limit used after an admission.
+    fn saw_pressure(&self, spec: &CounterSpec, used: f64) {
+        self.pressure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(spec.key.clone(), (used, spec.expire_at_ms));
     }
 
     /// Start the engine's loops on `background`: batched commits, lease settlement, replay of

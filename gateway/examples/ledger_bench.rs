@@ -77,6 +77,8 @@ fn event(i: u64, week: IsoWeek) -> UsageEvent {
         loop_steps: 0,
         avoided_micros: 0,
         route_reason: Some("explicit".into()),
+        routed: false,
+        all_large_micros: None,
         fingerprint: format!("{:032x}", i % 50_000),
     }
 }

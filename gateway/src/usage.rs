@@ -117,6 +117,15 @@ pub struct UsageEvent {
     /// `fallback`, `unhealthy`); `None` when it was refused before the route step.
     #[serde(default)]
     pub route_reason: Option<String>,
+    /// The tier router (`model: "auto"`) chose the tier (not stored: `all_large_micros` says it
+    /// in the ledger).
+    #[serde(default)]
+    pub routed: bool,
+    /// For a routed request that was answered: what it would have cost on the large tier at the
+    /// prices in force (its own cost when the large tier served it), micro-dollars; `None`
+    /// otherwise. Set at settle.
+    #[serde(default)]
+    pub all_large_micros: Option<i64>,
     /// SHA-256 (first 32 hex digits) of the canonical request: same question, same fingerprint.
     /// Never the prompt text.
     pub fingerprint: String,

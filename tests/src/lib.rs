@@ -787,6 +787,8 @@ pub fn ledger_event(request_id: String, billed: Billed<'_>) -> gateway::usage::U
         loop_steps: 0,
         avoided_micros: 0,
         route_reason: None,
+        routed: false,
+        all_large_micros: None,
         fingerprint: format!("fp-{tenant}-{}", at.timestamp_micros()),
     }
 }

@@ -44,6 +44,13 @@ fn event(
     e.tags.insert("feature".to_owned(), "dash".to_owned());
     e.status = if i % 17 == 1 { 500 } else { 200 };
     e.fingerprint = format!("fp{i}");
+    if tenant == "alpha" && !hit {
+        // alpha sends `auto`: the tier router put it on small, saving the large price (a cache
+        // hit is answered before the route step).
+        e.requested_model = "auto".into();
+        e.route_reason = Some("classifier".into());
+        e.all_large_micros = Some(prompt as i64 * 5 + 100 * 20);
+    }
     if hit {
         e2e::into_cache_hit(e)
     } else {
@@ -386,6 +393,31 @@ async fn the_dashboard_renders_the_weekly_report_in_headless_chromium() {
         shown_terms.iter().map(|(_, m)| m).sum::<i64>(),
         expected.total.this.cost - expected.total.previous.cost
     );
+
+    // The tier router's table: alpha's savings against everything on large, then the total.
+    let routing = tags(section(&dom, "routing"), "tr");
+    let shown_routing: Vec<(String, i64)> = routing
+        .iter()
+        .filter(|a| a.contains_key("data-tenant"))
+        .map(|a| {
+            (
+                a["data-tenant"].clone(),
+                a["data-saved-micros"].parse().unwrap(),
+            )
+        })
+        .collect();
+    let want_routing: Vec<(String, i64)> = expected
+        .routing
+        .iter()
+        .map(|l| (l.key.clone(), l.to_saved_micros))
+        .collect();
+    assert_eq!(shown_routing, want_routing);
+    assert_eq!(
+        want_routing.len(),
+        2,
+        "alpha and the total: {want_routing:?}"
+    );
+    assert!(want_routing[0].1 > 0, "{want_routing:?}");
 
     // And it paints: a full-page screenshot with the charts in it.
     let shot = profile.path().join("dash.png");

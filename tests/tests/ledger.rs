@@ -53,6 +53,8 @@ fn full_event(i: u32) -> UsageEvent {
         loop_steps: 4,
         avoided_micros: 4_321,
         route_reason: Some("classifier".into()),
+        routed: true,
+        all_large_micros: Some(1_234_567),
     }
 }
 
@@ -72,6 +74,8 @@ async fn every_usage_field_lands_in_the_ledger_and_replays_are_no_ops_on_both_st
         sparse.error_kind = None;
         sparse.ttft_ms = None;
         sparse.tags.clear();
+        sparse.routed = false;
+        sparse.all_large_micros = None;
         let rows = vec![full_event(1), sparse];
         assert_eq!(ledger.insert(&rows).await.unwrap(), 2, "{kind:?}");
         assert_eq!(

@@ -404,3 +404,120 @@ async fn deleting_a_tenant_through_the_admin_api_relabels_its_ledger_rows() {
     let expected = format!("acme (deleted, {})", app.tenant_id);
     assert!(rows.iter().all(|r| r.tenant_name == expected), "{rows:?}");
 }
+
+/// Routed rows: alpha's `auto` traffic goes from 8 of 10 on large (week 1) to 4 of 10 (week 2);
+/// each request is 1,000 prompt + 100 completion tokens, 1,400 µ$ on small and 7,000 µ$ on
+/// large. beta only names its model (never routed).
+fn routed_fortnight() -> Vec<UsageEvent> {
+    let mut rows = Vec::new();
+    for (week, large) in [(W1, 8), (W2, 4)] {
+        for i in 0..10 {
+            let (model, in_price, out_price) = if i < large {
+                ("m-large", 5, 20)
+            } else {
+                ("m-small", 1, 4)
+            };
+            let at = week.start() + Duration::hours(10) + Duration::minutes(i as i64);
+            let mut e = event(
+                i,
+                &Row {
+                    tenant: "alpha",
+                    model,
+                    at,
+                    prompt: 1000,
+                    completion: 100,
+                    in_price,
+                    out_price,
+                    hit: false,
+                    looped: false,
+                    session: "-",
+                    fingerprint: format!("r{i}"),
+                },
+            );
+            e.requested_model = "auto".into();
+            e.route_reason = Some("classifier".into());
+            e.all_large_micros = Some(7_000);
+            rows.push(e);
+            rows.push(event(
+                100 + i,
+                &Row {
+                    tenant: "beta",
+                    model: "m-large",
+                    at,
+                    prompt: 1000,
+                    completion: 100,
+                    in_price: 5,
+                    out_price: 20,
+                    hit: false,
+                    looped: false,
+                    session: "-",
+                    fingerprint: format!("b{i}"),
+                },
+            ));
+        }
+    }
+    rows
+}
+
+#[tokio::test]
+async fn the_reports_show_the_large_call_share_by_tenant_and_what_the_router_saved() {
+    for kind in BOTH {
+        let store = TestStore::new(kind).await.unwrap();
+        let ledger = gateway::ledger::open(&store.url).await.unwrap();
+        ledger.insert(&routed_fortnight()).await.unwrap();
+        let r = report::weekly(ledger.as_ref(), W2, None).await.unwrap();
+        let keys: Vec<&str> = r.routing.iter().map(|l| l.key.as_str()).collect();
+        assert_eq!(keys, ["alpha", "total"], "{kind:?}: beta routed nothing");
+        for line in &r.routing {
+            assert_eq!((line.from_requests, line.to_requests), (10, 10), "{kind:?}");
+            assert_eq!(line.from_large_share, Some(0.8), "{kind:?}");
+            assert_eq!(line.to_large_share, Some(0.4), "{kind:?}");
+            // 2 and 6 requests on small, each 7,000 − 1,400 µ$ cheaper than on large.
+            assert_eq!(line.from_saved_micros, 2 * 5_600, "{kind:?}");
+            assert_eq!(line.to_saved_micros, 6 * 5_600, "{kind:?}");
+        }
+        let alpha = &r.by["tenant"]
+            .iter()
+            .find(|l| l.key == "alpha")
+            .unwrap()
+            .this;
+        assert_eq!(alpha.router_saved(), 6 * 5_600);
+        // A part of a week is read from the raw rows, not the daily rollup: same answer.
+        let raw = ledger
+            .aggregate(W2.start(), W2.start() + Duration::hours(11), None, &[])
+            .await
+            .unwrap();
+        assert_eq!(raw[0].1.routed_large, 4, "{kind:?}");
+        assert_eq!(raw[0].1.router_saved(), 6 * 5_600, "{kind:?}");
+        let e = report::explain(ledger.as_ref(), W1, W2, None)
+            .await
+            .unwrap();
+        assert_eq!(e.routing, r.routing, "{kind:?}");
+    }
+    // The tables say it too.
+    let store = TestStore::new(StoreKind::Sqlite).await.unwrap();
+    gateway::ledger::open(&store.url)
+        .await
+        .unwrap()
+        .insert(&routed_fortnight())
+        .await
+        .unwrap();
+    let (app, _sim, _dir) = ledger_app(store, 200).await;
+    for args in [
+        &["report", "weekly", "--week", "2026-W47"][..],
+        &[
+            "report", "explain", "--from", "2026-W46", "--to", "2026-W47",
+        ][..],
+    ] {
+        let (ok, out) = app.ctl(args).await;
+        assert!(ok, "{out}");
+        let line = out
+            .lines()
+            .find(|l| l.contains(" alpha ") && l.contains("40.0%"))
+            .unwrap_or_else(|| panic!("{out}"));
+        for cell in ["80.0%", "-40.0 pt", "0.033600", "0.011200"] {
+            assert!(line.contains(cell), "{cell} in {line}\n{out}");
+        }
+        assert!(out.contains("Tier router (model: auto)"), "{out}");
+    }
+}

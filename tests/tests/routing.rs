@@ -435,3 +435,56 @@ async fn an_answer_from_the_other_tier_says_the_chosen_one_was_unhealthy() {
     );
     app.stop().await;
 }
+
+#[tokio::test]
+async fn a_routed_answer_records_what_it_would_have_cost_on_large() {
+    let small = Sim::zero("sim-small").await;
+    let large = Sim::zero("sim-large").await;
+    let mut c = e2e::config(
+        vec![e2e::replica("s", &small.url, "sim-small")],
+        vec![e2e::replica("l", &large.url, "sim-large")],
+    );
+    c.cache.mode = gateway::cache::CacheMode::Off;
+    for (model, input, output) in [("sim-small", 1.0, 2.0), ("sim-large", 10.0, 30.0)] {
+        c.prices.insert(
+            model.into(),
+            gateway::config::PriceConfig {
+                input,
+                output,
+                cached_input: None,
+            },
+        );
+    }
+    let mut app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    let mut tiers = std::collections::BTreeSet::new();
+    for (i, p) in prompts().iter().step_by(9).take(20).enumerate() {
+        let r = app.chat(routed_body(p, i)).await;
+        assert_eq!(r.status(), 200);
+        let e = app.next_event().await;
+        let tokens = (e.prompt_tokens as f64, e.completion_tokens as f64);
+        let at_large = (tokens.0 * 10.0 + tokens.1 * 30.0).round() as i64;
+        let all_large = e
+            .all_large_micros
+            .expect("a routed answer has its large-tier cost");
+        match e.tier.as_deref() {
+            Some("large") => assert_eq!(all_large, e.cost_micros),
+            _ => {
+                assert!(
+                    (all_large - at_large).abs() <= 1,
+                    "{all_large} vs {at_large}"
+                );
+                assert!(all_large > e.cost_micros, "{e:?}");
+            }
+        }
+        tiers.insert(e.tier.unwrap());
+    }
+    assert_eq!(tiers.len(), 2, "both tiers answered: {tiers:?}");
+    let r = app.chat(chat_body("smart", "hi")).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        app.next_event().await.all_large_micros,
+        None,
+        "an explicit name is not routed"
+    );
+    app.stop().await;
+}

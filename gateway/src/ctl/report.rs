@@ -5,7 +5,7 @@ use reqwest::Method;
 
 use super::{query, Admin, Answer, Report, Section};
 use crate::ledger::loops::{DetectedLoop, LoopTotals};
-use crate::ledger::report::{Explanation, ReportLine, WeeklyReport};
+use crate::ledger::report::{Explanation, ReportLine, RoutingChange, WeeklyReport};
 use crate::routes::admin::LoopsReport;
 use crate::types::price::Usd;
 
@@ -91,6 +91,13 @@ impl ReportCommand {
                     });
                 }
                 sections.extend(detected_sections(&r.loops.total, &r.loops.top));
+                sections.push(routing_section(
+                    &format!(
+                        "Tier router (model: auto), {} vs {}",
+                        r.week, r.previous_week
+                    ),
+                    &r.routing,
+                ));
                 Report {
                     json: a.json,
                     sections,
@@ -240,6 +247,44 @@ fn weekly_row(l: &ReportLine) -> Vec<String> {
     ]
 }
 
+/// The tier router's lines: routed requests, large-call share and its change, and what it saved
+/// against everything on large.
+fn routing_section(title: &str, lines: &[RoutingChange]) -> Section {
+    let share = |s: Option<f64>| s.map_or("-".to_owned(), |s| format!("{:.1}%", s * 100.0));
+    let rows = lines
+        .iter()
+        .map(|l| {
+            let change = match (l.from_large_share, l.to_large_share) {
+                (Some(a), Some(b)) => format!("{:+.1} pt", (b - a) * 100.0),
+                (None, Some(_)) => "new".into(),
+                _ => "-".into(),
+            };
+            vec![
+                l.key.clone(),
+                l.to_requests.to_string(),
+                share(l.to_large_share),
+                share(l.from_large_share),
+                change,
+                Usd(l.to_saved_micros).to_string(),
+                Usd(l.from_saved_micros).to_string(),
+            ]
+        })
+        .collect();
+    Section {
+        title: title.to_owned(),
+        header: &[
+            "TENANT",
+            "ROUTED",
+            "LARGE SHARE",
+            "BEFORE",
+            "CHANGE",
+            "SAVED VS ALL-LARGE $",
+            "SAVED BEFORE $",
+        ],
+        rows,
+    }
+}
+
 fn explain_sections(e: &Explanation) -> Vec<Section> {
     let total = e.to_micros - e.from_micros;
     let terms = e
@@ -284,6 +329,13 @@ fn explain_sections(e: &Explanation) -> Vec<Section> {
             rows,
         });
     }
+    sections.push(routing_section(
+        &format!(
+            "Tier router (model: auto), {} vs {}",
+            e.to_week, e.from_week
+        ),
+        &e.routing,
+    ));
     sections
 }
 

@@ -253,7 +253,8 @@ pub(crate) const COLUMNS: &str = "request_id, started_at, tenant_id, tenant_name
      feature, end_user, session, tags, endpoint, requested_model, served_model, tier, replica, \
      prompt_tokens, completion_tokens, cached_tokens, usage_source, cost_micros, output_cost_micros, saved_micros, \
      cache_status, status, error_kind, stream, client_disconnected, latency_ms, ttft_ms, retries, \
-     loop_flag, retry_storm_flag, fingerprint, loop_steps, avoided_micros, route_reason";
+     loop_flag, retry_storm_flag, fingerprint, loop_steps, avoided_micros, route_reason, \
+     all_large_micros";
 
 fn enum_text<T: serde::Serialize>(v: &T) -> String {
     match serde_json::to_value(v) {
@@ -273,6 +274,7 @@ macro_rules! decode_row {
         use sqlx::Row;
         let r = $row;
         let tags: String = r.try_get("tags")?;
+        let all_large_micros: Option<i64> = r.try_get("all_large_micros")?;
         Ok::<_, StoreError>(UsageEvent {
             request_id: r.try_get("request_id")?,
             started_at: r.try_get("started_at")?,
@@ -308,6 +310,8 @@ macro_rules! decode_row {
             loop_steps: u32::try_from(r.try_get::<i32, _>("loop_steps")?).unwrap_or(0),
             avoided_micros: r.try_get("avoided_micros")?,
             route_reason: r.try_get("route_reason")?,
+            routed: all_large_micros.is_some(),
+            all_large_micros,
         })
     }};
 }

@@ -101,7 +101,8 @@ impl LedgerStore for PostgresLedger {
              $13::text[], $14::text[], $15::int8[], $16::int8[], $17::int8[], $18::text[], \
              $19::int8[], $20::int8[], $21::int8[], $22::text[], $23::int4[], $24::text[], \
              $25::bool[], $26::bool[], $27::float8[], $28::float8[], $29::int4[], $30::bool[], \
-             $31::bool[], $32::text[], $33::int4[], $34::int8[], $35::text[]) ON CONFLICT DO NOTHING RETURNING *), \
+             $31::bool[], $32::text[], $33::int4[], $34::int8[], $35::text[], \
+             $36::int8[]) ON CONFLICT DO NOTHING RETURNING *), \
              up AS ({rollup}) SELECT COUNT(*) FROM ins"
         );
         let inserted: i64 = sqlx::query_scalar(&sql)
@@ -140,6 +141,7 @@ impl LedgerStore for PostgresLedger {
             .bind(col!(|e| i32::try_from(e.loop_steps).unwrap_or(i32::MAX)))
             .bind(col!(|e| e.avoided_micros))
             .bind(col!(|e| e.route_reason.clone()))
+            .bind(col!(|e| e.all_large_micros))
             .fetch_one(&self.pool)
             .await?;
         Ok(u64::try_from(inserted).unwrap_or(0))

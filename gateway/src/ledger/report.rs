@@ -87,9 +87,32 @@ pub struct Aggregate {
     /// What answering the refused loop requests would have cost (estimated).
     #[serde(default)]
     pub loop_avoided: i64,
+    /// Requests the tier router (`model: "auto"`) sent to a tier, answered.
+    #[serde(default)]
+    pub routed_requests: i64,
+    /// Of those, the ones the large tier answered.
+    #[serde(default)]
+    pub routed_large: i64,
+    /// What the routed requests cost.
+    #[serde(default)]
+    pub routed_cost: i64,
+    /// What they would have cost with every one on the large tier (same tokens, the large
+    /// tier's price in force at the time).
+    #[serde(default)]
+    pub routed_all_large: i64,
 }
 
 impl Aggregate {
+    /// The share of routed requests the large tier answered (`None` without routed requests).
+    pub fn large_share(&self) -> Option<f64> {
+        (self.routed_requests > 0).then(|| self.routed_large as f64 / self.routed_requests as f64)
+    }
+
+    /// What the tier router saved against sending every routed request to the large tier.
+    pub fn router_saved(&self) -> i64 {
+        self.routed_all_large - self.routed_cost
+    }
+
     /// Total waste.
     pub fn waste(&self) -> i64 {
         self.waste_loops + self.waste_retries + self.waste_errors
@@ -109,6 +132,7 @@ impl Aggregate {
 
 const WASTE: &str = "(loop_flag OR retry_storm_flag OR status >= 400)";
 const HIT: &str = "cache_status IN ('hit_exact', 'hit_semantic')";
+const ROUTED: &str = "all_large_micros IS NOT NULL";
 
 /// Every measure of [`Aggregate`] as (column name, SQL over raw ledger rows). The one place
 /// these definitions live: the raw aggregate and the daily rollup both use them.
@@ -146,6 +170,16 @@ fn measures() -> Vec<(&'static str, String)> {
         ),
         ("loop_refused", when("error_kind = 'loop_detected'", "1")),
         ("loop_avoided", "avoided_micros".to_owned()),
+        ("routed_requests", when(ROUTED, "1")),
+        (
+            "routed_large",
+            when(&format!("{ROUTED} AND tier = 'large'"), "1"),
+        ),
+        ("routed_cost", when(ROUTED, "cost_micros")),
+        (
+            "routed_all_large",
+            "COALESCE(all_large_micros, 0)".to_owned(),
+        ),
     ]
 }
 
@@ -275,6 +309,10 @@ macro_rules! decode_aggregate {
                 billed_completion_tokens: r.try_get("billed_completion_tokens")?,
                 loop_refused: r.try_get("loop_refused")?,
                 loop_avoided: r.try_get("loop_avoided")?,
+                routed_requests: r.try_get("routed_requests")?,
+                routed_large: r.try_get("routed_large")?,
+                routed_cost: r.try_get("routed_cost")?,
+                routed_all_large: r.try_get("routed_all_large")?,
             },
         ))
     }};
@@ -362,6 +400,10 @@ pub struct WeeklyReport {
     /// Agent loops the guard found this week.
     #[serde(default)]
     pub loops: WeeklyLoops,
+    /// The tier router by tenant: its share of large calls and what it saved against
+    /// everything on large, this week and the one before; then `total`.
+    #[serde(default)]
+    pub routing: Vec<RoutingChange>,
 }
 
 /// The weekly report's agent loops: totals, and the most expensive ones.
@@ -443,6 +485,10 @@ pub async fn weekly(
     let before = loops::detected(ledger, previous.start(), previous.end(), tenant).await?;
     let total_loops = LoopTotals::of(&found);
     found.truncate(TOP_LOOPS);
+    let routing = RoutingChange::by_tenant(
+        by.get("tenant").map_or(&[][..], Vec::as_slice),
+        (&total.previous, &total.this),
+    );
     Ok(WeeklyReport {
         week: week.to_string(),
         previous_week: previous.to_string(),
@@ -456,6 +502,7 @@ pub async fn weekly(
             previous: LoopTotals::of(&before),
             top: found,
         },
+        routing,
     })
 }
 
@@ -494,6 +541,56 @@ pub struct Explanation {
     pub terms: Vec<Term>,
     /// Largest changes by tenant, feature tag and session.
     pub top: BTreeMap<String, Vec<Contributor>>,
+    /// The tier router by tenant (those with routed requests in either week), then `total`.
+    #[serde(default)]
+    pub routing: Vec<RoutingChange>,
+}
+
+/// The tier router's share of large calls and savings for one tenant (or `total`), in the two
+/// weeks of an explanation (or a report's week and the one before).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoutingChange {
+    /// Tenant name, or `total`.
+    pub key: String,
+    /// Routed requests in the first week.
+    pub from_requests: i64,
+    /// Routed requests in the second week.
+    pub to_requests: i64,
+    /// Share answered by the large tier in the first week (`None`: nothing routed).
+    pub from_large_share: Option<f64>,
+    /// Share answered by the large tier in the second week.
+    pub to_large_share: Option<f64>,
+    /// Saved against everything on large in the first week, micro-dollars.
+    pub from_saved_micros: i64,
+    /// Saved against everything on large in the second week, micro-dollars.
+    pub to_saved_micros: i64,
+}
+
+impl RoutingChange {
+    /// From a line's two aggregates (`previous` is the first week).
+    pub fn of(key: &str, from: &Aggregate, to: &Aggregate) -> Self {
+        Self {
+            key: key.to_owned(),
+            from_requests: from.routed_requests,
+            to_requests: to.routed_requests,
+            from_large_share: from.large_share(),
+            to_large_share: to.large_share(),
+            from_saved_micros: from.router_saved(),
+            to_saved_micros: to.router_saved(),
+        }
+    }
+
+    /// The routing lines of report lines by tenant (`this` the second week) and their total:
+    /// tenants that routed nothing in either week are left out.
+    pub fn by_tenant(lines: &[ReportLine], total: (&Aggregate, &Aggregate)) -> Vec<Self> {
+        let mut out: Vec<Self> = lines
+            .iter()
+            .filter(|l| l.this.routed_requests > 0 || l.previous.routed_requests > 0)
+            .map(|l| Self::of(&l.key, &l.previous, &l.this))
+            .collect();
+        out.push(Self::of("total", total.0, total.1));
+        out
+    }
 }
 
 /// Logarithmic mean, the LMDI weight.
@@ -633,6 +730,7 @@ pub async fn explain(
     });
 
     let mut top = BTreeMap::new();
+    let mut routing = Vec::new();
     for (name, dim) in [
         ("tenant", Dimension::Tenant),
         ("feature", Dimension::Feature),
@@ -640,7 +738,11 @@ pub async fn explain(
     ] {
         let a = grouped(ledger, from, tenant, &[dim]).await?;
         let b = grouped(ledger, to, tenant, &[dim]).await?;
-        let mut c: Vec<Contributor> = lines(b, a)
+        let by = lines(b, a);
+        if dim == Dimension::Tenant {
+            routing = RoutingChange::by_tenant(&by, (&t0, &t1));
+        }
+        let mut c: Vec<Contributor> = by
             .into_iter()
             // Untagged traffic is not a session.
             .filter(|l| !(dim == Dimension::Session && l.key == "-"))
@@ -661,6 +763,7 @@ pub async fn explain(
         to_micros: t1.cost,
         terms,
         top,
+        routing,
     })
 }
 
@@ -684,6 +787,10 @@ fn add(a: Aggregate, b: &Aggregate) -> Aggregate {
         billed_completion_tokens: a.billed_completion_tokens + b.billed_completion_tokens,
         loop_refused: a.loop_refused + b.loop_refused,
         loop_avoided: a.loop_avoided + b.loop_avoided,
+        routed_requests: a.routed_requests + b.routed_requests,
+        routed_large: a.routed_large + b.routed_large,
+        routed_cost: a.routed_cost + b.routed_cost,
+        routed_all_large: a.routed_all_large + b.routed_all_large,
     }
 }
 

@@ -40,7 +40,7 @@ impl LedgerStore for SqliteLedger {
         let sql = format!(
             "INSERT OR IGNORE INTO ledger ({COLUMNS}) VALUES \
              ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, \
-             $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35)"
+             $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35, $36)"
         );
         let rollup = super::report::rollup_upsert_sql(
             "substr(started_at, 1, 10)",
@@ -85,6 +85,7 @@ impl LedgerStore for SqliteLedger {
                 .bind(i32::try_from(e.loop_steps).unwrap_or(i32::MAX))
                 .bind(e.avoided_micros)
                 .bind(&e.route_reason)
+                .bind(e.all_large_micros)
                 .execute(&mut *tx)
                 .await?
                 .rows_affected();

@@ -317,6 +317,7 @@ impl Call {
             self.event.route_reason = Some(router::tier::Reason::Explicit.as_str().to_owned());
             return;
         }
+        self.event.routed = true;
         let router = Arc::clone(&self.state.routing);
         let req = &self.req;
         let tenant = &self.ctx.key.tenant_id;
@@ -479,6 +480,8 @@ fn new_event(ctx: &RequestContext, endpoint: Endpoint) -> UsageEvent {
         loop_steps: 0,
         avoided_micros: 0,
         route_reason: None,
+        routed: false,
+        all_large_micros: None,
         fingerprint: String::new(),
     }
 }

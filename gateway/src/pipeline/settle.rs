@@ -11,6 +11,7 @@ use crate::budget::engine::Reservation;
 use crate::error::ApiError;
 use crate::openai::Usage;
 use crate::state::AppState;
+use crate::types::Tier;
 use crate::usage::{CacheStatus, UsageEvent};
 
 /// Answer an error produced before any upstream call, and settle it (a reservation, if one was
@@ -30,6 +31,22 @@ pub(super) fn reject(
     e.into_response()
 }
 
+/// What a routed request's usage would have cost on the large tier (the price of its first
+/// replica's model, at the request's start): the baseline the reports' router savings are
+/// measured against. Its own cost when the large tier served it; `None` without a large tier.
+fn all_large(state: &AppState, event: &UsageEvent, usage: &Usage) -> Option<i64> {
+    if event.tier.as_deref() == Some(Tier::Large.as_str()) {
+        return Some(event.cost_micros);
+    }
+    let large = state.upstreams.tier(Tier::Large)?.targets.first()?;
+    Some(
+        state
+            .prices
+            .book()
+            .cost(&large.model, usage, event.started_at),
+    )
+}
+
 /// Price the event, commit its usage to the budgets it reserved on, record metrics and hand the
 /// event to the sink. Never blocks (a commit that must wait for Redis runs on the task tracker).
 pub fn settle(state: &AppState, mut event: UsageEvent, reservation: Option<Reservation>) {
@@ -45,6 +62,9 @@ pub fn settle(state: &AppState, mut event: UsageEvent, reservation: Option<Reser
             .cost_split(model, &usage, event.started_at);
         event.cost_micros = input + output;
         event.output_cost_micros = output;
+        if event.routed {
+            event.all_large_micros = all_large(state, &event, &usage);
+        }
     }
     if let Some(reservation) = reservation {
         let tokens = match event.cache_status {

@@ -11,7 +11,9 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
 use crate::error::ApiError;
-use crate::ledger::report::{self, Explanation, IsoWeek, ReportLine, WeeklyLoops, WeeklyReport};
+use crate::ledger::report::{
+    self, Explanation, IsoWeek, ReportLine, RoutingChange, WeeklyLoops, WeeklyReport,
+};
 use crate::routes::Query;
 use crate::routes::{ledger, week};
 use crate::state::AppState;
@@ -167,6 +169,7 @@ fn render(
         html.push_str(&chart(dim, title, color, lines));
     }
     html.push_str(&loops(&r.loops));
+    html.push_str(&routing(&r.routing));
     html.push_str(&explanation(e));
     html.push_str(
         "<footer>Amounts are exact: the ledger's micro-dollars shown as USD with 6 decimals. \
@@ -278,6 +281,46 @@ fn chart(dim: &str, title: &str, color: &str, lines: &[ReportLine]) -> String {
 
 /// The agent loops the guard caught: what they burned before and after being caught, and what
 /// refusing their requests avoided, then the most expensive loops.
+/// The tier router (`model: "auto"`) by tenant: its share of large calls this week and the one
+/// before, and what it saved against sending every routed request to the large tier.
+fn routing(lines: &[RoutingChange]) -> String {
+    let mut out = String::from(
+        r#"<section class="routing" id="routing">
+<h2>Tier router (model: auto)</h2>
+"#,
+    );
+    if lines
+        .iter()
+        .all(|l| l.to_requests == 0 && l.from_requests == 0)
+    {
+        out.push_str("<p class=\"nav\">No request was routed by the tier router in these weeks.</p>\n</section>\n");
+        return out;
+    }
+    let share = |s: Option<f64>| s.map_or("-".to_owned(), |s| format!("{:.1}%", s * 100.0));
+    out.push_str(
+        r#"<table class="amounts" id="table-routing">
+<thead><tr><th>Tenant</th><th>Routed</th><th>Large share</th><th>Last week</th><th>Saved vs all-large</th><th>Last week</th></tr></thead>
+<tbody>
+"#,
+    );
+    for l in lines {
+        out.push_str(&format!(
+            r#"<tr data-tenant="{key}" data-large-share="{raw}" data-saved-micros="{saved_micros}"><td>{key}</td><td class="num">{routed}</td><td class="num">{this}</td><td class="num">{before}</td><td class="num">{saved}</td><td class="num">{saved_before}</td></tr>
+"#,
+            key = escape(&l.key),
+            raw = l.to_large_share.map_or(String::new(), |s| format!("{s:.4}")),
+            saved_micros = l.to_saved_micros,
+            routed = l.to_requests,
+            this = share(l.to_large_share),
+            before = share(l.from_large_share),
+            saved = usd(l.to_saved_micros),
+            saved_before = usd(l.from_saved_micros),
+        ));
+    }
+    out.push_str("</tbody>\n</table>\n</section>\n");
+    out
+}
+
 fn loops(l: &WeeklyLoops) -> String {
     let (a, b) = (&l.total, &l.previous);
     let mut out = String::from(

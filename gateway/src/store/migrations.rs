@@ -46,6 +46,11 @@ const SQLITE: Embedded = &[
         "routing policies and route reason",
         include_str!("../../../migrations/sqlite/0007_routing.sql"),
     ),
+    (
+        8,
+        "routing in the reports",
+        include_str!("../../../migrations/sqlite/0008_routing_reports.sql"),
+    ),
 ];
 
 const POSTGRES: Embedded = &[
@@ -83,6 +88,11 @@ const POSTGRES: Embedded = &[
         7,
         "routing policies and route reason",
         include_str!("../../../migrations/postgres/0007_routing.sql"),
+    ),
+    (
+        8,
+        "routing in the reports",
+        include_str!("../../../migrations/postgres/0008_routing_reports.sql"),
     ),
 ];
 

@@ -544,7 +544,12 @@ fn ledger_rows() -> Vec<UsageEvent> {
     for (scale, week) in [(1, THIS_WEEK.previous()), (2, THIS_WEEK)] {
         let at = |day: i64, hour: i64| week.start() + Duration::days(day) + Duration::hours(hour);
         for day in 0..7 {
-            push("alpha", at(day, 9), 1_000 * scale + 10 * day, &|_| {});
+            // Routed (`auto`) to small: the large tier would have cost five times as much.
+            push("alpha", at(day, 9), 1_000 * scale + 10 * day, &|e| {
+                e.requested_model = "auto".into();
+                e.route_reason = Some("classifier".into());
+                e.all_large_micros = Some(5 * e.cost_micros);
+            });
         }
         push("alpha", at(2, 14), 40_000 * scale, &|e| {
             large(e);
@@ -713,6 +718,10 @@ async fn report_by(
         sum.waste_retries += a.waste_retries;
         sum.waste_errors += a.waste_errors;
         sum.useful_requests += a.useful_requests;
+        sum.routed_requests += a.routed_requests;
+        sum.routed_large += a.routed_large;
+        sum.routed_cost += a.routed_cost;
+        sum.routed_all_large += a.routed_all_large;
     }
     out
 }
@@ -974,6 +983,37 @@ async fn check_weekly_cost(
     }
 
     let previous = report_by(ledger, THIS_WEEK.previous(), Dimension::Tenant, tenants).await;
+    // The tier router's lines, as the weekly report computes them.
+    let got: BTreeMap<String, (i64, i64, i64)> = rows("Tier router (model: auto) by tenant")
+        .iter()
+        .map(|r| {
+            let share = column(r, "large share").as_f64().unwrap_or(-1.0);
+            let routed = count(r, "routed requests");
+            let large = (share * routed as f64).round() as i64;
+            (
+                text(r, "tenant"),
+                (routed, large, micros(r, "saved vs all-large")),
+            )
+        })
+        .collect();
+    let want: BTreeMap<String, (i64, i64, i64)> = by_tenant
+        .iter()
+        .chain(previous.iter())
+        .filter(|(_, a)| a.routed_requests > 0)
+        .map(|(t, _)| {
+            let a = by_tenant.get(t).copied().unwrap_or_default();
+            (
+                t.clone(),
+                (a.routed_requests, a.routed_large, a.router_saved()),
+            )
+        })
+        .collect();
+    assert_eq!(got, want, "tier router: (routed, large, saved) ({ctx})");
+    if tenants.is_none() {
+        assert_eq!(got["alpha"].0, 7, "alpha's daily auto requests: {got:?}");
+        assert!(got["alpha"].2 > 0, "{got:?}");
+    }
+
     let got: BTreeMap<String, [i64; 3]> = rows("Cost by tenant: this period vs the one before")
         .iter()
         .map(|r| {

@@ -28,6 +28,7 @@ fn held_out_by_subject_the_classifier_beats_prompt_length_and_random() {
     let data = dev();
     let t = train(
         &data,
+        None,
         TierTrainOptions::default(),
         "routing-dev.jsonl",
         |_| {},
@@ -81,6 +82,6 @@ fn too_few_subjects_for_the_folds_is_a_clear_error() {
         .into_iter()
         .filter(|d| d.group.ends_with("anatomy"))
         .collect();
-    let e = train(&data, TierTrainOptions::default(), "x", |_| {}).unwrap_err();
+    let e = train(&data, None, TierTrainOptions::default(), "x", |_| {}).unwrap_err();
     assert!(e.contains("1 subjects cannot fill 5 folds"), "{e}");
 }

@@ -210,9 +210,14 @@ impl AppState {
             .values()
             .any(|t| *t == crate::types::ModelTarget::Auto);
         let routing = Arc::new(
-            crate::routing::TierRouter::new(config.routing.clone(), Arc::clone(&store), routed)
-                .await
-                .context("starting the tier router")?,
+            crate::routing::TierRouter::new(
+                config.routing.clone(),
+                model_dir,
+                Arc::clone(&store),
+                routed,
+            )
+            .await
+            .context("starting the tier router")?,
         );
         // Everything is built: the components start their loops (stopped by `serve`).
         let every = Duration::from_millis(config.store.key_refresh_ms);

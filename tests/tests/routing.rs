@@ -13,11 +13,7 @@ use serde_json::{json, Value};
 
 /// Prompts of the small committed fixture (15 per MMLU subject).
 fn prompts() -> Vec<String> {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../embedder/tests/fixtures/routing-small.jsonl"
-    );
-    std::fs::read_to_string(path)
+    std::fs::read_to_string(SMALL_FIXTURE)
         .unwrap()
         .lines()
         .map(|l| {
@@ -256,28 +252,31 @@ async fn a_broken_artefact_stops_the_start_unless_auto_may_fall_back_to_large() 
     app.stop().await;
 }
 
+/// The small committed fixture (15 prompts per MMLU subject).
+const SMALL_FIXTURE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../embedder/tests/fixtures/routing-small.jsonl"
+);
+
+/// Run the `gateway` binary: whether it succeeded, and its stdout then stderr.
+fn run(args: &[&str]) -> (bool, String) {
+    let o = std::process::Command::new(e2e::binary("gateway"))
+        .args(args)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    (o.status.success(), text)
+}
+
 #[tokio::test]
 async fn router_train_and_eval_run_on_the_small_fixture() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("tier.json");
-    let data = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../embedder/tests/fixtures/routing-small.jsonl"
-    );
-    let run = |args: &[&str]| {
-        let o = std::process::Command::new(e2e::binary("gateway"))
-            .args(args)
-            .output()
-            .unwrap();
-        (
-            o.status.success(),
-            format!(
-                "{}{}",
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr)
-            ),
-        )
-    };
+    let data = SMALL_FIXTURE;
     let (ok, text) = run(&[
         "router",
         "train",
@@ -487,4 +486,73 @@ async fn a_routed_answer_records_what_it_would_have_cost_on_large() {
         "an explicit name is not routed"
     );
     app.stop().await;
+}
+
+fn model_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/all-MiniLM-L6-v2")
+}
+
+#[tokio::test]
+async fn a_classifier_that_reads_the_static_embedding_trains_evaluates_and_routes() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("tier-static.json");
+    let data = SMALL_FIXTURE;
+    let model = model_dir();
+    let (ok, text) = run(&[
+        "router",
+        "train",
+        "--data",
+        data,
+        "--out",
+        out.to_str().unwrap(),
+        "--embedding",
+        "static",
+        "--embedding-model",
+        model.to_str().unwrap(),
+    ]);
+    assert!(ok && text.contains("APGR"), "{text}");
+    let artefact: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(artefact["embedding"]["source"], "static");
+    assert_eq!(artefact["embedding"]["dim"], 384);
+    let eval = |embedding_model: &str| {
+        run(&[
+            "router",
+            "eval",
+            "--data",
+            data,
+            "--model",
+            out.to_str().unwrap(),
+            "--embedding-model",
+            embedding_model,
+        ])
+    };
+    let (ok, text) = eval(model.to_str().unwrap());
+    assert!(ok && text.contains("static embedding per prompt"), "{text}");
+    let (ok, text) = eval("/nonexistent/model");
+    assert!(
+        !ok && text.contains("static embedding") && text.contains("fetch-model"),
+        "{text}"
+    );
+
+    // The gateway routes with it, embedding each prompt with the semantic cache's model.
+    let sim = Sim::zero("sim-small").await;
+    let mut c = e2e::config_on(&sim, None);
+    c.routing.classifier = Some(out.clone());
+    c.cache.semantic.model_dir = model.clone();
+    let mut app = TestApp::spawn(c.clone(), StoreKind::Sqlite).await;
+    let mut tiers = std::collections::BTreeSet::new();
+    for p in prompts().iter().step_by(11).take(20) {
+        let r = app.chat(chat_body("auto", p)).await;
+        assert_eq!(r.status(), 200);
+        let h = route_header(&r);
+        assert!(h.contains("reason=classifier"), "{h}");
+        tiers.insert(r.headers()["x-gateway-tier"].to_str().unwrap().to_owned());
+        app.next_event().await;
+    }
+    assert_eq!(tiers.len(), 2, "{tiers:?}");
+    app.stop().await;
+    // Without the embedding model it cannot score: a startup error that says why.
+    c.cache.semantic.model_dir = "/nonexistent/model".into();
+    let e = format!("{:#}", build(c).await.unwrap_err());
+    assert!(e.contains("static embedding"), "{e}");
 }

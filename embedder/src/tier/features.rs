@@ -810,6 +810,16 @@ pub fn row_of(
     r
 }
 
+/// Append an embedding's columns (after the TF-IDF and marker columns), each component times
+/// `weight`.
+pub fn push_embedding(r: &mut Vec<(u32, f32)>, vocab: &Vocabulary, vector: &[f32], weight: f32) {
+    let base = (vocab.len() + HAND.len()) as u32;
+    r.reserve(vector.len());
+    for (j, &v) in vector.iter().enumerate() {
+        r.push((base + j as u32, weight * v));
+    }
+}
+
 /// Append the scaled markers' columns to a TF-IDF row.
 fn push_hand(r: &mut Vec<(u32, f32)>, vocab: &Vocabulary, scaler: &Scaler, hand: &[f32]) {
     let base = vocab.len() as u32;

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 
 pub use eval::{Outcome, RouteCurve, RouteSummary};
 pub use features::{Scaler, Vocabulary, HAND};
-pub use train::{train, Labelled, TierTrainOptions, TierTrained};
+pub use train::{train, Embedded, Labelled, TierTrainOptions, TierTrained};
 
 use crate::learn::linear::Linear;
 use crate::learn::trees::sigmoid;
@@ -43,6 +43,21 @@ pub struct SharePoint {
     /// Held-out PGR at that share.
     pub pgr: f64,
 }
+
+/// An embedding of the prompt the classifier reads beside its text features.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct EmbeddingInput {
+    /// Where the vector comes from: `static` (the static table distilled from
+    /// all-MiniLM-L6-v2, [`crate::static_embed`]: microseconds per prompt).
+    pub source: String,
+    /// Its dimensions.
+    pub dim: usize,
+    /// How much its (unit-length) vector weighs against the unit-length TF-IDF vector.
+    pub weight: f32,
+}
+
+/// The embedding sources a classifier may read.
+pub const EMBEDDING_SOURCES: &[&str] = &["static"];
 
 /// Points kept on the shipped curve (every 1% of large calls).
 pub const CURVE_POINTS: usize = 100;
@@ -68,6 +83,9 @@ pub struct TierModel {
     pub held_out: RouteSummary,
     /// What it was trained on.
     pub trained_on: String,
+    /// The prompt embedding it also reads (`None`: text features only, as shipped).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub embedding: Option<EmbeddingInput>,
 }
 
 /// The classifier's judgement of one prompt.
@@ -97,7 +115,20 @@ impl TierModel {
                 m.hand_columns, HAND
             ));
         }
-        let d = m.vocabulary.len() + HAND.len();
+        if let Some(e) = &m.embedding {
+            if !EMBEDDING_SOURCES.contains(&e.source.as_str())
+                || e.dim == 0
+                || !e.weight.is_finite()
+            {
+                return Err(format!(
+                    "the tier classifier reads a `{}` embedding of {} dimensions, which this \
+                     build does not compute (it has {EMBEDDING_SOURCES:?}); retrain it with \
+                     `gateway router train`",
+                    e.source, e.dim
+                ));
+            }
+        }
+        let d = m.vocabulary.len() + HAND.len() + m.embedding.as_ref().map_or(0, |e| e.dim);
         if m.vocabulary.idf.len() != m.vocabulary.len()
             || m.large.weights.len() != d
             || m.small.weights.len() != d
@@ -126,9 +157,41 @@ impl TierModel {
         Ok(m)
     }
 
-    /// Score one prompt (any text: an empty one scores like any other).
+    /// Score one prompt (any text: an empty one scores like any other). A classifier that reads
+    /// an embedding ([`TierModel::embedding`]) needs [`TierModel::score_with`].
     pub fn score(&self, prompt: &str) -> TierScore {
-        let row = features::row(&self.vocabulary, &self.scaler, prompt);
+        self.score_row(features::row(&self.vocabulary, &self.scaler, prompt))
+    }
+
+    /// Score one prompt with its embedding, for a classifier that reads one (the vector must have
+    /// the artefact's dimensions); a classifier that does not ignores it.
+    pub fn score_with(&self, prompt: &str, vector: Option<&[f32]>) -> Result<TierScore, String> {
+        let mut row = features::row(&self.vocabulary, &self.scaler, prompt);
+        if let Some(e) = &self.embedding {
+            match vector {
+                Some(v) if v.len() == e.dim => {
+                    features::push_embedding(&mut row, &self.vocabulary, v, e.weight)
+                }
+                Some(v) => {
+                    return Err(format!(
+                        "the tier classifier reads a {}-dimensional {} embedding, got {}",
+                        e.dim,
+                        e.source,
+                        v.len()
+                    ))
+                }
+                None => {
+                    return Err(format!(
+                        "the tier classifier reads the prompt's {} embedding",
+                        e.source
+                    ))
+                }
+            }
+        }
+        Ok(self.score_row(row))
+    }
+
+    fn score_row(&self, row: Vec<(u32, f32)>) -> TierScore {
         let gain = gain(&self.large, &self.small, &row);
         TierScore {
             gain,
@@ -141,6 +204,45 @@ impl TierModel {
 #[allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_classifier_that_reads_an_embedding_needs_one_of_its_size() {
+        let shipped = TierModel::from_json(SHIPPED_TIER_MODEL).unwrap();
+        assert_eq!(
+            shipped.score_with("hi", Some(&[1.0])).unwrap(),
+            shipped.score("hi"),
+            "a text-only classifier ignores a vector"
+        );
+        let mut v: serde_json::Value = serde_json::from_str(SHIPPED_TIER_MODEL).unwrap();
+        v["embedding"] = serde_json::json!({"source": "static", "dim": 3, "weight": 1.0});
+        let e = TierModel::from_json(&v.to_string()).unwrap_err();
+        assert!(e.contains("do not fit") && e.contains("retrain"), "{e}");
+        for side in ["large", "small"] {
+            let w = v[side]["weights"].as_array_mut().unwrap();
+            w.extend([
+                serde_json::json!(0.0),
+                serde_json::json!(0.0),
+                serde_json::json!(2.0),
+            ]);
+        }
+        let m = TierModel::from_json(&v.to_string()).unwrap();
+        assert!(m
+            .score_with("hi", None)
+            .unwrap_err()
+            .contains("static embedding"));
+        assert!(m
+            .score_with("hi", Some(&[0.0; 4]))
+            .unwrap_err()
+            .contains("3-dimensional"));
+        // Its last column weighs 2 on both sides: equal log-odds shifts, a different gain.
+        let a = m.score_with("hi", Some(&[0.0, 0.0, 0.0])).unwrap();
+        assert_eq!(a, shipped.score("hi"));
+        let b = m.score_with("hi", Some(&[0.0, 0.0, 1.0])).unwrap();
+        assert_ne!(a.gain, b.gain);
+        v["embedding"]["source"] = serde_json::json!("transformer");
+        let e = TierModel::from_json(&v.to_string()).unwrap_err();
+        assert!(e.contains("`transformer`") && e.contains("retrain"), "{e}");
+    }
 
     #[test]
     fn the_shipped_model_loads_scores_any_text_and_refuses_a_mismatch() {

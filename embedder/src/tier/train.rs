@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use super::eval::{Outcome, RouteCurve, RouteSummary};
 use super::features::{self, Scaler, Vocabulary, HAND};
-use super::{SharePoint, TierModel, CURVE_POINTS};
+use super::{EmbeddingInput, SharePoint, TierModel, CURVE_POINTS};
 use crate::learn::linear::{self, Matrix, Sparse};
 use crate::learn::{group_folds, without};
 
@@ -43,6 +43,18 @@ impl Default for TierTrainOptions {
     }
 }
 
+/// Prompt embeddings the classifier reads beside its text features: one unit-length vector per
+/// training row, in row order.
+#[derive(Debug, Clone, Copy)]
+pub struct Embedded<'a> {
+    /// Where they come from (see [`super::EMBEDDING_SOURCES`]).
+    pub source: &'a str,
+    /// One per row.
+    pub vectors: &'a [Vec<f32>],
+    /// Their weight against the unit-length TF-IDF vector.
+    pub weight: f32,
+}
+
 /// A trained classifier and what its cross-validation found.
 #[derive(Debug, Clone)]
 pub struct TierTrained {
@@ -58,9 +70,10 @@ pub struct TierTrained {
     pub held_out_gains: Vec<f32>,
 }
 
-struct Prepared {
+struct Prepared<'a> {
     terms: Vec<Vec<String>>,
     hand: Vec<Vec<f32>>,
+    embedded: Option<Embedded<'a>>,
 }
 
 /// The input rows for `rows` under a vocabulary and scaler fitted on `fit_on`.
@@ -71,10 +84,17 @@ fn fitted_inputs(p: &Prepared, fit_on: &[usize]) -> (Vocabulary, Scaler, Sparse)
         .terms
         .iter()
         .zip(&p.hand)
-        .map(|(t, h)| features::row_of(&vocab, &scaler, t, h))
+        .enumerate()
+        .map(|(i, (t, h))| {
+            let mut row = features::row_of(&vocab, &scaler, t, h);
+            if let Some(e) = &p.embedded {
+                features::push_embedding(&mut row, &vocab, &e.vectors[i], e.weight);
+            }
+            row
+        })
         .collect();
     let x = Sparse {
-        cols: vocab.len() + HAND.len(),
+        cols: vocab.len() + HAND.len() + p.embedded.map_or(0, |e| dim(&e)),
         rows,
     };
     (vocab, scaler, x)
@@ -134,14 +154,30 @@ fn share_points(curve: &RouteCurve) -> Vec<SharePoint> {
         .collect()
 }
 
-/// Cross-validate with folds grouped by subject, then fit the shipped model on every row.
-/// `progress` hears each stage.
+fn dim(e: &Embedded<'_>) -> usize {
+    e.vectors.first().map_or(0, Vec::len)
+}
+
+/// Cross-validate with folds grouped by subject, then fit the shipped model on every row, on
+/// the text features and, when given, the prompts' embeddings. `progress` hears each stage.
 pub fn train(
     data: &[Labelled],
+    embedded: Option<Embedded<'_>>,
     opts: TierTrainOptions,
     trained_on: &str,
     mut progress: impl FnMut(&str),
 ) -> Result<TierTrained, String> {
+    if let Some(e) = &embedded {
+        let d = dim(e);
+        if e.vectors.len() != data.len() || d == 0 || e.vectors.iter().any(|v| v.len() != d) {
+            return Err(format!(
+                "{} {} embeddings for {} prompts: one vector of the same length per prompt",
+                e.vectors.len(),
+                e.source,
+                data.len()
+            ));
+        }
+    }
     let groups: BTreeMap<&str, usize> = {
         let mut names: Vec<&str> = data.iter().map(|d| d.group.as_str()).collect();
         names.sort_unstable();
@@ -159,6 +195,7 @@ pub fn train(
     let p = Prepared {
         terms: data.iter().map(|d| features::terms(&d.prompt)).collect(),
         hand: data.iter().map(|d| features::hand(&d.prompt)).collect(),
+        embedded,
     };
     let group_of: Vec<usize> = data.iter().map(|d| groups[d.group.as_str()]).collect();
     let need: Vec<bool> = outcomes.iter().map(|o| !o.small && o.large).collect();
@@ -203,6 +240,11 @@ pub fn train(
         curve: share_points(&curve),
         held_out: curve.summary(),
         trained_on: trained_on.to_owned(),
+        embedding: embedded.map(|e| EmbeddingInput {
+            source: e.source.to_owned(),
+            dim: dim(&e),
+            weight: e.weight,
+        }),
     };
     Ok(TierTrained {
         held_out: model.held_out,

@@ -122,6 +122,16 @@ enum RouterCommand {
         /// Seed of the fold assignment.
         #[arg(long, default_value_t = embedder::tier::TierTrainOptions::default().seed)]
         seed: u64,
+        /// Also read the prompt's embedding: `static` (the static table of
+        /// `--embedding-model`, microseconds per prompt). Default: text features only.
+        #[arg(long, value_parser = ["static"])]
+        embedding: Option<String>,
+        /// The embedding's weight against the unit-length TF-IDF vector.
+        #[arg(long, default_value_t = 1.0)]
+        embedding_weight: f32,
+        /// Model directory for `--embedding` (from scripts/fetch-model.sh).
+        #[arg(long, default_value = "models/all-MiniLM-L6-v2")]
+        embedding_model: PathBuf,
     },
     /// Evaluate a tier classifier on labelled prompts: PGR at 20/50/80% large calls, APGR and
     /// CPT(50%)/CPT(80%), beside a random router and prompt length.
@@ -134,6 +144,9 @@ enum RouterCommand {
         /// A classifier artefact (default: the shipped one).
         #[arg(long)]
         model: Option<PathBuf>,
+        /// Model directory, for a classifier that reads the static embedding.
+        #[arg(long, default_value = "models/all-MiniLM-L6-v2")]
+        embedding_model: PathBuf,
     },
 }
 
@@ -242,6 +255,9 @@ async fn main() -> anyhow::Result<()> {
                     folds,
                     c,
                     seed,
+                    embedding,
+                    embedding_weight,
+                    embedding_model,
                 },
         } => gateway::routing::tools::train_router(
             &data,
@@ -251,10 +267,20 @@ async fn main() -> anyhow::Result<()> {
                 c,
                 seed,
             },
+            &gateway::routing::tools::EmbeddingArgs {
+                source: embedding,
+                weight: embedding_weight,
+                model_dir: embedding_model,
+            },
         ),
         Command::Router {
-            command: RouterCommand::Eval { data, model },
-        } => gateway::routing::tools::eval_router(&data, model),
+            command:
+                RouterCommand::Eval {
+                    data,
+                    model,
+                    embedding_model,
+                },
+        } => gateway::routing::tools::eval_router(&data, model, &embedding_model),
         Command::Embed {
             command:
                 EmbedCommand::Distill {

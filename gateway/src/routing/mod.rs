@@ -7,6 +7,7 @@ pub mod tools;
 use std::sync::Arc;
 use std::time::Duration;
 
+use embedder::static_embed::StaticEmbedder;
 use embedder::tier::TierModel;
 use router::tier::{Choice, Curve, Decision, Policy, Reason, Signals};
 
@@ -16,10 +17,18 @@ use crate::tasks::Background;
 use crate::types::routing::RoutingPolicy;
 use crate::types::Tier;
 
+/// A loaded classifier: the model, its held-out curve, and the static embedding table when the
+/// model reads the prompt's embedding.
+struct Loaded {
+    model: TierModel,
+    curve: Curve,
+    statics: Option<StaticEmbedder>,
+}
+
 /// The tier router: the classifier (when loaded), its held-out curve and the tenants' policies.
 pub struct TierRouter {
     config: RoutingConfig,
-    model: Option<(TierModel, Curve)>,
+    model: Option<Loaded>,
     policies: TenantPolicies<RoutingPolicy>,
 }
 
@@ -28,7 +37,7 @@ impl std::fmt::Debug for TierRouter {
         f.debug_struct("TierRouter")
             .field(
                 "classifier",
-                &self.model.as_ref().map(|(m, _)| &m.trained_on),
+                &self.model.as_ref().map(|l| &l.model.trained_on),
             )
             .finish_non_exhaustive()
     }
@@ -78,8 +87,9 @@ pub fn read_classifier(path: Option<&std::path::Path>) -> Result<TierModel, Stri
     TierModel::from_json(&json)
 }
 
-/// Load the classifier `config` names, with its held-out curve.
-fn load(config: &RoutingConfig) -> Result<(TierModel, Curve), String> {
+/// Load the classifier `config` names, with its held-out curve and, when it reads the static
+/// embedding, the static table of the model in `model_dir`.
+fn load(config: &RoutingConfig, model_dir: &std::path::Path) -> Result<Loaded, String> {
     let model = read_classifier(config.classifier.as_deref())
         .map_err(|e| format!("routing.classifier: {e}"))?;
     let curve = Curve::new(
@@ -90,20 +100,46 @@ fn load(config: &RoutingConfig) -> Result<(TierModel, Curve), String> {
             .collect(),
     )
     .ok_or("the tier classifier's held-out curve is not ascending")?;
-    Ok((model, curve))
+    let statics = match &model.embedding {
+        Some(e) => {
+            let table = tools::static_model(model_dir).map_err(|err| {
+                format!(
+                    "routing.classifier reads the prompt's {} embedding: {err:#}",
+                    e.source
+                )
+            })?;
+            if table.dim() != e.dim {
+                return Err(format!(
+                    "routing.classifier reads {}-dimensional embeddings, the model in {} gives {}",
+                    e.dim,
+                    model_dir.display(),
+                    table.dim()
+                ));
+            }
+            Some(table)
+        }
+        None => None,
+    };
+    Ok(Loaded {
+        model,
+        curve,
+        statics,
+    })
 }
 
 impl TierRouter {
     /// A router with the tenants' policies from `tenants`. The classifier is loaded only when
     /// `routed` (some model name is configured as `auto`); one that cannot be loaded is an error
-    /// unless `routing.if_unavailable = "large"`.
+    /// unless `routing.if_unavailable = "large"`. A classifier that reads the static embedding
+    /// takes it from the embedding model in `model_dir` (the semantic cache's).
     pub async fn new(
         config: RoutingConfig,
+        model_dir: &std::path::Path,
         tenants: Arc<dyn Store>,
         routed: bool,
     ) -> anyhow::Result<Self> {
         let model = if routed {
-            match load(&config) {
+            match load(&config, model_dir) {
                 Ok(m) => Some(m),
                 Err(e) if config.if_unavailable == Unavailable::Large => {
                     tracing::warn!(error = %e, "no tier classifier: `auto` goes to the large tier");
@@ -157,7 +193,7 @@ impl TierRouter {
     /// What `tenant_id`'s policy means on the classifier's held-out curve: the share of routed
     /// requests sent large and the share of the quality gap recovered (`None`: no classifier).
     pub fn expected(&self, tenant_id: &str) -> Option<(f64, f64)> {
-        let (_, curve) = self.model.as_ref()?;
+        let curve = &self.model.as_ref()?.curve;
         let share = curve.share_for(self.decision_policy(tenant_id));
         Some((share, curve.pgr_at(share)))
     }
@@ -178,7 +214,7 @@ impl TierRouter {
             _ => None,
         };
         let score = match (&self.model, rule) {
-            (Some((m, _)), None) => Some(m.score(prompt)),
+            (Some(loaded), None) => loaded.score(prompt),
             _ => None,
         };
         let signals = Signals {
@@ -188,7 +224,7 @@ impl TierRouter {
             rule,
         };
         let Decision { tier, reason, .. } =
-            router::tier::decide(self.model.as_ref().map(|(_, c)| c), &signals);
+            router::tier::decide(self.model.as_ref().map(|l| &l.curve), &signals);
         Routed {
             tier: match tier {
                 Choice::Small => Tier::Small,
@@ -199,6 +235,30 @@ impl TierRouter {
             policy: policy.label(),
             budget_used: (score.is_some() && budget_used > router::tier::PRESSURE_START)
                 .then_some(budget_used.min(1.0)),
+        }
+    }
+}
+
+impl Loaded {
+    /// The classifier's score of `prompt` (with its static embedding when the model reads one);
+    /// `None`, with a warning, when the prompt cannot be embedded (the decision then falls back).
+    fn score(&self, prompt: &str) -> Option<embedder::tier::TierScore> {
+        let vector = match &self.statics {
+            Some(table) => match table.embed(prompt) {
+                Ok(v) => Some(v),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not embed the prompt for the tier classifier");
+                    return None;
+                }
+            },
+            None => None,
+        };
+        match self.model.score_with(prompt, vector.as_deref()) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!(error = %e, "the tier classifier could not score the prompt");
+                None
+            }
         }
     }
 }

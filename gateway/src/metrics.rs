@@ -26,6 +26,9 @@ pub mod names {
     pub const IN_FLIGHT: &str = "gateway_replica_in_flight";
     /// 1 when the replica is in rotation, 0 while cooling down.
     pub const HEALTHY: &str = "gateway_replica_healthy";
+    /// Times a replica's circuit breaker opened, by tier, replica and reason
+    /// (consecutive_failures, error_ratio, probe_failed).
+    pub const BREAKER_TRIPS: &str = "gateway_replica_breaker_trips_total";
     /// Requests rejected before reaching an upstream, by error kind.
     pub const REJECTED: &str = "gateway_rejected_requests_total";
     /// Agent loops the guard step found, by the action taken (flag, throttle, block).
@@ -82,6 +85,7 @@ pub mod names {
         UPSTREAM_ERRORS,
         IN_FLIGHT,
         HEALTHY,
+        BREAKER_TRIPS,
         REJECTED,
         KEY_LOOKUPS,
         GUARD_LOOPS,
@@ -123,6 +127,8 @@ pub struct Metrics {
     pub in_flight: IntGaugeVec,
     /// See [`names::HEALTHY`].
     pub healthy: IntGaugeVec,
+    /// See [`names::BREAKER_TRIPS`].
+    pub breaker_trips: IntCounterVec,
     /// See [`names::REJECTED`].
     pub rejected: IntCounterVec,
     /// See [`names::KEY_LOOKUPS`].
@@ -363,6 +369,14 @@ impl Metrics {
         registry.register(Box::new(upstream_errors.clone()))?;
         registry.register(Box::new(in_flight.clone()))?;
         registry.register(Box::new(healthy.clone()))?;
+        let breaker_trips = IntCounterVec::new(
+            Opts::new(
+                names::BREAKER_TRIPS,
+                "Times a replica's circuit breaker opened, by reason.",
+            ),
+            &["tier", "replica", "reason"],
+        )?;
+        registry.register(Box::new(breaker_trips.clone()))?;
         registry.register(Box::new(rejected.clone()))?;
         registry.register(Box::new(key_lookups.clone()))?;
         registry.register(Box::new(guard_loops.clone()))?;
@@ -376,6 +390,7 @@ impl Metrics {
             upstream_errors,
             in_flight,
             healthy,
+            breaker_trips,
             rejected,
             key_lookups,
             guard_loops,
@@ -436,6 +451,15 @@ impl Metrics {
                 self.healthy
                     .with_label_values(&[tier.as_str(), r.name.as_str()])
                     .set(i64::from(r.healthy));
+                // Every replica's trip counters exist from the start (at 0), so a rate over them
+                // is defined before the first trip.
+                for trip in router::Trip::ALL {
+                    self.breaker_trips.with_label_values(&[
+                        tier.as_str(),
+                        r.name.as_str(),
+                        trip.as_str(),
+                    ]);
+                }
             }
         }
         let mut out = Vec::new();

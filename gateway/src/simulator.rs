@@ -4,13 +4,15 @@
 //! Timing follows a model server's shape: time to first token grows with the prompt tokens *not*
 //! already in its prefix cache (an LRU of chained prompt block hashes, as vLLM keys its KV
 //! blocks), then a steady per-token decode time. Usage is reported like vLLM does, including
-//! `prompt_tokens_details.cached_tokens`. Faults (5xx, latency spikes) can be injected at random
-//! or on demand through `POST /sim/faults`; `GET /sim/stats` reports requests seen and the last
-//! request body.
+//! `prompt_tokens_details.cached_tokens`. Faults (5xx, latency spikes) can be injected at random,
+//! on demand through `POST /sim/faults`, or on a schedule ([`FaultWindow`]: from a time after the
+//! start, for a while, answer a status, answer slowly, or hang), so a storm can be reproduced;
+//! `GET /sim/stats` reports the requests received, those a fault answered, and the last request
+//! body.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::State;
@@ -101,6 +103,83 @@ impl SimProfile {
     }
 }
 
+/// What a scheduled fault does to each request in its window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScheduledFault {
+    /// Answer this HTTP status (an OpenAI-style error body).
+    Status(u16),
+    /// Answer normally, after this extra delay.
+    Slow(Duration),
+    /// Never answer (until the client gives up and closes the connection).
+    Hang,
+}
+
+/// A window of the simulator's life in which every request gets `fault`: from `after` (since
+/// the simulator started, or since a `POST /sim/faults` that set it) for `length`. Written
+/// `5s+10s=503`, `20s+15s=slow:3s`, `40s+5s=hang` (durations in `ms`, `s` or `m`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FaultWindow {
+    /// When it starts.
+    pub after: Duration,
+    /// How long it lasts.
+    pub length: Duration,
+    /// What it does.
+    pub fault: ScheduledFault,
+}
+
+/// Parse `500ms`, `5s`, `1.5s` or `2m`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (number, unit) = match s.find(|c: char| c.is_ascii_alphabetic()) {
+        Some(i) => s.split_at(i),
+        None => return Err(format!("`{s}`: give a unit (ms, s or m)")),
+    };
+    let n: f64 = number
+        .parse()
+        .map_err(|_| format!("`{s}`: not a number of {unit}"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "s" => n,
+        "m" => n * 60.0,
+        _ => return Err(format!("`{s}`: the unit must be ms, s or m")),
+    };
+    if !(0.0..=86_400.0 * 365.0).contains(&secs) {
+        return Err(format!("`{s}`: out of range"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+impl std::str::FromStr for FaultWindow {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let form = "write AFTER+FOR=WHAT, e.g. 5s+10s=503, 20s+15s=slow:3s or 40s+5s=hang";
+        let (when, what) = s.split_once('=').ok_or_else(|| format!("`{s}`: {form}"))?;
+        let (after, length) = when
+            .split_once('+')
+            .ok_or_else(|| format!("`{s}`: {form}"))?;
+        let fault = match what.trim() {
+            "hang" => ScheduledFault::Hang,
+            w => match w.strip_prefix("slow:") {
+                Some(d) => ScheduledFault::Slow(parse_duration(d)?),
+                None => match w.parse::<u16>() {
+                    Ok(code) if (400..=599).contains(&code) => ScheduledFault::Status(code),
+                    _ => {
+                        return Err(format!(
+                            "`{s}`: the fault is a status 400-599, slow:DURATION or hang"
+                        ))
+                    }
+                },
+            },
+        };
+        Ok(Self {
+            after: parse_duration(after)?,
+            length: parse_duration(length)?,
+            fault,
+        })
+    }
+}
+
 /// Simulator settings.
 #[derive(Debug, Clone)]
 pub struct SimOptions {
@@ -114,6 +193,8 @@ pub struct SimOptions {
     pub spike_rate: f64,
     /// Size of a latency spike, ms.
     pub spike_ms: u64,
+    /// Fault windows, from the simulator's start.
+    pub schedule: Vec<FaultWindow>,
 }
 
 impl SimOptions {
@@ -125,8 +206,36 @@ impl SimOptions {
             error_rate: 0.0,
             spike_rate: 0.0,
             spike_ms: 0,
+            schedule: Vec::new(),
         }
     }
+}
+
+/// A scheduled fault window in absolute time.
+#[derive(Debug, Clone, Copy)]
+struct Window {
+    from: Instant,
+    until: Instant,
+    fault: ScheduledFault,
+}
+
+fn windows(start: Instant, schedule: &[FaultWindow]) -> Vec<Window> {
+    schedule
+        .iter()
+        .map(|w| Window {
+            from: start + w.after,
+            until: start + w.after + w.length,
+            fault: w.fault,
+        })
+        .collect()
+}
+
+/// The fault a request received at `now` gets from the schedule: the first window it falls in.
+fn scheduled(windows: &[Window], now: Instant) -> Option<ScheduledFault> {
+    windows
+        .iter()
+        .find(|w| w.from <= now && now < w.until)
+        .map(|w| w.fault)
 }
 
 /// A running simulator's state.
@@ -141,7 +250,13 @@ pub struct Simulator {
     delay_next: AtomicU32,
     delay_ms: AtomicU64,
     last_request: Mutex<Value>,
+    schedule: Mutex<Vec<Window>>,
+    /// Requests a fault answered (injected status, scheduled status, slow, hang).
+    faulted: [AtomicU64; 4],
 }
+
+/// Indexes of [`Simulator::faulted`].
+const FAULT_KINDS: [&str; 4] = ["status", "scheduled_status", "slow", "hang"];
 
 const WORDS: &[&str] = &[
     " The",
@@ -173,6 +288,7 @@ impl Simulator {
     pub fn new(options: SimOptions) -> Arc<Self> {
         let tokenizer = Tokenizer::default();
         tokenizer.warm();
+        let schedule = Mutex::new(windows(Instant::now(), &options.schedule));
         Arc::new(Self {
             cache: Mutex::new(PrefixLru::new(options.profile.cache_blocks)),
             options,
@@ -183,7 +299,29 @@ impl Simulator {
             delay_next: AtomicU32::new(0),
             delay_ms: AtomicU64::new(0),
             last_request: Mutex::new(Value::Null),
+            schedule,
+            faulted: Default::default(),
         })
+    }
+
+    /// Replace the fault schedule, its windows counted from now.
+    pub fn set_schedule(&self, schedule: &[FaultWindow]) {
+        *self.schedule.lock().unwrap_or_else(|p| p.into_inner()) =
+            windows(Instant::now(), schedule);
+    }
+
+    /// Requests a fault answered, by kind (`status` injected by `fail_next` or `error_rate`,
+    /// `scheduled_status`, `slow`, `hang`).
+    pub fn faulted(&self) -> Vec<(&'static str, u64)> {
+        FAULT_KINDS
+            .iter()
+            .zip(&self.faulted)
+            .map(|(k, n)| (*k, n.load(Ordering::Relaxed)))
+            .collect()
+    }
+
+    fn count_fault(&self, kind: usize) {
+        self.faulted[kind].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Requests received so far (all endpoints but `/sim/*`).
@@ -200,22 +338,47 @@ impl Simulator {
         hit * self.options.profile.block_size
     }
 
-    /// Injected fault for this request, if any: `Err(status)` to fail, `Ok(extra delay)`.
+    /// Injected fault for this request, if any: `Err(status)` to fail, `Ok(extra delay)` (a
+    /// hang is a delay of a day: the client gives up first).
     fn fault(&self) -> Result<Duration, StatusCode> {
         let take = |counter: &AtomicU32| {
             counter
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
                 .is_ok()
         };
+        let status =
+            |code: u16| StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         if take(&self.fail_next) {
+            self.count_fault(0);
             let code = u16::try_from(self.fail_status.load(Ordering::Relaxed)).unwrap_or(500);
-            return Err(StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR));
+            return Err(status(code));
         }
         let o = &self.options;
         if o.error_rate > 0.0 && rand::random::<f64>() < o.error_rate {
+            self.count_fault(0);
             return Err(StatusCode::INTERNAL_SERVER_ERROR);
         }
+        let now = Instant::now();
+        let planned = scheduled(
+            &self.schedule.lock().unwrap_or_else(|p| p.into_inner()),
+            now,
+        );
         let mut delay = Duration::ZERO;
+        match planned {
+            Some(ScheduledFault::Status(code)) => {
+                self.count_fault(1);
+                return Err(status(code));
+            }
+            Some(ScheduledFault::Slow(d)) => {
+                self.count_fault(2);
+                delay += d;
+            }
+            Some(ScheduledFault::Hang) => {
+                self.count_fault(3);
+                return Ok(Duration::from_secs(86_400));
+            }
+            None => {}
+        }
         if take(&self.delay_next) {
             delay += Duration::from_millis(self.delay_ms.load(Ordering::Relaxed));
         }
@@ -290,15 +453,27 @@ struct Faults {
     delay_next: u32,
     #[serde(default)]
     delay_ms: u64,
+    /// Replace the fault schedule (windows counted from now): `["0s+10s=503", "10s+5s=hang"]`.
+    #[serde(default)]
+    schedule: Option<Vec<String>>,
 }
 
-async fn set_faults(State(sim): State<Arc<Simulator>>, Json(f): Json<Faults>) -> Json<Value> {
+async fn set_faults(
+    State(sim): State<Arc<Simulator>>,
+    Json(f): Json<Faults>,
+) -> Result<Json<Value>, Response> {
+    if let Some(schedule) = &f.schedule {
+        let parsed: Result<Vec<FaultWindow>, String> = schedule.iter().map(|w| w.parse()).collect();
+        let parsed =
+            parsed.map_err(|e| error(StatusCode::BAD_REQUEST, &format!("schedule: {e}")))?;
+        sim.set_schedule(&parsed);
+    }
     sim.fail_next.store(f.fail_next, Ordering::Release);
     sim.fail_status
         .store(u32::from(f.status.unwrap_or(500)), Ordering::Release);
     sim.delay_ms.store(f.delay_ms, Ordering::Release);
     sim.delay_next.store(f.delay_next, Ordering::Release);
-    Json(json!({"ok": true}))
+    Ok(Json(json!({"ok": true})))
 }
 
 async fn stats(State(sim): State<Arc<Simulator>>) -> Json<Value> {
@@ -307,9 +482,17 @@ async fn stats(State(sim): State<Arc<Simulator>>) -> Json<Value> {
         .lock()
         .map(|v| v.clone())
         .unwrap_or(Value::Null);
-    Json(
-        json!({"requests": sim.requests(), "profile": sim.options.profile.name, "last_request": last}),
-    )
+    let faulted: serde_json::Map<String, Value> = sim
+        .faulted()
+        .into_iter()
+        .map(|(k, n)| (k.to_owned(), json!(n)))
+        .collect();
+    Json(json!({
+        "requests": sim.requests(),
+        "faulted": faulted,
+        "profile": sim.options.profile.name,
+        "last_request": last,
+    }))
 }
 
 async fn models(State(sim): State<Arc<Simulator>>) -> Json<Value> {
@@ -578,6 +761,7 @@ async fn embeddings(State(sim): State<Arc<Simulator>>, body: Bytes) -> Response 
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 mod tests {
     use super::*;
 
@@ -590,6 +774,61 @@ mod tests {
         assert_eq!(sim.prefill(&prompt), 320, "all 20 blocks cached");
         let warm = sim.ttft(320, 320);
         assert!(warm < cold / 2, "warm {warm:?} vs cold {cold:?}");
+    }
+
+    #[test]
+    fn fault_windows_parse_and_say_what_is_wrong() {
+        let w: FaultWindow = "5s+10s=503".parse().unwrap();
+        assert_eq!(
+            w,
+            FaultWindow {
+                after: Duration::from_secs(5),
+                length: Duration::from_secs(10),
+                fault: ScheduledFault::Status(503),
+            }
+        );
+        let w: FaultWindow = "1.5s+500ms=slow:2m".parse().unwrap();
+        assert_eq!(w.after, Duration::from_millis(1500));
+        assert_eq!(w.fault, ScheduledFault::Slow(Duration::from_secs(120)));
+        assert_eq!(
+            "0s+1m=hang".parse::<FaultWindow>().unwrap().fault,
+            ScheduledFault::Hang
+        );
+        for (bad, says) in [
+            ("5s=503", "AFTER+FOR=WHAT"),
+            ("5+10s=503", "unit"),
+            ("5s+10s=200", "400-599"),
+            ("5s+10s=slow:fast", "not a number"),
+            ("5h+1s=hang", "ms, s or m"),
+        ] {
+            let e = bad.parse::<FaultWindow>().unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_schedule_fails_slows_and_hangs_requests_in_its_windows_only() {
+        let sim = Simulator::new(SimOptions::new(SimProfile::zero()));
+        sim.set_schedule(&[
+            "0ms+150ms=503".parse().unwrap(),
+            "150ms+150ms=slow:40ms".parse().unwrap(),
+            "300ms+150ms=hang".parse().unwrap(),
+        ]);
+        assert_eq!(sim.fault(), Err(StatusCode::SERVICE_UNAVAILABLE));
+        tokio::time::sleep(Duration::from_millis(170)).await;
+        assert_eq!(sim.fault(), Ok(Duration::from_millis(40)));
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert!(
+            sim.fault().unwrap() >= Duration::from_secs(3600),
+            "a hang never answers"
+        );
+        tokio::time::sleep(Duration::from_millis(170)).await;
+        assert_eq!(sim.fault(), Ok(Duration::ZERO), "after the schedule");
+        let counts: std::collections::BTreeMap<_, _> = sim.faulted().into_iter().collect();
+        assert_eq!(counts["scheduled_status"], 1);
+        assert_eq!(counts["slow"], 1);
+        assert_eq!(counts["hang"], 1);
+        assert_eq!(counts["status"], 0);
     }
 
     #[test]

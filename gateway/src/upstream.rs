@@ -134,6 +134,9 @@ impl Upstreams {
         let policy = HealthPolicy {
             failure_threshold: up.failure_threshold,
             cooldown: Duration::from_millis(up.cooldown_ms),
+            error_ratio: up.error_ratio,
+            ratio_window: Duration::from_millis(up.error_ratio_window_ms),
+            min_requests: up.error_ratio_min_requests,
         };
         let mut tiers = BTreeMap::new();
         for (name, tier) in &config.tiers {

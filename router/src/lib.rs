@@ -20,4 +20,4 @@ pub mod replica;
 pub mod tier;
 
 pub use prefix::{prefix_block_hashes, PrefixLru};
-pub use replica::{HealthPolicy, Lease, Replica, ReplicaSet, ReplicaSnapshot};
+pub use replica::{Breaker, HealthPolicy, Lease, Replica, ReplicaSet, ReplicaSnapshot, Trip};

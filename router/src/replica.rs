@@ -1,19 +1,28 @@
 //! Replica choice within one tier: least in-flight requests among healthy replicas, bounded by
-//! each replica's maximum concurrency, with passive health: consecutive failures trip a cooldown,
-//! after which the replica is half-open and exactly one request probes it (success closes the
-//! breaker, failure trips another cooldown) while every other request keeps going elsewhere.
+//! each replica's maximum concurrency, with passive health: a per-replica circuit breaker trips
+//! on consecutive failures or on an error ratio over a sliding window (the two breakers of
+//! linkerd2-proxy), cools down, then is half-open and exactly one request probes it (success
+//! closes the breaker, failure trips another cooldown) while every other request keeps going
+//! elsewhere.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// How passive health checking reacts to failures.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct HealthPolicy {
     /// Consecutive failures that take a replica out of rotation.
     pub failure_threshold: u32,
     /// How long a tripped replica stays out before one probe request is let through (half-open).
     pub cooldown: Duration,
+    /// Share of failed requests over [`HealthPolicy::ratio_window`] that takes a replica out
+    /// (a replica failing every other request never fails 3 times in a row).
+    pub error_ratio: f64,
+    /// The sliding window the error ratio is measured over.
+    pub ratio_window: Duration,
+    /// Requests the window must hold before the ratio can trip the breaker.
+    pub min_requests: u32,
 }
 
 impl Default for HealthPolicy {
@@ -21,7 +30,88 @@ impl Default for HealthPolicy {
         Self {
             failure_threshold: 3,
             cooldown: Duration::from_secs(10),
+            error_ratio: 0.5,
+            ratio_window: Duration::from_secs(10),
+            min_requests: 20,
         }
+    }
+}
+
+/// Why a replica's breaker opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trip {
+    /// [`HealthPolicy::failure_threshold`] failures in a row.
+    ConsecutiveFailures,
+    /// At least [`HealthPolicy::error_ratio`] of the window's requests failed.
+    ErrorRatio,
+    /// The half-open probe failed.
+    ProbeFailed,
+}
+
+impl Trip {
+    /// Every reason.
+    pub const ALL: [Trip; 3] = [
+        Self::ConsecutiveFailures,
+        Self::ErrorRatio,
+        Self::ProbeFailed,
+    ];
+
+    /// Lowercase name (metrics label, admin API).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::ConsecutiveFailures => "consecutive_failures",
+            Self::ErrorRatio => "error_ratio",
+            Self::ProbeFailed => "probe_failed",
+        }
+    }
+
+    fn code(self) -> u8 {
+        match self {
+            Self::ConsecutiveFailures => 1,
+            Self::ErrorRatio => 2,
+            Self::ProbeFailed => 3,
+        }
+    }
+
+    fn from_code(code: u8) -> Option<Self> {
+        match code {
+            1 => Some(Self::ConsecutiveFailures),
+            2 => Some(Self::ErrorRatio),
+            3 => Some(Self::ProbeFailed),
+            _ => None,
+        }
+    }
+}
+
+/// Buckets of the error-ratio window.
+const BUCKETS: usize = 10;
+
+/// Outcomes over a sliding window, in [`BUCKETS`] buckets of a tenth of it each.
+#[derive(Debug, Default)]
+struct Outcomes {
+    /// (bucket number since the set's epoch, successes, failures).
+    buckets: [(u64, u32, u32); BUCKETS],
+}
+
+impl Outcomes {
+    fn record(&mut self, slot: u64, failed: bool) {
+        let b = &mut self.buckets[(slot % BUCKETS as u64) as usize];
+        if b.0 != slot {
+            *b = (slot, 0, 0);
+        }
+        if failed {
+            b.2 += 1;
+        } else {
+            b.1 += 1;
+        }
+    }
+
+    /// (requests, failures) in the window ending at bucket `slot`.
+    fn totals(&self, slot: u64) -> (u32, u32) {
+        self.buckets
+            .iter()
+            .filter(|b| b.0 + BUCKETS as u64 > slot && b.0 <= slot)
+            .fold((0, 0), |(n, f), b| (n + b.1 + b.2, f + b.2))
     }
 }
 
@@ -37,6 +127,10 @@ pub struct Replica {
     down_until_ns: AtomicU64,
     /// The token of the lease probing a half-open replica; 0 = no probe in flight.
     probe: AtomicU64,
+    /// Outcomes over the error-ratio window.
+    outcomes: Mutex<Outcomes>,
+    /// Why the breaker last opened ([`Trip::code`]); 0 while closed.
+    tripped_by: AtomicU8,
 }
 
 impl Replica {
@@ -62,13 +156,24 @@ impl Replica {
 
 /// Where a replica's circuit breaker stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Breaker {
+pub enum Breaker {
     /// Taking requests.
     Closed,
     /// Tripped, cooling down: no requests.
     Open,
     /// Cooled down: one probe request at a time.
     HalfOpen,
+}
+
+impl Breaker {
+    /// Lowercase name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Closed => "closed",
+            Self::Open => "open",
+            Self::HalfOpen => "half_open",
+        }
+    }
 }
 
 /// A point-in-time view of one replica, for metrics and the admin API.
@@ -82,6 +187,12 @@ pub struct ReplicaSnapshot {
     pub healthy: bool,
     /// Consecutive failures seen so far.
     pub consecutive_failures: u32,
+    /// Its breaker.
+    pub breaker: Breaker,
+    /// Why the breaker last opened (`None` while closed).
+    pub tripped_by: Option<Trip>,
+    /// Requests and failures in the error-ratio window.
+    pub window: (u32, u32),
 }
 
 /// The replicas of one tier.
@@ -157,6 +268,8 @@ impl ReplicaSet {
                     consecutive_failures: AtomicU32::new(0),
                     down_until_ns: AtomicU64::new(0),
                     probe: AtomicU64::new(0),
+                    outcomes: Mutex::new(Outcomes::default()),
+                    tripped_by: AtomicU8::new(0),
                 })
             })
             .collect();
@@ -181,6 +294,13 @@ impl ReplicaSet {
 
     fn nanos_since_epoch(&self, now: Instant) -> u64 {
         u64::try_from(now.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// The error-ratio window's bucket at `now`.
+    fn slot(&self, now: Instant) -> u64 {
+        let bucket = (self.policy.ratio_window.as_nanos() / BUCKETS as u128).max(1);
+        u64::try_from(now.saturating_duration_since(self.epoch).as_nanos() / bucket)
+            .unwrap_or(u64::MAX)
     }
 
     fn is_healthy(&self, replica: &Replica, now: Instant) -> bool {
@@ -266,25 +386,48 @@ impl ReplicaSet {
     }
 
     /// The request on `lease` succeeded: the replica is healthy again.
-    pub fn record_success(&self, lease: &Lease) {
+    pub fn record_success(&self, lease: &Lease, now: Instant) {
         let replica = &self.replicas[lease.index];
+        replica
+            .outcomes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .record(self.slot(now), false);
         replica.consecutive_failures.store(0, Ordering::Release);
         replica.down_until_ns.store(0, Ordering::Release);
+        replica.tripped_by.store(0, Ordering::Release);
         lease.end_probe();
     }
 
-    /// The request on `lease` failed at the replica (connect error, 5xx, timeout). Returns `true`
+    /// The request on `lease` failed at the replica (connect error, 5xx, timeout). Returns why,
     /// when this failure took the replica out of rotation.
-    pub fn record_failure(&self, lease: &Lease, now: Instant) -> bool {
+    pub fn record_failure(&self, lease: &Lease, now: Instant) -> Option<Trip> {
         let replica = &self.replicas[lease.index];
         let failures = replica.consecutive_failures.fetch_add(1, Ordering::AcqRel) + 1;
-        if failures >= self.policy.failure_threshold || lease.is_probe() {
-            let until = self.nanos_since_epoch(now + self.policy.cooldown).max(1);
-            replica.down_until_ns.store(until, Ordering::Release);
-            lease.end_probe();
-            return true;
-        }
-        false
+        let (requests, failed) = {
+            let mut outcomes = replica.outcomes.lock().unwrap_or_else(|p| p.into_inner());
+            let slot = self.slot(now);
+            outcomes.record(slot, true);
+            outcomes.totals(slot)
+        };
+        let trip = if lease.is_probe() {
+            Trip::ProbeFailed
+        } else if failures >= self.policy.failure_threshold {
+            Trip::ConsecutiveFailures
+        } else if requests >= self.policy.min_requests
+            && f64::from(failed) >= self.policy.error_ratio * f64::from(requests)
+        {
+            Trip::ErrorRatio
+        } else {
+            return None;
+        };
+        let until = self.nanos_since_epoch(now + self.policy.cooldown).max(1);
+        replica.down_until_ns.store(until, Ordering::Release);
+        replica.tripped_by.store(trip.code(), Ordering::Release);
+        // The next window starts after the cooldown: old failures do not trip it again.
+        *replica.outcomes.lock().unwrap_or_else(|p| p.into_inner()) = Outcomes::default();
+        lease.end_probe();
+        Some(trip)
     }
 
     /// Current state of every replica.
@@ -296,6 +439,13 @@ impl ReplicaSet {
                 in_flight: r.in_flight(),
                 healthy: self.is_healthy(r, now),
                 consecutive_failures: r.consecutive_failures.load(Ordering::Relaxed),
+                breaker: self.state(r, now),
+                tripped_by: Trip::from_code(r.tripped_by.load(Ordering::Acquire)),
+                window: r
+                    .outcomes
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .totals(self.slot(now)),
             })
             .collect()
     }
@@ -312,6 +462,7 @@ mod tests {
             HealthPolicy {
                 failure_threshold: 2,
                 cooldown: Duration::from_secs(5),
+                ..HealthPolicy::default()
             },
         )
     }
@@ -364,8 +515,12 @@ mod tests {
         let s = set(2, 10);
         let now = Instant::now();
         let lease = s.choose(now, &[1]).unwrap();
-        assert!(!s.record_failure(&lease, now));
-        assert!(s.record_failure(&lease, now), "second failure trips");
+        assert_eq!(s.record_failure(&lease, now), None);
+        assert_eq!(
+            s.record_failure(&lease, now),
+            Some(Trip::ConsecutiveFailures),
+            "second failure trips"
+        );
         drop(lease);
         for _ in 0..4 {
             assert_eq!(s.choose(now, &[]).unwrap().index(), 1);
@@ -374,14 +529,80 @@ mod tests {
         let later = now + Duration::from_secs(6);
         assert!(s.snapshot(later)[0].healthy, "cooldown over: half-open");
         let probe = s.choose(later, &[1]).unwrap();
-        assert!(
+        assert_eq!(
             s.record_failure(&probe, later),
+            Some(Trip::ProbeFailed),
             "a failed probe trips again at once"
         );
         let probe = s.choose(later + Duration::from_secs(6), &[1]).unwrap();
-        s.record_success(&probe);
+        s.record_success(&probe, later + Duration::from_secs(6));
         assert_eq!(s.snapshot(later)[0].consecutive_failures, 0);
         assert!(s.snapshot(later)[0].healthy);
+    }
+
+    #[test]
+    fn an_error_ratio_over_the_window_trips_a_replica_that_never_fails_twice_in_a_row() {
+        let s = set(2, 100);
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        // Every other request fails, never two in a row: 19 requests are under min_requests.
+        for i in 0..19u64 {
+            let lease = s.choose(ms(i), &[1]).unwrap();
+            if i % 2 == 0 {
+                assert_eq!(s.record_failure(&lease, ms(i)), None, "request {i}");
+            } else {
+                s.record_success(&lease, ms(i));
+            }
+        }
+        assert_eq!(s.snapshot(ms(19))[0].window, (19, 10));
+        // A 20th that succeeds (half failed: the ratio is checked on failures), then a failure:
+        // 11 of 21 failed, over the 50% ratio.
+        let lease = s.choose(ms(19), &[1]).unwrap();
+        s.record_success(&lease, ms(19));
+        let lease = s.choose(ms(20), &[1]).unwrap();
+        assert_eq!(s.record_failure(&lease, ms(20)), Some(Trip::ErrorRatio));
+        drop(lease);
+        let snap = &s.snapshot(ms(21))[0];
+        assert_eq!(
+            (snap.breaker, snap.tripped_by),
+            (Breaker::Open, Some(Trip::ErrorRatio))
+        );
+        assert_eq!(snap.window, (0, 0), "a trip starts a fresh window");
+        // Closed again by the probe's success, reason cleared.
+        let later = ms(20) + Duration::from_secs(6);
+        let probe = s.choose(later, &[1]).unwrap();
+        assert!(probe.is_probe());
+        s.record_success(&probe, later);
+        let snap = &s.snapshot(later)[0];
+        assert_eq!((snap.breaker, snap.tripped_by), (Breaker::Closed, None));
+    }
+
+    #[test]
+    fn failures_older_than_the_window_do_not_count() {
+        let s = set(1, 100);
+        let t0 = Instant::now();
+        for i in 0..16u64 {
+            let at = t0 + Duration::from_millis(i);
+            let lease = s.choose(at, &[]).unwrap();
+            if i % 2 == 0 {
+                s.record_failure(&lease, at);
+            } else {
+                s.record_success(&lease, at);
+            }
+        }
+        // 11 s later (the window is 10 s) those 16 are gone: 10 more outcomes, half failed, are
+        // under min_requests and do not trip.
+        let later = t0 + Duration::from_secs(11);
+        for i in 0..10u64 {
+            let at = later + Duration::from_millis(i);
+            let lease = s.choose(at, &[]).unwrap();
+            if i % 2 == 0 {
+                assert_eq!(s.record_failure(&lease, at), None);
+            } else {
+                s.record_success(&lease, at);
+            }
+        }
+        assert_eq!(s.snapshot(later)[0].window.0, 10);
     }
 
     #[test]
@@ -390,7 +611,7 @@ mod tests {
         let now = Instant::now();
         let lease = s.choose(now, &[1]).unwrap();
         s.record_failure(&lease, now);
-        assert!(s.record_failure(&lease, now));
+        assert!(s.record_failure(&lease, now).is_some());
         drop(lease);
         let later = now + Duration::from_secs(6);
         let probe = s.choose(later, &[1]).unwrap();
@@ -404,7 +625,7 @@ mod tests {
         drop(probe);
         let probe = s.choose(later, &[1]).unwrap();
         assert!(probe.is_probe());
-        s.record_success(&probe);
+        s.record_success(&probe, later);
         drop(probe);
         let a = s.choose(later, &[1]).unwrap();
         let b = s.choose(later, &[1]).unwrap();
@@ -418,6 +639,7 @@ mod tests {
             HealthPolicy {
                 failure_threshold: 5,
                 cooldown: Duration::from_secs(5),
+                ..HealthPolicy::default()
             },
         );
         let now = Instant::now();
@@ -429,7 +651,7 @@ mod tests {
         // Tripped; once cooled down, the probe's failure trips it again on its own.
         let later = now + Duration::from_secs(6);
         let probe = s.choose(later, &[]).unwrap();
-        assert!(s.record_failure(&probe, later));
+        assert_eq!(s.record_failure(&probe, later), Some(Trip::ProbeFailed));
         drop(probe);
         assert!(s.choose(later, &[]).is_none(), "open for another cooldown");
         assert!(s.choose(later + Duration::from_secs(6), &[]).is_some());

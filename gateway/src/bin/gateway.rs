@@ -205,6 +205,20 @@ enum Command {
         /// Latency spike size in ms.
         #[arg(long, default_value_t = 500)]
         spike_ms: u64,
+        /// A fault window, from the simulator's start: `AFTER+FOR=WHAT` with WHAT a status
+        /// (`5s+10s=503`), `slow:DURATION` (`20s+15s=slow:30s`) or `hang` (`40s+5s=hang`).
+        /// Repeatable.
+        #[arg(long = "fault", value_parser = clap::value_parser!(gateway::simulator::FaultWindow))]
+        faults: Vec<gateway::simulator::FaultWindow>,
+        /// Shorthand for one status window: fail from this long after the start (`5s`)...
+        #[arg(long, value_parser = gateway::simulator::parse_duration, requires = "fail_for")]
+        fail_after: Option<std::time::Duration>,
+        /// ...for this long (`10s`)...
+        #[arg(long, value_parser = gateway::simulator::parse_duration, requires = "fail_after")]
+        fail_for: Option<std::time::Duration>,
+        /// ...answering this status.
+        #[arg(long, default_value_t = 503)]
+        fail_status: u16,
     },
     /// Run the gateway on its embedded default in front of simulated model servers.
     Demo {
@@ -339,7 +353,22 @@ async fn main() -> anyhow::Result<()> {
             error_rate,
             spike_rate,
             spike_ms,
+            mut faults,
+            fail_after,
+            fail_for,
+            fail_status,
         } => {
+            if let (Some(after), Some(length)) = (fail_after, fail_for) {
+                anyhow::ensure!(
+                    (400..=599).contains(&fail_status),
+                    "--fail-status {fail_status}: give an error status (400-599)"
+                );
+                faults.push(gateway::simulator::FaultWindow {
+                    after,
+                    length,
+                    fault: gateway::simulator::ScheduledFault::Status(fail_status),
+                });
+            }
             let mut p = SimProfile::by_name(&profile).with_context(|| {
                 format!("unknown --profile {profile:?}: use small, large or zero")
             })?;
@@ -352,6 +381,7 @@ async fn main() -> anyhow::Result<()> {
                 error_rate,
                 spike_rate,
                 spike_ms,
+                schedule: faults,
             };
             let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
                 .await

@@ -185,6 +185,22 @@ impl Config {
         if self.upstream.retries_same_tier > 1 {
             return Err(invalid("upstream.retries_same_tier", "must be 0 or 1"));
         }
+        let u = &self.upstream;
+        if !(u.error_ratio > 0.0 && u.error_ratio <= 1.0) {
+            return Err(invalid("upstream.error_ratio", "must be in (0, 1]"));
+        }
+        if u.error_ratio_min_requests == 0 {
+            return Err(invalid(
+                "upstream.error_ratio_min_requests",
+                "must be at least 1",
+            ));
+        }
+        if u.error_ratio_window_ms < 10 {
+            return Err(invalid(
+                "upstream.error_ratio_window_ms",
+                "must be at least 10 (ms)",
+            ));
+        }
         if self.upstream.failure_threshold == 0 {
             return Err(invalid("upstream.failure_threshold", "must be at least 1"));
         }

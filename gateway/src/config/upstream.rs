@@ -44,6 +44,13 @@ pub struct UpstreamConfig {
     pub failure_threshold: u32,
     /// How long a tripped replica stays out, ms.
     pub cooldown_ms: u64,
+    /// Share of a replica's requests over `error_ratio_window_ms` that, once failed, takes it
+    /// out (a replica failing every other request never fails `failure_threshold` in a row).
+    pub error_ratio: f64,
+    /// The sliding window of the error ratio, ms.
+    pub error_ratio_window_ms: u64,
+    /// Requests the window must hold before the ratio can take a replica out.
+    pub error_ratio_min_requests: u32,
     /// Idle pooled connections kept per upstream host.
     pub pool_max_idle_per_host: usize,
     /// What to do with an upstream stream whose client disconnected.
@@ -64,6 +71,9 @@ impl Default for UpstreamConfig {
             fallback_to_other_tier: true,
             failure_threshold: 3,
             cooldown_ms: 10_000,
+            error_ratio: 0.5,
+            error_ratio_window_ms: 10_000,
+            error_ratio_min_requests: 20,
             pool_max_idle_per_host: 256,
             on_client_disconnect: DisconnectPolicy::Drain,
         }

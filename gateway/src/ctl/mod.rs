@@ -136,6 +136,10 @@ pub enum Command {
         #[command(subcommand)]
         command: SessionCommand,
     },
+    /// Every replica's routing state: in flight, circuit breaker (and why it opened), recent
+    /// failures.
+    #[command(after_help = "Examples:\n  gatewayctl replicas\n  gatewayctl --json replicas")]
+    Replicas,
     /// A tenant's budgets in their current windows: spent, reserved, remaining, reset time.
     #[command(
         after_help = "Examples:\n  gatewayctl usage --tenant acme\n  gatewayctl --json usage --tenant acme"
@@ -335,6 +339,7 @@ pub async fn run(cli: Cli, out: &mut impl Write) -> anyhow::Result<()> {
         Command::Budgets { command } => command.run(&admin).await?,
         Command::Limits { command } => command.run(&admin).await?,
         Command::Usage { tenant } => usage::run(&admin, &tenant).await?,
+        Command::Replicas => usage::replicas(&admin).await?,
         Command::Cache { command } => command.run(&admin).await?,
         Command::Guard { command } => command.run(&admin).await?,
         Command::Routing { command } => command.run(&admin).await?,

@@ -1,5 +1,5 @@
 //! `gatewayctl usage`: a tenant's budgets in their current windows (spent, reserved, remaining,
-//! reset time).
+//! reset time); `gatewayctl replicas`: every replica's routing state.
 
 use reqwest::Method;
 
@@ -44,4 +44,45 @@ fn row(r: &UsageRow) -> Vec<String> {
         ),
         time(&r.resets_at),
     ]
+}
+
+/// `gatewayctl replicas`: every replica's routing state, its breaker and why it opened.
+pub(super) async fn replicas(admin: &Admin) -> anyhow::Result<Reply> {
+    let a: Answer<serde_json::Value> = admin.call(Method::GET, "replicas", None).await?;
+    let text = |v: &serde_json::Value| match v {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Null => "-".into(),
+        v => v.to_string(),
+    };
+    let mut rows = Vec::new();
+    for tier in a.body["data"].as_array().into_iter().flatten() {
+        for r in tier["replicas"].as_array().into_iter().flatten() {
+            rows.push(vec![
+                text(&tier["tier"]),
+                text(&r["name"]),
+                text(&r["in_flight"]),
+                text(&r["breaker"]),
+                text(&r["tripped_by"]),
+                text(&r["consecutive_failures"]),
+                format!(
+                    "{}/{}",
+                    text(&r["window_failures"]),
+                    text(&r["window_requests"])
+                ),
+            ]);
+        }
+    }
+    let h = table(
+        &[
+            "TIER",
+            "REPLICA",
+            "IN FLIGHT",
+            "BREAKER",
+            "TRIPPED BY",
+            "FAILURES IN A ROW",
+            "FAILED/REQUESTS (WINDOW)",
+        ],
+        rows,
+    );
+    Ok(a.reply(h))
 }

@@ -96,7 +96,7 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
                 ))
             }
             Ok(resp) if call.req.stream && resp.status().is_success() => {
-                pool.set.record_success(&lease);
+                pool.set.record_success(&lease, Instant::now());
                 answered_by(&mut call, tier, attempts);
                 return (
                     respond::streamed(call, pool, lease, resp, deadline),
@@ -105,14 +105,14 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
             }
             Ok(resp) => match read_all(resp, deadline, limit).await {
                 Buffered::Done(status, headers, body) => {
-                    pool.set.record_success(&lease);
+                    pool.set.record_success(&lease, Instant::now());
                     answered_by(&mut call, tier, attempts);
                     let response = respond::buffered(call, pool, &lease, status, &headers, body);
                     return (response, Some(tier));
                 }
                 Buffered::Failed(e) if !e.is_replica_failure() => {
                     // Any replica would answer the same: no failover, and no mark against it.
-                    pool.set.record_success(&lease);
+                    pool.set.record_success(&lease, Instant::now());
                     tracing::warn!(
                         request_id = %call.ctx.request_id,
                         replica = %target.name,
@@ -133,12 +133,19 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
                 .upstream_errors
                 .with_label_values(&[target.name.as_str(), kind])
                 .inc();
+            if let Some(trip) = tripped {
+                state
+                    .metrics
+                    .breaker_trips
+                    .with_label_values(&[tier.as_str(), target.name.as_str(), trip.as_str()])
+                    .inc();
+            }
             tracing::warn!(
                 request_id = %call.ctx.request_id,
                 tier = %tier,
                 replica = %target.name,
                 error = %detail,
-                taken_out = tripped,
+                taken_out = tripped.map(router::Trip::as_str),
                 "upstream attempt failed"
             );
             last_error = Some(api_error);

@@ -204,7 +204,10 @@ pub async fn replicas(State(state): State<AppState>) -> Json<Value> {
                 .into_iter()
                 .map(|r| {
                     json!({"name": r.name, "in_flight": r.in_flight, "healthy": r.healthy,
-                           "consecutive_failures": r.consecutive_failures})
+                           "consecutive_failures": r.consecutive_failures,
+                           "breaker": r.breaker.as_str(),
+                           "tripped_by": r.tripped_by.map(router::Trip::as_str),
+                           "window_requests": r.window.0, "window_failures": r.window.1})
                 })
                 .collect();
             json!({"tier": tier, "replicas": rs})

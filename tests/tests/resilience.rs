@@ -1,0 +1,146 @@
+//! Upstream failures end to end: the simulator's fault schedule and stats, and each replica's
+//! circuit breaker (consecutive failures or an error ratio over a sliding window), as
+//! `gatewayctl replicas`, the admin API and the metrics show it.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use e2e::{chat_body, config, replica, Sim, StoreKind, TestApp};
+use gateway::simulator::{SimOptions, SimProfile};
+use reqwest::Method;
+use serde_json::{json, Value};
+
+fn zero(model: &str, schedule: &[&str]) -> SimOptions {
+    let mut p = SimProfile::zero();
+    p.model = model.into();
+    let mut o = SimOptions::new(p);
+    o.schedule = schedule.iter().map(|w| w.parse().unwrap()).collect();
+    o
+}
+
+async fn stats(sim: &Sim) -> Value {
+    reqwest::get(format!("{}/sim/stats", sim.root))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn an_error_ratio_takes_a_flaky_replica_out_and_the_tier_keeps_answering() {
+    let healthy = Sim::start(zero("sim-small", &[])).await;
+    // Fails every request for a minute from its start.
+    let flaky = Sim::start(zero("sim-small", &["0s+60s=503"])).await;
+    let large = Sim::zero("sim-large").await;
+    let mut c = config(
+        vec![
+            replica("ok", &healthy.url, "sim-small"),
+            replica("flaky", &flaky.url, "sim-small"),
+        ],
+        vec![replica("l1", &large.url, "sim-large")],
+    );
+    // Only the ratio can trip it: 4 requests in the window, half of them failed.
+    c.upstream.failure_threshold = 1_000;
+    c.upstream.error_ratio = 0.5;
+    c.upstream.error_ratio_min_requests = 4;
+    c.upstream.fallback_to_other_tier = false;
+    let mut app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    for i in 0..30 {
+        let r = app.chat(chat_body("fast", &format!("q{i}"))).await;
+        assert_eq!(r.status(), 200, "request {i}: the same-tier retry answers");
+        app.next_event().await;
+    }
+    let seen = stats(&flaky).await;
+    let received = seen["requests"].as_u64().unwrap();
+    assert_eq!(seen["faulted"]["scheduled_status"], received);
+    assert!(
+        (4..30).contains(&received),
+        "the breaker opened after its first failures, not after all 30: {seen}"
+    );
+    let (ok, out) = app.ctl(&["replicas"]).await;
+    assert!(ok, "{out}");
+    let line = out.lines().find(|l| l.contains("flaky")).unwrap();
+    assert!(
+        line.contains("open") && line.contains("error_ratio"),
+        "{out}"
+    );
+    let v: Value = app
+        .admin(Method::GET, "replicas", None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    let find = |list: &Value, key: &str, value: &str| -> Value {
+        list.as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x[key] == value)
+            .unwrap()
+            .clone()
+    };
+    let small = find(&v["data"], "tier", "small");
+    let ok_replica = find(&small["replicas"], "name", "ok");
+    assert_eq!(ok_replica["breaker"], "closed");
+    assert_eq!(ok_replica["tripped_by"], Value::Null);
+    let metrics = app.metrics().await;
+    assert!(
+        metrics.contains(
+            "gateway_replica_breaker_trips_total{reason=\"error_ratio\",replica=\"flaky\",tier=\"small\"} 1"
+        ),
+        "{metrics}"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn the_simulator_takes_a_schedule_over_http_and_refuses_a_bad_one() {
+    gateway::telemetry::install_crypto_provider();
+    let sim = Sim::zero("sim-small").await;
+    let post = |body: Value| {
+        let url = format!("{}/sim/faults", sim.root);
+        async move {
+            reqwest::Client::new()
+                .post(url)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    let chat = || {
+        let url = format!("{}/chat/completions", sim.url);
+        async move {
+            reqwest::Client::new()
+                .post(url)
+                .json(&chat_body("sim-small", "hi"))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    let r = post(json!({"schedule": ["0s+1m=429"]})).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(chat().await, 429);
+    let r = post(json!({"schedule": ["soon=503"]})).await;
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("AFTER+FOR=WHAT"),
+        "{v}"
+    );
+    // An empty schedule clears it.
+    assert_eq!(post(json!({"schedule": []})).await.status(), 200);
+    assert_eq!(chat().await, 200);
+    // The command line says what a bad window is.
+    let o = std::process::Command::new(e2e::binary("gateway"))
+        .args(["simulate", "--port", "0", "--fault", "5s+10s=200"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("400-599"), "{err}");
+}

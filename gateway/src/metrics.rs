@@ -26,6 +26,12 @@ pub mod names {
     pub const IN_FLIGHT: &str = "gateway_replica_in_flight";
     /// 1 when the replica is in rotation, 0 while cooling down.
     pub const HEALTHY: &str = "gateway_replica_healthy";
+    /// Requests the gateway turned away from a tier whose servers were rejecting (adaptive
+    /// throttling), by tier.
+    pub const UPSTREAM_THROTTLED: &str = "gateway_upstream_throttled_total";
+    /// The gateway's own retries and failovers, by tier and outcome (`sent`, or
+    /// `budget_exhausted` when the tier's retry budget refused one).
+    pub const RETRIES: &str = "gateway_upstream_retries_total";
     /// Times a replica's circuit breaker opened, by tier, replica and reason
     /// (consecutive_failures, error_ratio, probe_failed).
     pub const BREAKER_TRIPS: &str = "gateway_replica_breaker_trips_total";
@@ -86,6 +92,8 @@ pub mod names {
         IN_FLIGHT,
         HEALTHY,
         BREAKER_TRIPS,
+        UPSTREAM_THROTTLED,
+        RETRIES,
         REJECTED,
         KEY_LOOKUPS,
         GUARD_LOOPS,
@@ -129,6 +137,10 @@ pub struct Metrics {
     pub healthy: IntGaugeVec,
     /// See [`names::BREAKER_TRIPS`].
     pub breaker_trips: IntCounterVec,
+    /// See [`names::UPSTREAM_THROTTLED`].
+    pub upstream_throttled: IntCounterVec,
+    /// See [`names::RETRIES`].
+    pub retries: IntCounterVec,
     /// See [`names::REJECTED`].
     pub rejected: IntCounterVec,
     /// See [`names::KEY_LOOKUPS`].
@@ -377,6 +389,22 @@ impl Metrics {
             &["tier", "replica", "reason"],
         )?;
         registry.register(Box::new(breaker_trips.clone()))?;
+        let upstream_throttled = IntCounterVec::new(
+            Opts::new(
+                names::UPSTREAM_THROTTLED,
+                "Requests turned away by adaptive throttling, by tier.",
+            ),
+            &["tier"],
+        )?;
+        registry.register(Box::new(upstream_throttled.clone()))?;
+        let retries = IntCounterVec::new(
+            Opts::new(
+                names::RETRIES,
+                "The gateway's own retries and failovers, by tier and outcome.",
+            ),
+            &["tier", "outcome"],
+        )?;
+        registry.register(Box::new(retries.clone()))?;
         registry.register(Box::new(rejected.clone()))?;
         registry.register(Box::new(key_lookups.clone()))?;
         registry.register(Box::new(guard_loops.clone()))?;
@@ -391,6 +419,8 @@ impl Metrics {
             in_flight,
             healthy,
             breaker_trips,
+            upstream_throttled,
+            retries,
             rejected,
             key_lookups,
             guard_loops,
@@ -444,6 +474,10 @@ impl Metrics {
     /// the replica sets by tier, taken by the caller).
     pub fn render(&self, replicas: &[(String, Vec<ReplicaSnapshot>)]) -> String {
         for (tier, snapshot) in replicas {
+            self.upstream_throttled.with_label_values(&[tier.as_str()]);
+            for outcome in ["sent", "budget_exhausted"] {
+                self.retries.with_label_values(&[tier.as_str(), outcome]);
+            }
             for r in snapshot {
                 self.in_flight
                     .with_label_values(&[tier.as_str(), r.name.as_str()])

@@ -15,7 +15,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use router::{HealthPolicy, Lease, ReplicaSet, ReplicaSnapshot};
+use router::{HealthPolicy, Lease, ReplicaSet, ReplicaSnapshot, RetryBudget, Throttle};
 use secrecy::ExposeSecret;
 
 use crate::config::{Config, ConfigError, UpstreamConfig};
@@ -49,6 +49,10 @@ pub struct TierPool {
     pub targets: Vec<Target>,
     /// Tokenizer for counting when the upstream reports no usage.
     pub tokenizer: Tokenizer,
+    /// The gateway's own retries to this tier, bounded by the requests active on it.
+    pub retry_budget: RetryBudget,
+    /// Local rejection while the tier's servers reject as overloaded.
+    pub throttle: Throttle,
 }
 
 impl TierPool {
@@ -187,6 +191,13 @@ impl Upstreams {
                     set,
                     targets,
                     tokenizer,
+                    retry_budget: RetryBudget::new(up.retry_budget_ratio, up.retry_budget_min),
+                    throttle: Throttle::new(
+                        up.throttle_k,
+                        Duration::from_millis(up.throttle_window_ms),
+                        up.throttle_min_requests,
+                        Instant::now(),
+                    ),
                 },
             );
         }

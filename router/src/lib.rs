@@ -8,16 +8,21 @@
 //!
 //! - [`tier`]: the small/large decision for `model: "auto"` (a classifier score against a
 //!   threshold read off its held-out curve for the tenant's policy, moved by budget pressure).
-//! - [`replica`]: replica choice (least in flight, under max concurrency) and passive health.
+//! - [`replica`]: replica choice (least in flight, under max concurrency) and passive health
+//!   (a circuit breaker per replica).
+//! - [`overload`]: a tier's retry budget and adaptive throttling when its servers reject.
 //! - [`prefix`]: prefix block hashing. The gateway cannot see a model server's KV cache, but it
 //!   can describe a prompt as a chain of hashes of fixed-size token blocks, the same way the
 //!   servers key their prefix caches. Two prompts that share their first `k` blocks share their
 //!   first `k` hashes, so a replica that recently saw a hash likely still holds that prefix
 //!   (prefix-affinity routing builds on it; the simulator's prefix cache uses it today).
 
+pub mod overload;
 pub mod prefix;
 pub mod replica;
 pub mod tier;
+pub mod window;
 
+pub use overload::{RetryBudget, Throttle};
 pub use prefix::{prefix_block_hashes, PrefixLru};
 pub use replica::{Breaker, HealthPolicy, Lease, Replica, ReplicaSet, ReplicaSnapshot, Trip};

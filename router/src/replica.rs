@@ -9,6 +9,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::window::SlidingCounts;
+
 /// How passive health checking reacts to failures.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct HealthPolicy {
@@ -83,35 +85,19 @@ impl Trip {
     }
 }
 
-/// Buckets of the error-ratio window.
-const BUCKETS: usize = 10;
-
-/// Outcomes over a sliding window, in [`BUCKETS`] buckets of a tenth of it each.
+/// A replica's outcomes over the error-ratio window: (successes, failures) per bucket.
 #[derive(Debug, Default)]
-struct Outcomes {
-    /// (bucket number since the set's epoch, successes, failures).
-    buckets: [(u64, u32, u32); BUCKETS],
-}
+struct Outcomes(SlidingCounts);
 
 impl Outcomes {
     fn record(&mut self, slot: u64, failed: bool) {
-        let b = &mut self.buckets[(slot % BUCKETS as u64) as usize];
-        if b.0 != slot {
-            *b = (slot, 0, 0);
-        }
-        if failed {
-            b.2 += 1;
-        } else {
-            b.1 += 1;
-        }
+        self.0.add(slot, u32::from(!failed), u32::from(failed));
     }
 
     /// (requests, failures) in the window ending at bucket `slot`.
     fn totals(&self, slot: u64) -> (u32, u32) {
-        self.buckets
-            .iter()
-            .filter(|b| b.0 + BUCKETS as u64 > slot && b.0 <= slot)
-            .fold((0, 0), |(n, f), b| (n + b.1 + b.2, f + b.2))
+        let (ok, failed) = self.0.totals(slot);
+        (ok + failed, failed)
     }
 }
 
@@ -298,7 +284,7 @@ impl ReplicaSet {
 
     /// The error-ratio window's bucket at `now`.
     fn slot(&self, now: Instant) -> u64 {
-        let bucket = (self.policy.ratio_window.as_nanos() / BUCKETS as u128).max(1);
+        let bucket = (self.policy.ratio_window.as_nanos() / SlidingCounts::BUCKETS as u128).max(1);
         u64::try_from(now.saturating_duration_since(self.epoch).as_nanos() / bucket)
             .unwrap_or(u64::MAX)
     }

@@ -144,3 +144,115 @@ async fn the_simulator_takes_a_schedule_over_http_and_refuses_a_bad_one() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("400-599"), "{err}");
 }
+
+/// A gateway whose two small replicas are both `sim` (and a large one on `large`), without
+/// failover to the other tier, breakers that never trip, and `tweak` applied.
+async fn small_tier_on(
+    sim: &Sim,
+    large: &Sim,
+    tweak: impl FnOnce(&mut gateway::Config),
+) -> TestApp {
+    let mut c = config(
+        vec![
+            replica("s1", &sim.url, "sim-small"),
+            replica("s2", &sim.url, "sim-small"),
+        ],
+        vec![replica("l1", &large.url, "sim-large")],
+    );
+    c.upstream.fallback_to_other_tier = false;
+    c.upstream.failure_threshold = 1_000_000;
+    c.upstream.error_ratio = 1.0;
+    c.upstream.error_ratio_min_requests = 1_000_000;
+    tweak(&mut c);
+    TestApp::spawn(c, StoreKind::Sqlite).await
+}
+
+#[tokio::test]
+async fn the_gateways_own_retries_stay_within_the_tiers_retry_budget() {
+    let large = Sim::zero("sim-large").await;
+    for (min, expect_upstream) in [(3u32, 20u64), (0, 10)] {
+        let sim = Sim::start(zero("sim-small", &["0s+60s=500"])).await;
+        let mut app = small_tier_on(&sim, &large, |c| {
+            c.upstream.retries_same_tier = 1;
+            c.upstream.retry_budget_ratio = 0.0;
+            c.upstream.retry_budget_min = min;
+            c.upstream.throttle_k = 0.0;
+        })
+        .await;
+        for i in 0..10 {
+            let r = app.chat(chat_body("fast", &format!("q{i}"))).await;
+            assert_eq!(r.status(), 502, "the model server answered 500");
+            let e = app.next_event().await;
+            assert_eq!(e.cost_micros, 0);
+        }
+        let received = stats(&sim).await["requests"].as_u64().unwrap();
+        assert_eq!(
+            received, expect_upstream,
+            "min {min}: one retry each with room in the budget, none with a zero budget"
+        );
+        let metrics = app.metrics().await;
+        let outcome = if min == 0 { "budget_exhausted" } else { "sent" };
+        assert!(
+            metrics.contains(&format!(
+                "gateway_upstream_retries_total{{outcome=\"{outcome}\",tier=\"small\"}} 10"
+            )),
+            "{metrics}"
+        );
+        app.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn while_the_servers_reject_the_gateway_throttles_locally_and_recovers_after() {
+    let large = Sim::zero("sim-large").await;
+    let sim = Sim::start(zero("sim-small", &["0s+60s=429"])).await;
+    let mut app = small_tier_on(&sim, &large, |c| {
+        c.upstream.retries_same_tier = 0;
+        c.upstream.throttle_k = 2.0;
+        c.upstream.throttle_window_ms = 1_500;
+    })
+    .await;
+    let mut local = 0;
+    for i in 0..100 {
+        let r = app.chat(chat_body("fast", &format!("q{i}"))).await;
+        let status = r.status().as_u16();
+        if status == 503 {
+            local += 1;
+            assert!(r.headers().contains_key("retry-after"));
+            let v: Value = r.json().await.unwrap();
+            let msg = v["error"]["message"].as_str().unwrap();
+            assert!(msg.contains("adaptive throttling"), "{v}");
+        } else {
+            assert_eq!(status, 429, "the server's own answer passes through");
+        }
+        let e = app.next_event().await;
+        assert_eq!(e.cost_micros, 0, "nothing is charged");
+    }
+    let received = stats(&sim).await["requests"].as_u64().unwrap();
+    assert_eq!(received + local, 100);
+    assert!(
+        local >= 60,
+        "with every request rejected, p tends to 1: {local} of 100 turned away locally"
+    );
+    // The servers recover; once the window has forgotten the rejections, all get through.
+    reqwest::Client::new()
+        .post(format!("{}/sim/faults", sim.root))
+        .json(&json!({"schedule": []}))
+        .send()
+        .await
+        .unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(1_700)).await;
+    for i in 0..10 {
+        let r = app.chat(chat_body("fast", &format!("after{i}"))).await;
+        assert_eq!(r.status(), 200);
+        app.next_event().await;
+    }
+    let metrics = app.metrics().await;
+    assert!(
+        metrics.contains(&format!(
+            "gateway_upstream_throttled_total{{tier=\"small\"}} {local}"
+        )),
+        "{metrics}"
+    );
+    app.stop().await;
+}

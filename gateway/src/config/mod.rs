@@ -189,6 +189,21 @@ impl Config {
         if !(u.error_ratio > 0.0 && u.error_ratio <= 1.0) {
             return Err(invalid("upstream.error_ratio", "must be in (0, 1]"));
         }
+        if !(0.0..=1.0).contains(&u.retry_budget_ratio) {
+            return Err(invalid("upstream.retry_budget_ratio", "must be in [0, 1]"));
+        }
+        if !(u.throttle_k == 0.0 || (1.0..=100.0).contains(&u.throttle_k)) {
+            return Err(invalid(
+                "upstream.throttle_k",
+                "must be 0 (off) or between 1 and 100",
+            ));
+        }
+        if u.throttle_window_ms < 100 {
+            return Err(invalid(
+                "upstream.throttle_window_ms",
+                "must be at least 100 (ms)",
+            ));
+        }
         if u.error_ratio_min_requests == 0 {
             return Err(invalid(
                 "upstream.error_ratio_min_requests",

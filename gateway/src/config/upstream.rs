@@ -51,6 +51,20 @@ pub struct UpstreamConfig {
     pub error_ratio_window_ms: u64,
     /// Requests the window must hold before the ratio can take a replica out.
     pub error_ratio_min_requests: u32,
+    /// The gateway's own retries and failovers in flight, per tier, at most this share of the
+    /// requests active on it (Envoy's retry budget)...
+    pub retry_budget_ratio: f64,
+    /// ...and never fewer than this many.
+    pub retry_budget_min: u32,
+    /// Adaptive throttling: once a tier's model servers reject (429, 503, refused
+    /// connections), reject locally with probability `max(0, (requests − K·accepts) /
+    /// (requests + 1))` over the window. `K`: 2 lets the servers reject up to half before the
+    /// gateway steps in; 0 turns it off.
+    pub throttle_k: f64,
+    /// The window of the throttle's counts, ms.
+    pub throttle_window_ms: u64,
+    /// Requests to a tier the window must hold before the throttle rejects anything.
+    pub throttle_min_requests: u32,
     /// Idle pooled connections kept per upstream host.
     pub pool_max_idle_per_host: usize,
     /// What to do with an upstream stream whose client disconnected.
@@ -74,6 +88,11 @@ impl Default for UpstreamConfig {
             error_ratio: 0.5,
             error_ratio_window_ms: 10_000,
             error_ratio_min_requests: 20,
+            retry_budget_ratio: 0.2,
+            retry_budget_min: 3,
+            throttle_k: 2.0,
+            throttle_window_ms: 60_000,
+            throttle_min_requests: 20,
             pool_max_idle_per_host: 256,
             on_client_disconnect: DisconnectPolicy::Drain,
         }

@@ -56,9 +56,50 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
     let mut tried: Vec<(Tier, usize)> = Vec::new();
     let mut last_error: Option<ApiError> = None;
     let mut attempts = 0u32;
+    // Active on its first tier until answered: the base of that tier's retry budget.
+    let _active = state
+        .upstreams
+        .tier(call.tier)
+        .map(|p| p.retry_budget.request());
     for tier in plan(&state, call.tier, call.fallback) {
         let Some(pool) = state.upstreams.tier(tier) else {
             continue;
+        };
+        if pool.throttle.reject(Instant::now(), rand::random()) {
+            // Its servers are rejecting as overloaded: turn part of the traffic away here.
+            state
+                .metrics
+                .upstream_throttled
+                .with_label_values(&[tier.as_str()])
+                .inc();
+            last_error = Some(ApiError::Unavailable {
+                message: format!(
+                    "the {tier} tier's model servers are rejecting requests as overloaded; the \
+                     gateway is turning away {:.0}% of the requests to them (adaptive throttling)",
+                    pool.throttle.reject_probability(Instant::now()) * 100.0
+                ),
+                retry_after: 1,
+            });
+            continue;
+        }
+        let _retry = if attempts > 0 {
+            let Some(retry) = pool.retry_budget.try_retry() else {
+                // Retries already in flight use this tier's budget: do not add load.
+                state
+                    .metrics
+                    .retries
+                    .with_label_values(&[tier.as_str(), "budget_exhausted"])
+                    .inc();
+                break;
+            };
+            state
+                .metrics
+                .retries
+                .with_label_values(&[tier.as_str(), "sent"])
+                .inc();
+            Some(retry)
+        } else {
+            None
         };
         let exclude: Vec<usize> = tried
             .iter()
@@ -82,6 +123,13 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
             .send(target, call.req.endpoint, body, &call.ctx.request_id, wait)
             .await;
         first_byte_left = first_byte_left.saturating_sub(sent.elapsed());
+        // What the throttle counts as a rejection: the server says it is overloaded, or refuses
+        // the connection.
+        let rejected = match &outcome {
+            Ok(resp) => matches!(resp.status().as_u16(), 429 | 503),
+            Err(e) => matches!(e, upstream::AttemptError::Connect(_)),
+        };
+        pool.throttle.record(Instant::now(), !rejected);
         let failure: Result<(), (String, &'static str, ApiError)> = match outcome {
             Ok(resp) if resp.status().is_server_error() => {
                 let status = resp.status();

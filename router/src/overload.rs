@@ -1,0 +1,233 @@
+//! Protection of the upstreams when they struggle, as pure logic (time and randomness passed
+//! in): a retry budget (Envoy's `retry_budget`: retries in flight at most a share of the active
+//! requests, never fewer than a floor) and adaptive client-side throttling (the SRE book's: once
+//! the backends reject, reject locally with probability `max(0, (requests − K·accepts) /
+//! (requests + 1))` over a sliding window).
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::window::SlidingCounts;
+
+/// Retries in flight at most `ratio` of the active requests, never fewer than `min`.
+#[derive(Debug)]
+pub struct RetryBudget {
+    ratio: f64,
+    min: u32,
+    counts: Arc<Counts>,
+}
+
+#[derive(Debug, Default)]
+struct Counts {
+    active: AtomicU32,
+    retries: AtomicU32,
+}
+
+/// One active request, counted until dropped.
+#[derive(Debug)]
+pub struct Active(Arc<Counts>);
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One retry in flight, counted until dropped.
+#[derive(Debug)]
+pub struct Retry(Arc<Counts>);
+
+impl Drop for Retry {
+    fn drop(&mut self) {
+        self.0.retries.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl RetryBudget {
+    /// A budget of `ratio` (0..=1) of the active requests, at least `min` retries.
+    pub fn new(ratio: f64, min: u32) -> Self {
+        Self {
+            ratio: ratio.clamp(0.0, 1.0),
+            min,
+            counts: Arc::default(),
+        }
+    }
+
+    /// Count a request as active until the guard is dropped.
+    pub fn request(&self) -> Active {
+        self.counts.active.fetch_add(1, Ordering::AcqRel);
+        Active(Arc::clone(&self.counts))
+    }
+
+    /// The retries the budget allows now.
+    pub fn allowed(&self) -> u32 {
+        let active = self.counts.active.load(Ordering::Acquire);
+        ((f64::from(active) * self.ratio).floor() as u32).max(self.min)
+    }
+
+    /// A retry, if the budget has room for one more in flight.
+    pub fn try_retry(&self) -> Option<Retry> {
+        let allowed = self.allowed();
+        self.counts
+            .retries
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < allowed).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Retry(Arc::clone(&self.counts)))
+    }
+
+    /// (active requests, retries in flight).
+    pub fn in_flight(&self) -> (u32, u32) {
+        (
+            self.counts.active.load(Ordering::Acquire),
+            self.counts.retries.load(Ordering::Acquire),
+        )
+    }
+}
+
+/// Adaptive throttling of one upstream group: requests (all, including those rejected here)
+/// and accepts (not rejected by the upstream as overloaded) over a sliding window.
+#[derive(Debug)]
+pub struct Throttle {
+    /// `K`: how many requests per accept are let through before rejecting locally (2: the
+    /// upstream may reject up to half; 0 turns throttling off).
+    k: f64,
+    /// Requests the window must hold before anything is rejected (a handful of rejections on a
+    /// quiet tier is no overload).
+    min_requests: u32,
+    epoch: Instant,
+    bucket: Duration,
+    counts: Mutex<SlidingCounts>,
+}
+
+impl Throttle {
+    /// A throttle with multiplier `k` over `window`, acting once the window holds
+    /// `min_requests`.
+    pub fn new(k: f64, window: Duration, min_requests: u32, now: Instant) -> Self {
+        Self {
+            k: k.max(0.0),
+            min_requests,
+            epoch: now,
+            bucket: (window / SlidingCounts::BUCKETS as u32).max(Duration::from_millis(1)),
+            counts: Mutex::new(SlidingCounts::default()),
+        }
+    }
+
+    fn slot(&self, now: Instant) -> u64 {
+        let b = self.bucket.as_nanos().max(1);
+        u64::try_from(now.saturating_duration_since(self.epoch).as_nanos() / b).unwrap_or(u64::MAX)
+    }
+
+    /// The probability of rejecting a request locally now.
+    pub fn reject_probability(&self, now: Instant) -> f64 {
+        if self.k == 0.0 {
+            return 0.0;
+        }
+        let (requests, accepts) = self
+            .counts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .totals(self.slot(now));
+        if requests < self.min_requests {
+            return 0.0;
+        }
+        let (requests, accepts) = (f64::from(requests), f64::from(accepts));
+        ((requests - self.k * accepts) / (requests + 1.0)).max(0.0)
+    }
+
+    /// Whether to reject a request locally, given `draw` uniform in [0, 1). A rejected request
+    /// counts as a request (not an accept), as the SRE book's throttle counts them.
+    pub fn reject(&self, now: Instant, draw: f64) -> bool {
+        let reject = draw < self.reject_probability(now);
+        if reject {
+            self.record(now, false);
+        }
+        reject
+    }
+
+    /// Record a request the upstream answered: `accepted` unless it rejected it as overloaded.
+    pub fn record(&self, now: Instant, accepted: bool) {
+        if self.k == 0.0 {
+            return;
+        }
+        self.counts.lock().unwrap_or_else(|p| p.into_inner()).add(
+            self.slot(now),
+            1,
+            u32::from(accepted),
+        );
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retries_in_flight_stay_within_a_share_of_active_requests_with_a_floor() {
+        let b = RetryBudget::new(0.2, 3);
+        let active: Vec<Active> = (0..10).map(|_| b.request()).collect();
+        assert_eq!(b.allowed(), 3, "20% of 10 is 2: the floor of 3 applies");
+        let r: Vec<Retry> = (0..3).map(|_| b.try_retry().unwrap()).collect();
+        assert!(b.try_retry().is_none(), "a fourth retry waits");
+        drop(r);
+        let more: Vec<Active> = (0..40).map(|_| b.request()).collect();
+        assert_eq!(b.allowed(), 10, "20% of 50");
+        let r: Vec<Retry> = (0..10).map(|_| b.try_retry().unwrap()).collect();
+        assert!(b.try_retry().is_none());
+        assert_eq!(b.in_flight(), (50, 10));
+        drop((r, more, active));
+        assert_eq!(b.in_flight(), (0, 0));
+        let none = RetryBudget::new(0.0, 0);
+        let _a = none.request();
+        assert!(none.try_retry().is_none(), "a zero budget never retries");
+    }
+
+    #[test]
+    fn the_throttle_rejects_as_the_upstream_stops_accepting_and_forgets_after_the_window() {
+        let t0 = Instant::now();
+        let t = Throttle::new(2.0, Duration::from_secs(10), 10, t0);
+        assert_eq!(t.reject_probability(t0), 0.0);
+        let quiet = Throttle::new(2.0, Duration::from_secs(10), 10, t0);
+        for _ in 0..9 {
+            quiet.record(t0, false);
+        }
+        assert_eq!(quiet.reject_probability(t0), 0.0, "under min_requests");
+        quiet.record(t0, false);
+        assert!(quiet.reject_probability(t0) > 0.9);
+        // Healthy: every request accepted; p stays 0.
+        for _ in 0..100 {
+            t.record(t0, true);
+        }
+        assert_eq!(t.reject_probability(t0), 0.0);
+        // The upstream starts rejecting everything: p rises once requests exceed 2 × accepts.
+        let t1 = t0 + Duration::from_secs(1);
+        for _ in 0..100 {
+            t.record(t1, false);
+        }
+        assert_eq!(
+            t.reject_probability(t1),
+            0.0,
+            "200 requests, 100 accepts: at 2×"
+        );
+        for _ in 0..200 {
+            t.record(t1, false);
+        }
+        let p = t.reject_probability(t1);
+        assert!((p - 200.0 / 401.0).abs() < 1e-9, "{p}");
+        assert!(
+            t.reject(t1, 0.0) && !t.reject(t1, 0.99),
+            "a draw under p rejects"
+        );
+        // 11 s later the window holds nothing: no rejection.
+        let later = t1 + Duration::from_secs(11);
+        assert_eq!(t.reject_probability(later), 0.0);
+        let off = Throttle::new(0.0, Duration::from_secs(10), 0, t0);
+        for _ in 0..10 {
+            off.record(t0, false);
+        }
+        assert_eq!(off.reject_probability(t0), 0.0, "K = 0 turns it off");
+    }
+}

@@ -126,6 +126,14 @@ pub enum ApiError {
         /// Seconds until the cooldown ends; `None`: blocked (the client should not retry).
         retry_after: Option<u64>,
     },
+    /// A client retry beyond the tenant's retry budget (429 `retry_budget_exceeded`).
+    #[error("{message}")]
+    RetryBudgetExceeded {
+        /// How many retries the tenant sent and what the budget allows.
+        message: String,
+        /// Seconds the client should wait before retrying.
+        retry_after: u64,
+    },
     /// The upstream did not answer in time.
     #[error("upstream timed out: {0}")]
     GatewayTimeout(String),
@@ -165,7 +173,8 @@ impl ApiError {
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::InsufficientQuota { .. }
             | Self::RateLimited { .. }
-            | Self::LoopDetected { .. } => StatusCode::TOO_MANY_REQUESTS,
+            | Self::LoopDetected { .. }
+            | Self::RetryBudgetExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::GatewayTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -191,6 +200,7 @@ impl ApiError {
             Self::InsufficientQuota { .. } => "insufficient_quota",
             Self::RateLimited { .. } => "rate_limit_exceeded",
             Self::LoopDetected { .. } => "loop_detected",
+            Self::RetryBudgetExceeded { .. } => "retry_budget_exceeded",
             Self::GatewayTimeout(_) => "timeout",
             Self::Internal(_) => "internal",
         }
@@ -215,7 +225,7 @@ impl ApiError {
             Self::Unavailable { .. } => "service_unavailable",
             Self::InsufficientQuota { .. } => "insufficient_quota",
             Self::RateLimited { kind, .. } => kind,
-            Self::LoopDetected { .. } => "rate_limit_error",
+            Self::LoopDetected { .. } | Self::RetryBudgetExceeded { .. } => "rate_limit_error",
         }
     }
 
@@ -231,6 +241,7 @@ impl ApiError {
             Self::InsufficientQuota { .. } => Some("insufficient_quota"),
             Self::RateLimited { .. } => Some("rate_limit_exceeded"),
             Self::LoopDetected { .. } => Some("loop_detected"),
+            Self::RetryBudgetExceeded { .. } => Some("retry_budget_exceeded"),
             _ => None,
         }
     }
@@ -267,7 +278,8 @@ impl IntoResponse for ApiError {
         let mut response = (status, axum::Json(self.body())).into_response();
         if let Self::Unavailable { retry_after, .. }
         | Self::InsufficientQuota { retry_after, .. }
-        | Self::RateLimited { retry_after, .. } = &self
+        | Self::RateLimited { retry_after, .. }
+        | Self::RetryBudgetExceeded { retry_after, .. } = &self
         {
             response
                 .headers_mut()

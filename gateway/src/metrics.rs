@@ -26,6 +26,9 @@ pub mod names {
     pub const IN_FLIGHT: &str = "gateway_replica_in_flight";
     /// 1 when the replica is in rotation, 0 while cooling down.
     pub const HEALTHY: &str = "gateway_replica_healthy";
+    /// Client retries recognised, by tenant and signal (sdk_header, idempotency_key,
+    /// after_error).
+    pub const CLIENT_RETRIES: &str = "gateway_client_retries_total";
     /// Requests the gateway turned away from a tier whose servers were rejecting (adaptive
     /// throttling), by tier.
     pub const UPSTREAM_THROTTLED: &str = "gateway_upstream_throttled_total";
@@ -94,6 +97,7 @@ pub mod names {
         BREAKER_TRIPS,
         UPSTREAM_THROTTLED,
         RETRIES,
+        CLIENT_RETRIES,
         REJECTED,
         KEY_LOOKUPS,
         GUARD_LOOPS,
@@ -137,6 +141,8 @@ pub struct Metrics {
     pub healthy: IntGaugeVec,
     /// See [`names::BREAKER_TRIPS`].
     pub breaker_trips: IntCounterVec,
+    /// See [`names::CLIENT_RETRIES`].
+    pub client_retries: IntCounterVec,
     /// See [`names::UPSTREAM_THROTTLED`].
     pub upstream_throttled: IntCounterVec,
     /// See [`names::RETRIES`].
@@ -405,6 +411,14 @@ impl Metrics {
             &["tier", "outcome"],
         )?;
         registry.register(Box::new(retries.clone()))?;
+        let client_retries = IntCounterVec::new(
+            Opts::new(
+                names::CLIENT_RETRIES,
+                "Client retries recognised, by tenant and signal.",
+            ),
+            &["tenant", "signal"],
+        )?;
+        registry.register(Box::new(client_retries.clone()))?;
         registry.register(Box::new(rejected.clone()))?;
         registry.register(Box::new(key_lookups.clone()))?;
         registry.register(Box::new(guard_loops.clone()))?;
@@ -421,6 +435,7 @@ impl Metrics {
             breaker_trips,
             upstream_throttled,
             retries,
+            client_retries,
             rejected,
             key_lookups,
             guard_loops,
@@ -454,6 +469,7 @@ impl Metrics {
             &self.budget_decisions,
             &self.cache_saved,
             &self.guard_loop_cost,
+            &self.client_retries,
         ] {
             for family in vec.collect() {
                 for m in family.get_metric() {

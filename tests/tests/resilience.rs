@@ -256,3 +256,116 @@ async fn while_the_servers_reject_the_gateway_throttles_locally_and_recovers_aft
     );
     app.stop().await;
 }
+
+/// `POST /v1/chat/completions` with extra headers.
+async fn chat_with(app: &TestApp, body: &Value, headers: &[(&str, &str)]) -> reqwest::Response {
+    let mut r = app
+        .http
+        .post(format!("{}/v1/chat/completions", app.base))
+        .bearer_auth(&app.api_key)
+        .json(body);
+    for (k, v) in headers {
+        r = r.header(*k, *v);
+    }
+    r.send().await.unwrap()
+}
+
+#[tokio::test]
+async fn client_retries_beyond_the_tenants_retry_budget_are_refused_at_once_and_flagged() {
+    let large = Sim::zero("sim-large").await;
+    let sim = Sim::start(zero("sim-small", &["0s+60s=500"])).await;
+    let mut app = small_tier_on(&sim, &large, |c| {
+        c.upstream.retries_same_tier = 0;
+        c.upstream.throttle_k = 0.0;
+        c.guard.retry_budget_share = 0.0;
+        c.guard.retry_budget_floor = 2;
+    })
+    .await;
+    let body = chat_body("fast", "summarise the outage");
+    // The SDK's first attempt and two retries reach the model server (the floor is 2)...
+    for attempt in ["0", "1", "2"] {
+        let r = chat_with(&app, &body, &[("x-stainless-retry-count", attempt)]).await;
+        assert_eq!(r.status(), 502, "attempt {attempt}");
+        let e = app.next_event().await;
+        assert!(!e.retry_storm_flag);
+    }
+    // ...the third retry does not: 429 at once, flagged, charged nothing.
+    let r = chat_with(&app, &body, &[("x-stainless-retry-count", "3")]).await;
+    assert_eq!(r.status(), 429);
+    assert!(r.headers().contains_key("retry-after"));
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "retry_budget_exceeded", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("retry budget"),
+        "{v}"
+    );
+    let e = app.next_event().await;
+    assert!(e.retry_storm_flag);
+    assert_eq!((e.status, e.cost_micros), (429, 0));
+    assert_eq!(
+        stats(&sim).await["requests"],
+        3,
+        "the refused retry never left"
+    );
+    // A repeated Idempotency-Key and a plain repeat after an error are retries too.
+    let other = chat_body("fast", "another question");
+    let r = chat_with(&app, &other, &[("idempotency-key", "req-42")]).await;
+    assert_eq!(r.status(), 502);
+    app.next_event().await;
+    let r = chat_with(&app, &other, &[("idempotency-key", "req-42")]).await;
+    assert_eq!(r.status(), 429, "a retry, and the budget is spent");
+    app.next_event().await;
+    let metrics = app.metrics().await;
+    for (signal, n) in [("sdk_header", 3), ("idempotency_key", 1)] {
+        assert!(
+            metrics.contains(&format!(
+                "gateway_client_retries_total{{signal=\"{signal}\",tenant=\"acme\"}} {n}"
+            )),
+            "{signal}: {metrics}"
+        );
+    }
+    // A bad Idempotency-Key is a clear 400.
+    let r = chat_with(&app, &other, &[("idempotency-key", "has space")]).await;
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["param"], "Idempotency-Key", "{v}");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn the_same_request_after_an_error_is_a_retry_and_flag_mode_answers_it_flagged() {
+    let large = Sim::zero("sim-large").await;
+    let sim = Sim::start(zero("sim-small", &["0s+300ms=500"])).await;
+    let mut app = small_tier_on(&sim, &large, |c| {
+        c.upstream.retries_same_tier = 0;
+        c.upstream.throttle_k = 0.0;
+        c.guard.retry_budget_share = 0.0;
+        c.guard.retry_budget_floor = 0;
+        c.guard.retry_action = gateway::config::RetryAction::Flag;
+    })
+    .await;
+    let body = chat_body("fast", "the same question");
+    let r = app.chat(body.clone()).await;
+    assert_eq!(r.status(), 502);
+    assert!(!app.next_event().await.retry_storm_flag);
+    tokio::time::sleep(std::time::Duration::from_millis(350)).await;
+    // The server is back: the retry is answered, and flagged as beyond the (zero) budget.
+    let r = app.chat(body.clone()).await;
+    assert_eq!(r.status(), 200);
+    let e = app.next_event().await;
+    assert!(e.retry_storm_flag, "{e:?}");
+    assert!(e.cost_micros >= 0);
+    // Answered now: the same request again is a new request, not a retry.
+    let r = app.chat(body).await;
+    assert_eq!(r.status(), 200);
+    assert!(!app.next_event().await.retry_storm_flag);
+    let metrics = app.metrics().await;
+    assert!(
+        metrics.contains("gateway_client_retries_total{signal=\"after_error\",tenant=\"acme\"} 1"),
+        "{metrics}"
+    );
+    app.stop().await;
+}

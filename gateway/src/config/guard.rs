@@ -17,6 +17,18 @@ pub enum GuardStoreKind {
     Redis,
 }
 
+/// What happens to a client retry beyond the tenant's retry budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RetryAction {
+    /// 429 `retry_budget_exceeded` with `Retry-After`, at once, nothing charged.
+    Refuse,
+    /// Answer it, flagged (`retry_storm_flag`: the weekly report's "waste: retry storms").
+    Flag,
+    /// Count retries only.
+    Off,
+}
+
 /// Agent-loop detection settings.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -54,6 +66,16 @@ pub struct GuardConfig {
     /// threshold that catches paraphrased loops also flags progressing chats (2-9 of 45 for
     /// similarity 0.99-0.93, docs/benchmarks.md).
     pub near_duplicates: bool,
+    /// Client retries (the SDK's `x-stainless-retry-count`, a repeated `Idempotency-Key`, the
+    /// same request after an unanswered one) allowed per tenant, as a share of its requests in
+    /// `retry_window_secs`...
+    pub retry_budget_share: f64,
+    /// ...and never fewer than this many in the window.
+    pub retry_budget_floor: u32,
+    /// The retry budget's window, s (also how long an `Idempotency-Key` is remembered).
+    pub retry_window_secs: u64,
+    /// What happens to a retry beyond the budget.
+    pub retry_action: RetryAction,
 }
 
 impl Default for GuardConfig {
@@ -73,11 +95,24 @@ impl Default for GuardConfig {
             session_ttl_secs: 3600,
             block_ttl_secs: 7 * 24 * 3600,
             near_duplicates: false,
+            retry_budget_share: 0.2,
+            retry_budget_floor: 10,
+            retry_window_secs: 60,
+            retry_action: RetryAction::Refuse,
         }
     }
 }
 
 impl GuardConfig {
+    /// The retry budget's rule.
+    pub fn retry_rule(&self) -> crate::guard::retries::BudgetRule {
+        crate::guard::retries::BudgetRule {
+            share: self.retry_budget_share,
+            floor: self.retry_budget_floor,
+            window: std::time::Duration::from_secs(self.retry_window_secs),
+        }
+    }
+
     /// The defaults as a policy with every field set.
     pub fn defaults(&self) -> GuardPolicy {
         GuardPolicy {
@@ -105,6 +140,18 @@ impl GuardConfig {
     pub(super) fn validate(&self) -> Result<(), super::ConfigError> {
         if let Err((field, message)) = self.defaults().check() {
             return Err(super::invalid(format!("guard.{field}"), message));
+        }
+        if !(0.0..=1.0).contains(&self.retry_budget_share) {
+            return Err(super::invalid(
+                "guard.retry_budget_share",
+                "must be in [0, 1]",
+            ));
+        }
+        if !(1..=86_400).contains(&self.retry_window_secs) {
+            return Err(super::invalid(
+                "guard.retry_window_secs",
+                "must be between 1 and 86400",
+            ));
         }
         if !(2..=64).contains(&self.window_requests) {
             return Err(super::invalid(

@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 pub use admin::{AdminConfig, MIN_ADMIN_TOKEN_LEN};
 pub use budgets::{BudgetConfig, BudgetStoreKind};
 pub use cache::{CacheConfig, EmbedDevice, SemanticConfig};
-pub use guard::{GuardConfig, GuardStoreKind};
+pub use guard::{GuardConfig, GuardStoreKind, RetryAction};
 pub use ledger::LedgerConfig;
 pub use prices::PriceConfig;
 pub use routing::{RoutingConfig, ToolsRule, Unavailable};

@@ -21,6 +21,7 @@ pub mod decide;
 pub mod memory;
 pub mod near;
 pub mod redis;
+pub mod retries;
 pub mod session;
 pub mod signals;
 pub mod store;
@@ -48,6 +49,16 @@ pub struct Guard {
     near: Option<Arc<near::NearDup>>,
     clock: Arc<dyn crate::budget::Clock>,
     metrics: Metrics,
+    retries: retries::Retries,
+}
+
+/// What the guard step found about a client retry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryVerdict {
+    /// How it was recognised as a retry (`None`: not a retry).
+    pub signal: Option<retries::Signal>,
+    /// It is a retry beyond the tenant's retry budget.
+    pub over_budget: bool,
 }
 
 impl std::fmt::Debug for Guard {
@@ -88,6 +99,7 @@ impl Guard {
             .filter(|_| config.near_duplicates && config.enabled)
             .map(|dir| Arc::new(near::NearDup::new(dir)));
         let guard = Self {
+            retries: retries::Retries::new(config.retry_rule()),
             config,
             store,
             policies: TenantPolicies::new(tenants),
@@ -140,8 +152,14 @@ impl Guard {
     /// The guard step: find a loop in the request and in its session's window, and decide
     /// what to do by the tenant's policy. A store that fails leaves the in-request signal.
     pub async fn check(&self, req: Check<'_>) -> Decision {
+        self.check_session(req).await.0
+    }
+
+    /// [`Guard::check`], and whether the request repeats byte for byte a request of its session
+    /// that was not answered (a client retry).
+    pub async fn check_session(&self, req: Check<'_>) -> (Decision, bool) {
         if !self.config.enabled {
-            return Decision::Allow;
+            return (Decision::Allow, false);
         }
         let policy = self.policy(req.tenant_id);
         let repeats = policy.repeats.unwrap_or(3) as usize;
@@ -200,6 +218,7 @@ impl Guard {
             (Some(a), Some(b)) => Some(if b.steps() > a.steps() { b } else { a }),
             (a, b) => a.or(b),
         };
+        let after_error = seen.as_ref().is_some_and(|s| s.retry);
         let state = seen.map(|s| s.state).unwrap_or_default();
         let (decision, mark) =
             decide::decide(&policy, &state, found, req.tenant_name, req.session, now);
@@ -217,7 +236,45 @@ impl Guard {
         if let Some(action) = action {
             self.metrics.guard_loops.with_label_values(&[action]).inc();
         }
-        decision
+        (decision, after_error)
+    }
+
+    /// Whether a request by `key_id` of `tenant` is a client retry (by what `client` says, or
+    /// `after_error`: the session's unanswered request again) and, if so, whether it is beyond
+    /// the tenant's retry budget. Every request counts toward the budget's base.
+    pub fn client_retry(
+        &self,
+        tenant: &crate::store::ApiKey,
+        client: &retries::ClientRetry,
+        after_error: bool,
+    ) -> RetryVerdict {
+        let now = self.clock.now().timestamp_millis();
+        let signal = self.retries.recognise(&tenant.id, client, after_error, now);
+        let (over, first) = self.retries.count(&tenant.tenant_id, signal.is_some(), now);
+        let over_budget = over && self.config.retry_action != crate::config::RetryAction::Off;
+        if first {
+            // The tenant's retry counters exist from its first request (at 0).
+            for s in retries::Signal::ALL {
+                self.metrics
+                    .client_retries
+                    .with_label_values(&[tenant.tenant_name.as_str(), s.as_str()]);
+            }
+        }
+        if let Some(s) = signal {
+            self.metrics
+                .client_retries
+                .with_label_values(&[tenant.tenant_name.as_str(), s.as_str()])
+                .inc();
+        }
+        RetryVerdict {
+            signal,
+            over_budget,
+        }
+    }
+
+    /// What happens to a retry beyond the budget.
+    pub fn retry_action(&self) -> crate::config::RetryAction {
+        self.config.retry_action
     }
 
     /// The observe at settle: the session's request settled (`ok`: answered 2xx) at

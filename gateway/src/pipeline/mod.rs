@@ -55,6 +55,9 @@ pub struct RequestContext {
     pub cache_control: crate::cache::Directives,
     /// The client's `x-session-id`, checked.
     pub session: Option<String>,
+    /// What the client said about the request being a retry (`x-stainless-retry-count`,
+    /// `Idempotency-Key`).
+    pub retry: crate::guard::retries::ClientRetry,
 }
 
 /// One request on its way through the pipeline: each step reads what the earlier ones decided
@@ -246,7 +249,8 @@ impl Call {
             messages,
             request: crate::guard::request_hash(&self.event.fingerprint),
         };
-        let decision = self.state.guard.check(check).await;
+        let (decision, after_error) = self.state.guard.check_session(check).await;
+        self.client_retry(after_error)?;
         let (found, verb) = match decision {
             crate::guard::Decision::Allow => return Ok(()),
             crate::guard::Decision::Flag { found, throttled } => {
@@ -296,6 +300,32 @@ impl Call {
                 .unwrap_or(HeaderValue::from_static("flagged"))
         });
         self.headers.push((crate::headers::LOOP, value));
+        Ok(())
+    }
+
+    /// The retry budget: a client retry beyond the tenant's budget is flagged
+    /// (`retry_storm_flag`) and, unless `guard.retry_action = "flag"`, refused at once.
+    fn client_retry(&mut self, after_error: bool) -> Result<(), ApiError> {
+        let guard = &self.state.guard;
+        let verdict = guard.client_retry(&self.ctx.key, &self.ctx.retry, after_error);
+        if !verdict.over_budget {
+            return Ok(());
+        }
+        self.event.retry_storm_flag = true;
+        let rule = self.state.config.guard.retry_rule();
+        if guard.retry_action() == crate::config::RetryAction::Refuse {
+            return Err(ApiError::RetryBudgetExceeded {
+                message: format!(
+                    "too many retries from tenant {:?}: beyond its retry budget ({:.0}% of its \
+                     requests over the last {} s, at least {}); wait and send the request once",
+                    self.ctx.key.tenant_name,
+                    rule.share * 100.0,
+                    rule.window.as_secs(),
+                    rule.floor
+                ),
+                retry_after: rule.window.as_secs().clamp(1, 10),
+            });
+        }
         Ok(())
     }
 

@@ -136,20 +136,23 @@ async fn proxy(
                 .and_then(|v| v.to_str().ok()),
         ),
         session: None,
+        retry: crate::guard::retries::ClientRetry::default(),
     };
+    let retry = client_retry(&headers);
     let session = headers
         .get(headers::SESSION_ID)
         .map(|v| crate::guard::session::validate_header(v.as_bytes()))
         .transpose();
-    let body = match (session, request_tags(&headers)) {
-        (Ok(session), Ok(tags)) => {
+    let body = match (session, request_tags(&headers), retry) {
+        (Ok(session), Ok(tags), Ok(retry)) => {
             ctx.session = session;
+            ctx.retry = retry;
             match merge_client_tags(&mut ctx.tags, &ctx.key, tags) {
                 Ok(()) => read_body(body, state.config.server.max_body_bytes).await,
                 Err(e) => Err(e),
             }
         }
-        (Err(e), _) | (_, Err(e)) => Err(e),
+        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => Err(e),
     };
     // The pipeline runs on a tracked task: a client hang-up drops this future, not the work.
     let task_state = state.clone();
@@ -162,6 +165,27 @@ async fn proxy(
     handle
         .await
         .unwrap_or_else(|e| ApiError::internal(e).into_response())
+}
+
+/// The client's retry headers: the OpenAI SDKs' `x-stainless-retry-count` (a bad value is
+/// ignored: it is informational) and `Idempotency-Key` (a bad one is a 400).
+fn client_retry(headers: &HeaderMap) -> Result<crate::guard::retries::ClientRetry, ApiError> {
+    let sdk_attempt = headers
+        .get("x-stainless-retry-count")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok());
+    let idempotency_key = headers
+        .get("idempotency-key")
+        .map(|v| crate::guard::retries::validate_idempotency_key(v.as_bytes()))
+        .transpose()
+        .map_err(|message| ApiError::InvalidRequest {
+            message,
+            param: Some("Idempotency-Key".into()),
+        })?;
+    Ok(crate::guard::retries::ClientRetry {
+        sdk_attempt,
+        idempotency_key,
+    })
 }
 
 fn model_object(id: &str) -> Value {

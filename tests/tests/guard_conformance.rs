@@ -282,3 +282,63 @@ async fn a_block_lasts_its_ttl_and_busy_sessions_do_not_push_it_out() {
         );
     }
 }
+
+#[tokio::test]
+async fn idempotency_keys_and_retry_counts_are_kept_alike() {
+    for kind in e2e::BUDGET_STORES {
+        let s = store(kind, 100, Duration::from_secs(60));
+        let tenant = fresh_tenant();
+        let now = chrono::Utc::now().timestamp_millis();
+        let ttl = 400;
+        assert!(!s
+            .idempotency_seen(&tenant, "key_a", "req-1", now, ttl)
+            .await
+            .unwrap());
+        assert!(
+            s.idempotency_seen(&tenant, "key_a", "req-1", now + 10, ttl)
+                .await
+                .unwrap(),
+            "{kind:?}: the same key again"
+        );
+        assert!(!s
+            .idempotency_seen(&tenant, "key_b", "req-1", now, ttl)
+            .await
+            .unwrap());
+        assert!(!s
+            .idempotency_seen(&fresh_tenant(), "key_a", "req-1", now, ttl)
+            .await
+            .unwrap());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let later = chrono::Utc::now().timestamp_millis();
+        assert!(
+            !s.idempotency_seen(&tenant, "key_a", "req-1", later, ttl)
+                .await
+                .unwrap(),
+            "{kind:?}: forgotten after its ttl"
+        );
+
+        // Buckets 100..=109 are one window; 110 drops bucket 100.
+        let mut last = (0, 0);
+        for (slot, retry) in [(100, false), (100, true), (105, true), (109, false)] {
+            last = s.retry_counts(&tenant, retry, slot, 60_000).await.unwrap();
+        }
+        assert_eq!(last, (4, 2), "{kind:?}");
+        assert_eq!(
+            s.retry_counts(&tenant, false, 110, 60_000).await.unwrap(),
+            (3, 1),
+            "{kind:?}: bucket 100 left the window"
+        );
+        assert_eq!(
+            s.retry_counts(&tenant, true, 130, 60_000).await.unwrap(),
+            (1, 1),
+            "{kind:?}: a new window"
+        );
+        assert_eq!(
+            s.retry_counts(&fresh_tenant(), false, 130, 60_000)
+                .await
+                .unwrap(),
+            (1, 0),
+            "{kind:?}: per tenant"
+        );
+    }
+}

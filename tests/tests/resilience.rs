@@ -369,3 +369,43 @@ async fn the_same_request_after_an_error_is_a_retry_and_flag_mode_answers_it_fla
     );
     app.stop().await;
 }
+
+#[tokio::test]
+async fn two_gateways_sharing_redis_share_one_retry_budget() {
+    for kind in [e2e::BudgetKind::Redis, e2e::BudgetKind::RedisCluster] {
+        let sim = Sim::zero("sim-small").await;
+        let guard_store = || -> std::sync::Arc<dyn gateway::guard::store::GuardStore> {
+            std::sync::Arc::new(
+                gateway::guard::redis::RedisGuard::new(
+                    kind.redis_urls(),
+                    std::time::Duration::from_secs(2),
+                )
+                .unwrap(),
+            )
+        };
+        let mut c = e2e::config_on(&sim, None);
+        c.guard.retry_budget_share = 0.0;
+        c.guard.retry_budget_floor = 1;
+        let deps = || gateway::state::Deps {
+            guard_store: Some(guard_store()),
+            ..Default::default()
+        };
+        let store = e2e::TestStore::new(StoreKind::Sqlite).await.unwrap();
+        let mut a = TestApp::spawn_custom(c.clone(), store, true, true, deps()).await;
+        let mut b = TestApp::spawn_custom(c, a.store.clone(), false, true, deps()).await;
+        b.api_key = a.api_key.clone();
+        let retry = [("x-stainless-retry-count", "1")];
+        let r = chat_with(&a, &chat_body("fast", "one"), &retry).await;
+        assert_eq!(r.status(), 200, "{kind:?}: the floor allows one retry");
+        a.next_event().await;
+        let r = chat_with(&b, &chat_body("fast", "two"), &retry).await;
+        assert_eq!(
+            r.status(),
+            429,
+            "{kind:?}: the other gateway sees the first one's retry"
+        );
+        b.next_event().await;
+        b.stop().await;
+        a.stop().await;
+    }
+}

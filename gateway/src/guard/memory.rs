@@ -39,6 +39,10 @@ pub struct MemoryGuard {
     blocks: AtomicU64,
     max_sessions: u64,
     hasher: Hasher,
+    /// (tenant, key, Idempotency-Key) → when first sent, ms.
+    idempotency: Cache<(String, String, String), i64, Hasher>,
+    /// Each tenant's retry-budget counts.
+    retries: Mutex<HashMap<String, router::window::SlidingCounts>>,
 }
 
 /// How long a block lasts when nobody clears it, unless set otherwise.
@@ -84,6 +88,11 @@ impl MemoryGuard {
             blocked: blocked_cache(max_sessions, DEFAULT_BLOCK_TTL, hasher.clone()),
             blocks: AtomicU64::new(0),
             max_sessions,
+            idempotency: Cache::builder()
+                .max_capacity(max_sessions)
+                .eviction_policy(EvictionPolicy::lru())
+                .build_with_hasher(hasher.clone()),
+            retries: Mutex::new(HashMap::new()),
             hasher,
         }
     }
@@ -244,5 +253,37 @@ impl GuardStore for MemoryGuard {
         }
         let held = self.sessions.remove(key).is_some();
         Ok(blocked || held)
+    }
+
+    async fn idempotency_seen(
+        &self,
+        tenant_id: &str,
+        key_id: &str,
+        idem: &str,
+        now_ms: i64,
+        ttl_ms: i64,
+    ) -> Result<bool, GuardError> {
+        let key = (tenant_id.to_owned(), key_id.to_owned(), idem.to_owned());
+        let seen = self
+            .idempotency
+            .get(&key)
+            .is_some_and(|at| now_ms - at < ttl_ms);
+        if !seen {
+            self.idempotency.insert(key, now_ms);
+        }
+        Ok(seen)
+    }
+
+    async fn retry_counts(
+        &self,
+        tenant_id: &str,
+        retry: bool,
+        slot: u64,
+        _ttl_ms: i64,
+    ) -> Result<(u32, u32), GuardError> {
+        let mut tenants = self.retries.lock().unwrap_or_else(|p| p.into_inner());
+        let counts = tenants.entry(tenant_id.to_owned()).or_default();
+        counts.add(slot, 1, u32::from(retry));
+        Ok(counts.totals(slot))
     }
 }

@@ -49,7 +49,6 @@ pub struct Guard {
     near: Option<Arc<near::NearDup>>,
     clock: Arc<dyn crate::budget::Clock>,
     metrics: Metrics,
-    retries: retries::Retries,
 }
 
 /// What the guard step found about a client retry.
@@ -99,7 +98,6 @@ impl Guard {
             .filter(|_| config.near_duplicates && config.enabled)
             .map(|dir| Arc::new(near::NearDup::new(dir)));
         let guard = Self {
-            retries: retries::Retries::new(config.retry_rule()),
             config,
             store,
             policies: TenantPolicies::new(tenants),
@@ -239,36 +237,65 @@ impl Guard {
         (decision, after_error)
     }
 
-    /// Whether a request by `key_id` of `tenant` is a client retry (by what `client` says, or
-    /// `after_error`: the session's unanswered request again) and, if so, whether it is beyond
-    /// the tenant's retry budget. Every request counts toward the budget's base.
-    pub fn client_retry(
+    /// Whether a request by `key` is a client retry (by what `client` says, or `after_error`:
+    /// the session's unanswered request again) and, if so, whether it is beyond its tenant's
+    /// retry budget. Every request counts toward the budget's base. A store that fails lets
+    /// the request through (logged).
+    pub async fn client_retry(
         &self,
-        tenant: &crate::store::ApiKey,
+        key: &crate::store::ApiKey,
         client: &retries::ClientRetry,
         after_error: bool,
     ) -> RetryVerdict {
         let now = self.clock.now().timestamp_millis();
-        let signal = self.retries.recognise(&tenant.id, client, after_error, now);
-        let (over, first) = self.retries.count(&tenant.tenant_id, signal.is_some(), now);
-        let over_budget = over && self.config.retry_action != crate::config::RetryAction::Off;
-        if first {
-            // The tenant's retry counters exist from its first request (at 0).
-            for s in retries::Signal::ALL {
-                self.metrics
-                    .client_retries
-                    .with_label_values(&[tenant.tenant_name.as_str(), s.as_str()]);
+        let rule = self.config.retry_rule();
+        let repeated_key = match &client.idempotency_key {
+            Some(idem) => self
+                .store
+                .idempotency_seen(&key.tenant_id, &key.id, idem, now, rule.window_ms())
+                .await
+                .unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "guard store: Idempotency-Key not checked");
+                    false
+                }),
+            None => false,
+        };
+        let signal = retries::signal(client, repeated_key, after_error);
+        let counts = self
+            .store
+            .retry_counts(
+                &key.tenant_id,
+                signal.is_some(),
+                rule.slot(now),
+                rule.window_ms(),
+            )
+            .await;
+        let over = match counts {
+            Ok((requests, retries)) => {
+                if requests == 1 {
+                    // The tenant's first request in the window: its counters exist (at 0).
+                    for s in retries::Signal::ALL {
+                        self.metrics
+                            .client_retries
+                            .with_label_values(&[key.tenant_name.as_str(), s.as_str()]);
+                    }
+                }
+                signal.is_some() && rule.over(requests, retries)
             }
-        }
+            Err(e) => {
+                tracing::warn!(error = %e, "guard store: the retry budget was not checked");
+                false
+            }
+        };
         if let Some(s) = signal {
             self.metrics
                 .client_retries
-                .with_label_values(&[tenant.tenant_name.as_str(), s.as_str()])
+                .with_label_values(&[key.tenant_name.as_str(), s.as_str()])
                 .inc();
         }
         RetryVerdict {
             signal,
-            over_budget,
+            over_budget: over && self.config.retry_action != crate::config::RetryAction::Off,
         }
     }
 

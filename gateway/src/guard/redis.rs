@@ -27,6 +27,7 @@ pub struct RedisGuard {
     record: Script,
     mark: Script,
     settle: Script,
+    retries: Script,
     /// The clock [`Self::down_until_ms`] counts from.
     since: Instant,
     /// Calls fail at once until then (ms since `since`): Redis failed moments ago.
@@ -78,6 +79,7 @@ impl RedisGuard {
             redis: RedisConn::new(urls, timeout)?,
             record: Script::new(include_str!("lua/record.lua")),
             mark: Script::new(include_str!("lua/mark.lua")),
+            retries: Script::new(include_str!("lua/retries.lua")),
             settle: Script::new(include_str!("lua/settle.lua")),
             since: Instant::now(),
             down_until_ms: AtomicU64::new(0),
@@ -326,5 +328,50 @@ impl GuardStore for RedisGuard {
                 .await?;
         }
         Ok(deleted > 0)
+    }
+
+    async fn idempotency_seen(
+        &self,
+        tenant_id: &str,
+        key_id: &str,
+        idem: &str,
+        _now_ms: i64,
+        ttl_ms: i64,
+    ) -> Result<bool, GuardError> {
+        let key = format!("{}:idem:{key_id}:{idem}", tag(tenant_id));
+        let set: Option<String> = self
+            .query(
+                redis::cmd("SET")
+                    .arg(key)
+                    .arg(1)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(ttl_ms.max(1)),
+            )
+            .await?;
+        Ok(set.is_none())
+    }
+
+    async fn retry_counts(
+        &self,
+        tenant_id: &str,
+        retry: bool,
+        slot: u64,
+        ttl_ms: i64,
+    ) -> Result<(u32, u32), GuardError> {
+        let mut inv = self.retries.prepare_invoke();
+        inv.key(format!("{}:rb", tag(tenant_id)))
+            .arg(slot)
+            .arg(u8::from(retry))
+            .arg(router::window::SlidingCounts::BUCKETS)
+            .arg(ttl_ms.max(1));
+        let v = array(self.invoke(inv).await?)?;
+        let num = |i: usize| match v.get(i) {
+            Some(Value::Int(n)) => Ok(u32::try_from(*n).unwrap_or(u32::MAX)),
+            other => Err(GuardError::Protocol(format!(
+                "retry counts: expected an integer, got {other:?}"
+            ))),
+        };
+        Ok((num(0)?, num(1)?))
     }
 }

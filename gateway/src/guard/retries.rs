@@ -8,10 +8,9 @@
 //! beyond it they are refused at once (429 `retry_budget_exceeded`, nothing charged) or, with
 //! `guard.retry_action = "flag"`, answered and flagged (`retry_storm_flag` in the ledger).
 //!
-//! The counts are per process (each replica budgets the traffic it sees).
+//! The counts and the keys seen live in the guard's store ([`super::store::GuardStore`]): in this
+//! process, or in Redis shared by every replica.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use router::window::SlidingCounts;
@@ -76,95 +75,37 @@ pub struct BudgetRule {
     pub window: Duration,
 }
 
-/// Idempotency keys remembered at most (oldest forgotten first).
-const MAX_KEYS: usize = 100_000;
+impl BudgetRule {
+    /// The window's bucket at `now_ms` (a tenth of the window each).
+    pub fn slot(&self, now_ms: i64) -> u64 {
+        let bucket = (self.window.as_millis() / SlidingCounts::BUCKETS as u128).max(1);
+        u64::try_from(u128::try_from(now_ms.max(0)).unwrap_or(0) / bucket).unwrap_or(u64::MAX)
+    }
 
-/// Per-tenant retry counts and the idempotency keys seen, in this process.
-#[derive(Debug)]
-pub struct Retries {
-    rule: BudgetRule,
-    tenants: Mutex<HashMap<String, SlidingCounts>>,
-    keys: Mutex<HashMap<(String, String), i64>>,
+    /// The window, ms.
+    pub fn window_ms(&self) -> i64 {
+        i64::try_from(self.window.as_millis()).unwrap_or(i64::MAX)
+    }
+
+    /// Whether `retries` in the window (the current one included) exceed what `requests`
+    /// allow: `max(floor, share × requests)`.
+    pub fn over(&self, requests: u32, retries: u32) -> bool {
+        let allowed = ((f64::from(requests) * self.share).floor() as u32).max(self.floor);
+        retries > allowed
+    }
 }
 
-impl Retries {
-    /// Empty counts under `rule`.
-    pub fn new(rule: BudgetRule) -> Self {
-        Self {
-            rule,
-            tenants: Mutex::new(HashMap::new()),
-            keys: Mutex::new(HashMap::new()),
-        }
-    }
-
-    fn slot(&self, now_ms: i64) -> u64 {
-        let bucket = (self.rule.window.as_millis() / SlidingCounts::BUCKETS as u128).max(1);
-        u64::try_from(i128::from(now_ms.max(0)) as u128 / bucket).unwrap_or(u64::MAX)
-    }
-
-    /// How the request is a retry, if it is: the client's word first, then its idempotency key
-    /// (remembered for the window, per API key), then `after_error` (the session store's).
-    pub fn recognise(
-        &self,
-        key_id: &str,
-        client: &ClientRetry,
-        after_error: bool,
-        now_ms: i64,
-    ) -> Option<Signal> {
-        let repeated_key = client
-            .idempotency_key
-            .as_ref()
-            .is_some_and(|k| self.seen_key(key_id, k, now_ms));
-        if client.sdk_attempt.is_some_and(|n| n >= 1) {
-            Some(Signal::SdkHeader)
-        } else if repeated_key {
-            Some(Signal::IdempotencyKey)
-        } else if after_error {
-            Some(Signal::AfterError)
-        } else {
-            None
-        }
-    }
-
-    /// Remember `idem` for `key_id`; whether it was already seen within the window.
-    fn seen_key(&self, key_id: &str, idem: &str, now_ms: i64) -> bool {
-        let ttl = i64::try_from(self.rule.window.as_millis()).unwrap_or(i64::MAX);
-        let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
-        if keys.len() >= MAX_KEYS {
-            keys.retain(|_, at| now_ms - *at < ttl);
-            if keys.len() >= MAX_KEYS {
-                // Still full of live keys: forget the oldest half.
-                let mut ats: Vec<i64> = keys.values().copied().collect();
-                ats.sort_unstable();
-                let cut = ats[ats.len() / 2];
-                keys.retain(|_, at| *at > cut);
-            }
-        }
-        let entry = (key_id.to_owned(), idem.to_owned());
-        let seen = keys.get(&entry).is_some_and(|at| now_ms - *at < ttl);
-        keys.insert(entry, now_ms);
-        seen
-    }
-
-    /// Count a request of `tenant` (a retry or not); whether it is a retry beyond the budget:
-    /// more retries in the window, this one included, than `max(floor, share × requests)`.
-    pub fn over_budget(&self, tenant: &str, retry: bool, now_ms: i64) -> bool {
-        self.count(tenant, retry, now_ms).0
-    }
-
-    /// [`Retries::over_budget`], and whether this was the tenant's first request seen.
-    pub fn count(&self, tenant: &str, retry: bool, now_ms: i64) -> (bool, bool) {
-        let slot = self.slot(now_ms);
-        let mut tenants = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
-        let first = !tenants.contains_key(tenant);
-        let counts = tenants.entry(tenant.to_owned()).or_default();
-        counts.add(slot, 1, u32::from(retry));
-        if !retry {
-            return (false, first);
-        }
-        let (requests, retries) = counts.totals(slot);
-        let allowed = ((f64::from(requests) * self.rule.share).floor() as u32).max(self.rule.floor);
-        (retries > allowed, first)
+/// How a request is a retry, if it is: the client's word first, then a repeated idempotency
+/// key, then `after_error` (the session store's unanswered repeat).
+pub fn signal(client: &ClientRetry, repeated_key: bool, after_error: bool) -> Option<Signal> {
+    if client.sdk_attempt.is_some_and(|n| n >= 1) {
+        Some(Signal::SdkHeader)
+    } else if repeated_key {
+        Some(Signal::IdempotencyKey)
+    } else if after_error {
+        Some(Signal::AfterError)
+    } else {
+        None
     }
 }
 
@@ -173,51 +114,18 @@ impl Retries {
 mod tests {
     use super::*;
 
-    fn retries() -> Retries {
-        Retries::new(BudgetRule {
-            share: 0.2,
-            floor: 3,
-            window: Duration::from_secs(10),
-        })
-    }
-
     #[test]
-    fn a_retry_is_recognised_by_the_sdk_header_a_repeated_key_or_an_unanswered_repeat() {
-        let r = retries();
-        let first = ClientRetry {
-            sdk_attempt: Some(0),
-            idempotency_key: Some("k1".into()),
-        };
-        assert_eq!(r.recognise("key", &first, false, 0), None);
-        let again = ClientRetry {
-            sdk_attempt: None,
-            idempotency_key: Some("k1".into()),
-        };
-        assert_eq!(
-            r.recognise("key", &again, false, 100),
-            Some(Signal::IdempotencyKey)
-        );
-        assert_eq!(
-            r.recognise("other-key", &again, false, 100),
-            None,
-            "per API key"
-        );
-        assert_eq!(
-            r.recognise("key", &again, false, 20_000),
-            None,
-            "after the window"
-        );
-        let sdk = ClientRetry {
-            sdk_attempt: Some(2),
+    fn the_clients_word_comes_first_then_its_key_then_the_unanswered_repeat() {
+        let sdk = |n| ClientRetry {
+            sdk_attempt: Some(n),
             idempotency_key: None,
         };
-        assert_eq!(r.recognise("key", &sdk, true, 0), Some(Signal::SdkHeader));
+        assert_eq!(signal(&sdk(0), false, false), None, "a first attempt");
+        assert_eq!(signal(&sdk(2), true, true), Some(Signal::SdkHeader));
         let plain = ClientRetry::default();
-        assert_eq!(
-            r.recognise("key", &plain, true, 0),
-            Some(Signal::AfterError)
-        );
-        assert_eq!(r.recognise("key", &plain, false, 0), None);
+        assert_eq!(signal(&plain, true, true), Some(Signal::IdempotencyKey));
+        assert_eq!(signal(&plain, false, true), Some(Signal::AfterError));
+        assert_eq!(signal(&plain, false, false), None);
         assert!(validate_idempotency_key(b"stainless-python-retry-1f3c").is_ok());
         for bad in [&b""[..], b"has space", &[b'a'; 257][..], b"tab\t"] {
             assert!(validate_idempotency_key(bad).is_err(), "{bad:?}");
@@ -226,29 +134,18 @@ mod tests {
 
     #[test]
     fn retries_beyond_a_share_of_recent_requests_are_over_budget_with_a_floor() {
-        let r = retries();
-        // A quiet tenant: the floor of 3 retries.
-        assert!(!r.over_budget("t", true, 0));
-        assert!(!r.over_budget("t", true, 1));
-        assert!(!r.over_budget("t", true, 2));
-        assert!(
-            r.over_budget("t", true, 3),
-            "a fourth retry with 4 requests"
-        );
-        // A busy tenant: 20% of its requests. With 40 more requests, retries 5 to 10 fit (the
-        // tenth makes 50 requests, 20% of which is 10); the eleventh does not.
-        for i in 0..40 {
-            assert!(!r.over_budget("t", false, 10 + i));
-        }
-        for i in 0..6 {
-            assert!(!r.over_budget("t", true, 100 + i), "retry {}", 5 + i);
-        }
-        assert!(
-            r.over_budget("t", true, 200),
-            "the eleventh retry of 51 requests"
-        );
-        assert!(!r.over_budget("other", true, 200), "per tenant");
-        // The window forgets.
-        assert!(!r.over_budget("t", true, 30_000));
+        let rule = BudgetRule {
+            share: 0.2,
+            floor: 3,
+            window: Duration::from_secs(10),
+        };
+        assert!(!rule.over(3, 3), "a quiet tenant: the floor");
+        assert!(rule.over(4, 4));
+        assert!(!rule.over(50, 10), "20% of 50");
+        assert!(rule.over(51, 11));
+        assert_eq!(rule.slot(0), 0);
+        assert_eq!(rule.slot(999), 0);
+        assert_eq!(rule.slot(1_000), 1, "buckets of a tenth of the window");
+        assert_eq!(rule.slot(-5), 0);
     }
 }

@@ -252,4 +252,25 @@ pub trait GuardStore: Send + Sync + 'static {
     async fn get(&self, key: &SessionKey) -> Result<Option<SessionInfo>, GuardError>;
     /// Forget a session (its window, cooldown and block); `false` when there was none.
     async fn clear(&self, key: &SessionKey) -> Result<bool, GuardError>;
+    /// Remember that API key `key_id` of `tenant_id` sent `Idempotency-Key` `idem` (for
+    /// `ttl_ms`); whether it had already sent it within that time (a client retry).
+    async fn idempotency_seen(
+        &self,
+        tenant_id: &str,
+        key_id: &str,
+        idem: &str,
+        now_ms: i64,
+        ttl_ms: i64,
+    ) -> Result<bool, GuardError>;
+    /// Count one request of `tenant_id` (and one retry, when `retry`) in retry-budget bucket
+    /// `slot`; the tenant's (requests, retries) over the window's
+    /// [`router::window::SlidingCounts::BUCKETS`] buckets ending at `slot`. State lives
+    /// `ttl_ms` after the tenant's latest request.
+    async fn retry_counts(
+        &self,
+        tenant_id: &str,
+        retry: bool,
+        slot: u64,
+        ttl_ms: i64,
+    ) -> Result<(u32, u32), GuardError>;
 }

@@ -250,7 +250,7 @@ impl Call {
             request: crate::guard::request_hash(&self.event.fingerprint),
         };
         let (decision, after_error) = self.state.guard.check_session(check).await;
-        self.client_retry(after_error)?;
+        self.client_retry(after_error).await?;
         let (found, verb) = match decision {
             crate::guard::Decision::Allow => return Ok(()),
             crate::guard::Decision::Flag { found, throttled } => {
@@ -305,9 +305,11 @@ impl Call {
 
     /// The retry budget: a client retry beyond the tenant's budget is flagged
     /// (`retry_storm_flag`) and, unless `guard.retry_action = "flag"`, refused at once.
-    fn client_retry(&mut self, after_error: bool) -> Result<(), ApiError> {
+    async fn client_retry(&mut self, after_error: bool) -> Result<(), ApiError> {
         let guard = &self.state.guard;
-        let verdict = guard.client_retry(&self.ctx.key, &self.ctx.retry, after_error);
+        let verdict = guard
+            .client_retry(&self.ctx.key, &self.ctx.retry, after_error)
+            .await;
         if !verdict.over_budget {
             return Ok(());
         }

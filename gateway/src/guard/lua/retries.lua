@@ -1,0 +1,21 @@
+-- Count one request of a tenant (and a retry, when ARGV[2] = 1) in bucket ARGV[1] of its
+-- retry-budget hash, and answer {requests, retries} over the last ARGV[3] buckets.
+-- KEYS[1]: the tenant's hash ({g:t}:rb): fields n<bucket> and r<bucket>.
+-- ARGV: bucket, retry (0|1), buckets in the window, ttl ms.
+local slot = tonumber(ARGV[1])
+local buckets = tonumber(ARGV[3])
+redis.call('HINCRBY', KEYS[1], 'n' .. slot, 1)
+if ARGV[2] == '1' then
+  redis.call('HINCRBY', KEYS[1], 'r' .. slot, 1)
+end
+local n, r = 0, 0
+for s = slot - buckets + 1, slot do
+  n = n + tonumber(redis.call('HGET', KEYS[1], 'n' .. s) or '0')
+  r = r + tonumber(redis.call('HGET', KEYS[1], 'r' .. s) or '0')
+end
+-- Buckets that left the window.
+for s = slot - 2 * buckets + 1, slot - buckets do
+  redis.call('HDEL', KEYS[1], 'n' .. s, 'r' .. s)
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return {n, r}

@@ -26,8 +26,7 @@ pub mod names {
     pub const IN_FLIGHT: &str = "gateway_replica_in_flight";
     /// 1 when the replica is in rotation, 0 while cooling down.
     pub const HEALTHY: &str = "gateway_replica_healthy";
-    /// Client retries recognised, by tenant and signal (sdk_header, idempotency_key,
-    /// after_error).
+    /// Client retries recognised, by tenant and signal (sdk_header, idempotency_key).
     pub const CLIENT_RETRIES: &str = "gateway_client_retries_total";
     /// Requests the gateway turned away from a tier whose servers were rejecting (adaptive
     /// throttling), by tier.

@@ -49,6 +49,8 @@ pub struct Inner {
     pub guard: Arc<crate::guard::Guard>,
     /// The tier router for `auto`.
     pub routing: Arc<crate::routing::TierRouter>,
+    /// Non-streamed requests in flight, which a client retry of one joins.
+    pub inflight: Arc<crate::pipeline::coalesce::Inflight>,
     /// The ledger, when the gateway writes one.
     pub ledger: Option<Arc<dyn LedgerStore>>,
     /// The ledger writer task, flushed on shutdown.
@@ -239,6 +241,7 @@ impl AppState {
             cache,
             guard,
             routing,
+            inflight: Arc::default(),
             ledger,
             ledger_writer: std::sync::Mutex::new(ledger_writer),
             tasks: TaskTracker::new(),

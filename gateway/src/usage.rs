@@ -20,6 +20,9 @@ pub enum CacheStatus {
     HitExact,
     /// Answered from the semantic cache (cost 0; `saved_micros` what it would have cost).
     HitSemantic,
+    /// A client retry that joined the identical request still running, and got its answer
+    /// (cost 0: the tenant pays for that one).
+    Coalesced,
 }
 
 impl CacheStatus {
@@ -30,6 +33,7 @@ impl CacheStatus {
             Self::Miss => "miss",
             Self::HitExact => "hit-exact",
             Self::HitSemantic => "hit-semantic",
+            Self::Coalesced => "coalesced",
         }
     }
 }

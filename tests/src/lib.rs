@@ -495,16 +495,21 @@ pub fn config_on(sim: &Sim, prices: Option<(f64, f64)>) -> Config {
         vec![replica("l", &sim.url, "sim-small")],
     );
     if let Some((input, output)) = prices {
-        c.prices.insert(
-            "sim-small".into(),
-            gateway::config::PriceConfig {
-                input,
-                output,
-                cached_input: None,
-            },
-        );
+        price(&mut c, "sim-small", input, output);
     }
     c
+}
+
+/// Price `model` at `input` and `output` USD per 1M tokens in `c`.
+pub fn price(c: &mut Config, model: &str, input: f64, output: f64) {
+    c.prices.insert(
+        model.into(),
+        gateway::config::PriceConfig {
+            input,
+            output,
+            cached_input: None,
+        },
+    );
 }
 
 /// A user message body for `model`.

@@ -336,37 +336,28 @@ async fn client_retries_beyond_the_tenants_retry_budget_are_refused_at_once_and_
 }
 
 #[tokio::test]
-async fn the_same_request_after_an_error_is_a_retry_and_flag_mode_answers_it_flagged() {
+async fn flag_mode_answers_a_retry_beyond_the_budget_flagged_and_duplicates_are_not_retries() {
     let large = Sim::zero("sim-large").await;
-    let sim = Sim::start(zero("sim-small", &["0s+300ms=500"])).await;
+    let sim = Sim::start(zero("sim-small", &[])).await;
     let mut app = small_tier_on(&sim, &large, |c| {
-        c.upstream.retries_same_tier = 0;
-        c.upstream.throttle_k = 0.0;
         c.guard.retry_budget_share = 0.0;
         c.guard.retry_budget_floor = 0;
         c.guard.retry_action = gateway::config::RetryAction::Flag;
     })
     .await;
     let body = chat_body("fast", "the same question");
-    let r = app.chat(body.clone()).await;
-    assert_eq!(r.status(), 502);
-    assert!(!app.next_event().await.retry_storm_flag);
-    tokio::time::sleep(std::time::Duration::from_millis(350)).await;
-    // The server is back: the retry is answered, and flagged as beyond the (zero) budget.
-    let r = app.chat(body.clone()).await;
-    assert_eq!(r.status(), 200);
-    let e = app.next_event().await;
-    assert!(e.retry_storm_flag, "{e:?}");
-    assert!(e.cost_micros >= 0);
-    // Answered now: the same request again is a new request, not a retry.
-    let r = app.chat(body).await;
-    assert_eq!(r.status(), 200);
-    assert!(!app.next_event().await.retry_storm_flag);
-    let metrics = app.metrics().await;
-    assert!(
-        metrics.contains("gateway_client_retries_total{signal=\"after_error\",tenant=\"acme\"} 1"),
-        "{metrics}"
-    );
+    let r = chat_with(&app, &body, &[("x-stainless-retry-count", "1")]).await;
+    assert_eq!(r.status(), 200, "answered");
+    assert!(app.next_event().await.retry_storm_flag, "and flagged");
+    // Identical requests without a retry signal (a load test, a fan-out) are not retries, even
+    // concurrent ones.
+    let sends: Vec<_> = (0..8).map(|_| app.chat(body.clone())).collect();
+    for r in futures_util::future::join_all(sends).await {
+        assert_eq!(r.status(), 200);
+    }
+    for _ in 0..8 {
+        assert!(!app.next_event().await.retry_storm_flag);
+    }
     app.stop().await;
 }
 
@@ -408,4 +399,53 @@ async fn two_gateways_sharing_redis_share_one_retry_budget() {
         b.stop().await;
         a.stop().await;
     }
+}
+
+#[tokio::test]
+async fn an_sdk_retry_of_a_request_still_running_joins_it_and_is_charged_nothing() {
+    let large = Sim::zero("sim-large").await;
+    // The model server answers, but after the client has given up.
+    let sim = Sim::start(zero("sim-small", &["0s+60s=slow:1200ms"])).await;
+    let mut c = config(
+        vec![replica("s1", &sim.url, "sim-small")],
+        vec![replica("l1", &large.url, "sim-large")],
+    );
+    c.cache.mode = gateway::cache::CacheMode::Off;
+    e2e::price(&mut c, "sim-small", 1.0, 2.0);
+    let mut app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    let body = chat_body("fast", "a slow question");
+    // The SDK's first attempt times out after 300 ms...
+    let first = app
+        .http
+        .post(format!("{}/v1/chat/completions", app.base))
+        .bearer_auth(&app.api_key)
+        .header("x-stainless-retry-count", "0")
+        .timeout(std::time::Duration::from_millis(300))
+        .json(&body)
+        .send()
+        .await;
+    assert!(first.is_err(), "the client gave up");
+    // ...and its retry joins the request still running upstream.
+    let r = chat_with(&app, &body, &[("x-stainless-retry-count", "1")]).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-gateway-cache"], "coalesced");
+    let v: Value = r.json().await.unwrap();
+    assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
+    assert_eq!(
+        stats(&sim).await["requests"],
+        1,
+        "one upstream request for two attempts"
+    );
+    let mut events = [app.next_event().await, app.next_event().await];
+    events.sort_by_key(|e| e.cache_status == gateway::usage::CacheStatus::Coalesced);
+    let (billed, joined) = (&events[0], &events[1]);
+    assert_eq!(joined.cache_status, gateway::usage::CacheStatus::Coalesced);
+    assert_eq!((joined.status, joined.cost_micros), (200, 0));
+    assert!(billed.cost_micros > 0 && billed.status == 200, "{billed:?}");
+    // Not a retry: an identical request runs on its own.
+    let r = app.chat(body).await;
+    assert_ne!(r.headers()["x-gateway-cache"], "coalesced");
+    app.next_event().await;
+    assert_eq!(stats(&sim).await["requests"], 2);
+    app.stop().await;
 }

@@ -445,14 +445,7 @@ async fn a_routed_answer_records_what_it_would_have_cost_on_large() {
     );
     c.cache.mode = gateway::cache::CacheMode::Off;
     for (model, input, output) in [("sim-small", 1.0, 2.0), ("sim-large", 10.0, 30.0)] {
-        c.prices.insert(
-            model.into(),
-            gateway::config::PriceConfig {
-                input,
-                output,
-                cached_input: None,
-            },
-        );
+        e2e::price(&mut c, model, input, output);
     }
     let mut app = TestApp::spawn(c, StoreKind::Sqlite).await;
     let mut tiers = std::collections::BTreeSet::new();

@@ -150,14 +150,8 @@ impl Guard {
     /// The guard step: find a loop in the request and in its session's window, and decide
     /// what to do by the tenant's policy. A store that fails leaves the in-request signal.
     pub async fn check(&self, req: Check<'_>) -> Decision {
-        self.check_session(req).await.0
-    }
-
-    /// [`Guard::check`], and whether the request repeats byte for byte a request of its session
-    /// that was not answered (a client retry).
-    pub async fn check_session(&self, req: Check<'_>) -> (Decision, bool) {
         if !self.config.enabled {
-            return (Decision::Allow, false);
+            return Decision::Allow;
         }
         let policy = self.policy(req.tenant_id);
         let repeats = policy.repeats.unwrap_or(3) as usize;
@@ -216,7 +210,6 @@ impl Guard {
             (Some(a), Some(b)) => Some(if b.steps() > a.steps() { b } else { a }),
             (a, b) => a.or(b),
         };
-        let after_error = seen.as_ref().is_some_and(|s| s.retry);
         let state = seen.map(|s| s.state).unwrap_or_default();
         let (decision, mark) =
             decide::decide(&policy, &state, found, req.tenant_name, req.session, now);
@@ -234,18 +227,16 @@ impl Guard {
         if let Some(action) = action {
             self.metrics.guard_loops.with_label_values(&[action]).inc();
         }
-        (decision, after_error)
+        decision
     }
 
-    /// Whether a request by `key` is a client retry (by what `client` says, or `after_error`:
-    /// the session's unanswered request again) and, if so, whether it is beyond its tenant's
-    /// retry budget. Every request counts toward the budget's base. A store that fails lets
+    /// Whether a request by `key` is a client retry (by what `client` says) and, if so, whether
+    /// it is beyond its tenant's retry budget. Every request counts toward the budget's base. A store that fails lets
     /// the request through (logged).
     pub async fn client_retry(
         &self,
         key: &crate::store::ApiKey,
         client: &retries::ClientRetry,
-        after_error: bool,
     ) -> RetryVerdict {
         let now = self.clock.now().timestamp_millis();
         let rule = self.config.retry_rule();
@@ -260,7 +251,7 @@ impl Guard {
                 }),
             None => false,
         };
-        let signal = retries::signal(client, repeated_key, after_error);
+        let signal = retries::signal(client, repeated_key);
         let counts = self
             .store
             .retry_counts(

@@ -1,9 +1,9 @@
 //! Client retries: recognised on the request path and held to a per-tenant retry budget.
 //!
-//! A request is a client retry when the OpenAI SDK says so (`x-stainless-retry-count` ≥ 1), when
-//! its `Idempotency-Key` was already sent by the same key within the window, or when it repeats
-//! byte for byte a request of its session that was not answered (the guard store's
-//! [`super::store::Seen::retry`]). Retries within the budget — a share of the tenant's recent
+//! A request is a client retry when the OpenAI SDK says so (`x-stainless-retry-count` ≥ 1) or when
+//! its `Idempotency-Key` was already sent by the same key within the window. (A byte-identical
+//! repeat of an unanswered request is not counted: the session store cannot yet tell a retry
+//! after an error from a concurrent duplicate still in flight.) Retries within the budget — a share of the tenant's recent
 //! requests, never fewer than a floor, so a quiet tenant can still retry — go on as usual;
 //! beyond it they are refused at once (429 `retry_budget_exceeded`, nothing charged) or, with
 //! `guard.retry_action = "flag"`, answered and flagged (`retry_storm_flag` in the ledger).
@@ -46,8 +46,6 @@ pub enum Signal {
     SdkHeader,
     /// A repeated `Idempotency-Key`.
     IdempotencyKey,
-    /// The same request again after one that was not answered.
-    AfterError,
 }
 
 impl Signal {
@@ -56,12 +54,11 @@ impl Signal {
         match self {
             Self::SdkHeader => "sdk_header",
             Self::IdempotencyKey => "idempotency_key",
-            Self::AfterError => "after_error",
         }
     }
 
     /// Every signal.
-    pub const ALL: [Signal; 3] = [Self::SdkHeader, Self::IdempotencyKey, Self::AfterError];
+    pub const ALL: [Signal; 2] = [Self::SdkHeader, Self::IdempotencyKey];
 }
 
 /// The retry budget's settings.
@@ -95,15 +92,12 @@ impl BudgetRule {
     }
 }
 
-/// How a request is a retry, if it is: the client's word first, then a repeated idempotency
-/// key, then `after_error` (the session store's unanswered repeat).
-pub fn signal(client: &ClientRetry, repeated_key: bool, after_error: bool) -> Option<Signal> {
+/// How a request is a retry, if it is: the client's word first, then a repeated idempotency key.
+pub fn signal(client: &ClientRetry, repeated_key: bool) -> Option<Signal> {
     if client.sdk_attempt.is_some_and(|n| n >= 1) {
         Some(Signal::SdkHeader)
     } else if repeated_key {
         Some(Signal::IdempotencyKey)
-    } else if after_error {
-        Some(Signal::AfterError)
     } else {
         None
     }
@@ -115,17 +109,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_clients_word_comes_first_then_its_key_then_the_unanswered_repeat() {
+    fn the_clients_word_comes_first_then_its_idempotency_key() {
         let sdk = |n| ClientRetry {
             sdk_attempt: Some(n),
             idempotency_key: None,
         };
-        assert_eq!(signal(&sdk(0), false, false), None, "a first attempt");
-        assert_eq!(signal(&sdk(2), true, true), Some(Signal::SdkHeader));
+        assert_eq!(signal(&sdk(0), false), None, "a first attempt");
+        assert_eq!(signal(&sdk(2), true), Some(Signal::SdkHeader));
         let plain = ClientRetry::default();
-        assert_eq!(signal(&plain, true, true), Some(Signal::IdempotencyKey));
-        assert_eq!(signal(&plain, false, true), Some(Signal::AfterError));
-        assert_eq!(signal(&plain, false, false), None);
+        assert_eq!(signal(&plain, true), Some(Signal::IdempotencyKey));
+        assert_eq!(signal(&plain, false), None);
         assert!(validate_idempotency_key(b"stainless-python-retry-1f3c").is_ok());
         for bad in [&b""[..], b"has space", &[b'a'; 257][..], b"tab\t"] {
             assert!(validate_idempotency_key(bad).is_err(), "{bad:?}");

@@ -15,6 +15,7 @@
 //! Exactly one [`UsageEvent`] is produced per call.
 
 mod attempt;
+pub mod coalesce;
 mod respond;
 mod settle;
 
@@ -82,6 +83,8 @@ pub struct Call {
     pub cache: Option<Lookup>,
     /// Headers the steps add to the answer (budget warnings and clamps).
     pub headers: Vec<(HeaderName, HeaderValue)>,
+    /// The guard step recognised the request as a client retry.
+    pub retry: bool,
 }
 
 /// Run one proxied request to completion and settle it.
@@ -121,6 +124,37 @@ pub async fn run(
         } = call;
         return refuse(&state, &ctx, event, e).await;
     }
+    // A client retry of a request still running joins it (not streams: their answer is not
+    // kept whole).
+    let join = if call.req.stream {
+        coalesce::Join::Alone
+    } else {
+        let inflight = Arc::clone(&call.state.inflight);
+        inflight.join(&call.ctx.key.id, &call.event.fingerprint, call.retry)
+    };
+    let leader = match join {
+        coalesce::Join::Follow(slot) => match coalesce::follow(slot).await {
+            Some(response) => return call.coalesced(response),
+            None => None,
+        },
+        coalesce::Join::Lead(leader) => Some(leader),
+        coalesce::Join::Alone => None,
+    };
+    let limit = call
+        .state
+        .config
+        .upstream
+        .max_response_bytes
+        .saturating_mul(2);
+    let response = answer(call, target).await;
+    match leader {
+        Some(leader) => leader.publish(response, limit).await,
+        None => response,
+    }
+}
+
+/// The steps after the guard: cache, route, budget, attempts.
+async fn answer(mut call: Call, target: ModelTarget) -> Response {
     if let Some(hit) = call.cache_lookup().await {
         return hit;
     }
@@ -219,6 +253,7 @@ impl Call {
             reservation: None,
             cache,
             headers: Vec::new(),
+            retry: false,
         }
     }
 
@@ -249,8 +284,8 @@ impl Call {
             messages,
             request: crate::guard::request_hash(&self.event.fingerprint),
         };
-        let (decision, after_error) = self.state.guard.check_session(check).await;
-        self.client_retry(after_error).await?;
+        let decision = self.state.guard.check(check).await;
+        self.client_retry().await?;
         let (found, verb) = match decision {
             crate::guard::Decision::Allow => return Ok(()),
             crate::guard::Decision::Flag { found, throttled } => {
@@ -305,11 +340,10 @@ impl Call {
 
     /// The retry budget: a client retry beyond the tenant's budget is flagged
     /// (`retry_storm_flag`) and, unless `guard.retry_action = "flag"`, refused at once.
-    async fn client_retry(&mut self, after_error: bool) -> Result<(), ApiError> {
+    async fn client_retry(&mut self) -> Result<(), ApiError> {
         let guard = &self.state.guard;
-        let verdict = guard
-            .client_retry(&self.ctx.key, &self.ctx.retry, after_error)
-            .await;
+        let verdict = guard.client_retry(&self.ctx.key, &self.ctx.retry).await;
+        self.retry = verdict.signal.is_some();
         if !verdict.over_budget {
             return Ok(());
         }
@@ -338,6 +372,22 @@ impl Call {
         let input = self.admit_input().await;
         let micros = i128::from(input.price.input) * i128::from(input.prompt_tokens) / 1_000_000;
         i64::try_from(micros).unwrap_or(i64::MAX)
+    }
+
+    /// Answer a client retry with the answer of the identical request it joined, and settle it
+    /// at cost 0 (that request is the one billed).
+    fn coalesced(self, response: Response) -> Response {
+        let Call {
+            state,
+            ctx,
+            mut event,
+            ..
+        } = self;
+        event.cache_status = CacheStatus::Coalesced;
+        event.status = response.status().as_u16();
+        event.latency_ms = ms_since(ctx.started);
+        settle::settle(&state, event, None);
+        response
     }
 
     /// The route step: an explicit model keeps its tier; a routed one (`auto`) gets the tier

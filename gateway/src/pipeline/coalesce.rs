@@ -1,0 +1,188 @@
+//! Coalescing: a client retry of a request that is still running upstream (same API key, same
+//! request fingerprint, not streamed) waits for that request's answer instead of sending a
+//! second one, so an SDK that times out and retries never doubles the work, and the tenant is
+//! charged once. The retry's ledger row says `cache_status = coalesced` at cost 0.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::Response;
+use bytes::Bytes;
+use tokio::sync::watch;
+
+/// A finished answer, shared with the requests that joined it (its fields are private).
+#[derive(Debug)]
+pub struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+/// Where a follower waits for the answer.
+pub type Slot = watch::Receiver<Option<Arc<Answer>>>;
+
+/// The non-streamed requests in flight in this process, by (API key, fingerprint).
+#[derive(Debug, Default)]
+pub struct Inflight {
+    running: Mutex<HashMap<(String, String), Slot>>,
+}
+
+/// A request that runs upstream and shares its answer with whoever joins it.
+#[derive(Debug)]
+pub struct Leader {
+    key: (String, String),
+    tx: watch::Sender<Option<Arc<Answer>>>,
+    owner: Arc<Inflight>,
+}
+
+/// What a request does about an identical one in flight.
+#[derive(Debug)]
+pub enum Join {
+    /// Run, sharing the answer.
+    Lead(Leader),
+    /// Wait for the running one's answer.
+    Follow(Slot),
+    /// Run on its own (an identical request is running, but this one is not a retry).
+    Alone,
+}
+
+impl Inflight {
+    /// Lead, or (for a client retry) follow the identical request in flight.
+    pub fn join(self: &Arc<Self>, key_id: &str, fingerprint: &str, retry: bool) -> Join {
+        let key = (key_id.to_owned(), fingerprint.to_owned());
+        let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(slot) = running.get(&key) {
+            return if retry {
+                Join::Follow(slot.clone())
+            } else {
+                Join::Alone
+            };
+        }
+        let (tx, rx) = watch::channel(None);
+        running.insert(key.clone(), rx);
+        Join::Lead(Leader {
+            key,
+            tx,
+            owner: Arc::clone(self),
+        })
+    }
+
+    /// Requests in flight that others may join.
+    pub fn len(&self) -> usize {
+        self.running.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Leader {
+    /// Share `response` (read whole: it is not streamed) with the followers, and return it.
+    pub async fn publish(self, response: Response, limit: usize) -> Response {
+        let (parts, body) = response.into_parts();
+        let Ok(bytes) = axum::body::to_bytes(body, limit).await else {
+            // Unreadable (it cannot be: the pipeline built it whole); followers run alone.
+            return Response::from_parts(parts, Body::empty());
+        };
+        let answer = Arc::new(Answer {
+            status: parts.status,
+            headers: parts.headers.clone(),
+            body: bytes.clone(),
+        });
+        let _ = self.tx.send(Some(answer));
+        Response::from_parts(parts, Body::from(bytes))
+    }
+}
+
+impl Drop for Leader {
+    fn drop(&mut self) {
+        let mut running = self.owner.running.lock().unwrap_or_else(|p| p.into_inner());
+        running.remove(&self.key);
+    }
+}
+
+/// Headers of the leader's answer a follower must not repeat: its budget accounting (the
+/// follower reserved nothing) and its cache outcome.
+fn own_header(name: &str) -> bool {
+    name.starts_with("x-gateway-budget-") || name == "x-gateway-cache"
+}
+
+/// Wait for the leader's answer; `None` when it ended without one (the follower then runs on
+/// its own).
+pub async fn follow(mut slot: Slot) -> Option<Response> {
+    let answer = slot.wait_for(Option::is_some).await.ok()?.clone()?;
+    let mut response = Response::new(Body::from(answer.body.clone()));
+    *response.status_mut() = answer.status;
+    for (name, value) in &answer.headers {
+        if !own_header(name.as_str()) {
+            response.headers_mut().append(name.clone(), value.clone());
+        }
+    }
+    response.headers_mut().insert(
+        crate::headers::CACHE,
+        HeaderValue::from_static(crate::usage::CacheStatus::Coalesced.header_value()),
+    );
+    Some(response)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_retry_follows_the_running_request_and_gets_its_answer() {
+        let inflight = Arc::new(Inflight::default());
+        let Join::Lead(leader) = inflight.join("key", "fp", false) else {
+            panic!("the first one leads")
+        };
+        assert!(matches!(inflight.join("key", "fp", false), Join::Alone));
+        assert!(matches!(inflight.join("other", "fp", true), Join::Lead(_)));
+        let Join::Follow(slot) = inflight.join("key", "fp", true) else {
+            panic!("a retry follows")
+        };
+        let waiter = tokio::spawn(follow(slot));
+        let mut answer = Response::new(Body::from("{\"ok\":true}"));
+        answer
+            .headers_mut()
+            .insert("x-gateway-budget-policy", HeaderValue::from_static("b1"));
+        let mine = leader.publish(answer, 1 << 20).await;
+        assert_eq!(
+            axum::body::to_bytes(mine.into_body(), 1 << 20)
+                .await
+                .unwrap(),
+            "{\"ok\":true}"
+        );
+        let theirs = waiter.await.unwrap().unwrap();
+        assert_eq!(theirs.headers()["x-gateway-cache"], "coalesced");
+        assert!(!theirs.headers().contains_key("x-gateway-budget-policy"));
+        assert_eq!(
+            axum::body::to_bytes(theirs.into_body(), 1 << 20)
+                .await
+                .unwrap(),
+            "{\"ok\":true}"
+        );
+        assert!(
+            matches!(inflight.join("key", "fp", true), Join::Lead(_)),
+            "done: gone"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_leader_that_ends_without_an_answer_lets_its_followers_run() {
+        let inflight = Arc::new(Inflight::default());
+        let Join::Lead(leader) = inflight.join("key", "fp", false) else {
+            panic!()
+        };
+        let Join::Follow(slot) = inflight.join("key", "fp", true) else {
+            panic!()
+        };
+        drop(leader);
+        assert!(follow(slot).await.is_none());
+        assert!(inflight.is_empty());
+    }
+}

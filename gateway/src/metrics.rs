@@ -26,6 +26,9 @@ pub mod names {
     pub const IN_FLIGHT: &str = "gateway_replica_in_flight";
     /// 1 when the replica is in rotation, 0 while cooling down.
     pub const HEALTHY: &str = "gateway_replica_healthy";
+    /// Requests that fell back to the other tier, by tenant, the tier fallen back to and outcome
+    /// (`answered`, or `over_share` when the tenant's share of fallback was spent).
+    pub const FALLBACKS: &str = "gateway_fallbacks_total";
     /// Client retries recognised, by tenant and signal (sdk_header, idempotency_key).
     pub const CLIENT_RETRIES: &str = "gateway_client_retries_total";
     /// Requests the gateway turned away from a tier whose servers were rejecting (adaptive
@@ -97,6 +100,7 @@ pub mod names {
         UPSTREAM_THROTTLED,
         RETRIES,
         CLIENT_RETRIES,
+        FALLBACKS,
         REJECTED,
         KEY_LOOKUPS,
         GUARD_LOOPS,
@@ -142,6 +146,8 @@ pub struct Metrics {
     pub breaker_trips: IntCounterVec,
     /// See [`names::CLIENT_RETRIES`].
     pub client_retries: IntCounterVec,
+    /// See [`names::FALLBACKS`].
+    pub fallbacks: IntCounterVec,
     /// See [`names::UPSTREAM_THROTTLED`].
     pub upstream_throttled: IntCounterVec,
     /// See [`names::RETRIES`].
@@ -418,6 +424,14 @@ impl Metrics {
             &["tenant", "signal"],
         )?;
         registry.register(Box::new(client_retries.clone()))?;
+        let fallbacks = IntCounterVec::new(
+            Opts::new(
+                names::FALLBACKS,
+                "Requests that fell back to the other tier, by tenant, tier and outcome.",
+            ),
+            &["tenant", "tier", "outcome"],
+        )?;
+        registry.register(Box::new(fallbacks.clone()))?;
         registry.register(Box::new(rejected.clone()))?;
         registry.register(Box::new(key_lookups.clone()))?;
         registry.register(Box::new(guard_loops.clone()))?;
@@ -435,6 +449,7 @@ impl Metrics {
             upstream_throttled,
             retries,
             client_retries,
+            fallbacks,
             rejected,
             key_lookups,
             guard_loops,
@@ -469,6 +484,7 @@ impl Metrics {
             &self.cache_saved,
             &self.guard_loop_cost,
             &self.client_retries,
+            &self.fallbacks,
         ] {
             for family in vec.collect() {
                 for m in family.get_metric() {

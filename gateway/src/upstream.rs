@@ -15,7 +15,9 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use router::{HealthPolicy, Lease, ReplicaSet, ReplicaSnapshot, RetryBudget, Throttle};
+use router::{
+    HealthPolicy, Lease, ReplicaSet, ReplicaSnapshot, RetryBudget, ShareBudget, Throttle,
+};
 use secrecy::ExposeSecret;
 
 use crate::config::{Config, ConfigError, UpstreamConfig};
@@ -108,6 +110,8 @@ pub struct Upstreams {
     client: HttpsClient,
     config: UpstreamConfig,
     tiers: BTreeMap<Tier, TierPool>,
+    /// Each tenant's share of requests that may fall back to the other tier.
+    fallbacks: ShareBudget,
 }
 
 impl Upstreams {
@@ -203,6 +207,12 @@ impl Upstreams {
         }
         Ok(Self {
             client,
+            fallbacks: ShareBudget::new(
+                up.fallback_max_share,
+                up.fallback_min,
+                Duration::from_millis(up.fallback_window_ms),
+                Instant::now(),
+            ),
             config: up.clone(),
             tiers,
         })
@@ -211,6 +221,11 @@ impl Upstreams {
     /// Timeouts and retry settings.
     pub fn config(&self) -> &UpstreamConfig {
         &self.config
+    }
+
+    /// The per-tenant bound on fallback to the other tier.
+    pub fn fallbacks(&self) -> &ShareBudget {
+        &self.fallbacks
     }
 
     /// A tier's replicas.

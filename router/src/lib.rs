@@ -10,7 +10,8 @@
 //!   threshold read off its held-out curve for the tenant's policy, moved by budget pressure).
 //! - [`replica`]: replica choice (least in flight, under max concurrency) and passive health
 //!   (a circuit breaker per replica).
-//! - [`overload`]: a tier's retry budget and adaptive throttling when its servers reject.
+//! - [`overload`]: a tier's retry budget, adaptive throttling when its servers reject, and a
+//!   per-tenant share budget (for fallback to the other tier).
 //! - [`prefix`]: prefix block hashing. The gateway cannot see a model server's KV cache, but it
 //!   can describe a prompt as a chain of hashes of fixed-size token blocks, the same way the
 //!   servers key their prefix caches. Two prompts that share their first `k` blocks share their
@@ -23,6 +24,6 @@ pub mod replica;
 pub mod tier;
 pub mod window;
 
-pub use overload::{RetryBudget, Throttle};
+pub use overload::{RetryBudget, ShareBudget, Throttle};
 pub use prefix::{prefix_block_hashes, PrefixLru};
 pub use replica::{Breaker, HealthPolicy, Lease, Replica, ReplicaSet, ReplicaSnapshot, Trip};

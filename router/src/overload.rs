@@ -4,11 +4,12 @@
 //! the backends reject, reject locally with probability `max(0, (requests − K·accepts) /
 //! (requests + 1))` over a sliding window).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::window::SlidingCounts;
+use crate::window::{Buckets, SlidingCounts};
 
 /// Retries in flight at most `ratio` of the active requests, never fewer than `min`.
 #[derive(Debug)]
@@ -97,8 +98,7 @@ pub struct Throttle {
     /// Requests the window must hold before anything is rejected (a handful of rejections on a
     /// quiet tier is no overload).
     min_requests: u32,
-    epoch: Instant,
-    bucket: Duration,
+    buckets: Buckets,
     counts: Mutex<SlidingCounts>,
 }
 
@@ -109,15 +109,13 @@ impl Throttle {
         Self {
             k: k.max(0.0),
             min_requests,
-            epoch: now,
-            bucket: (window / SlidingCounts::BUCKETS as u32).max(Duration::from_millis(1)),
+            buckets: Buckets::new(window, now),
             counts: Mutex::new(SlidingCounts::default()),
         }
     }
 
     fn slot(&self, now: Instant) -> u64 {
-        let b = self.bucket.as_nanos().max(1);
-        u64::try_from(now.saturating_duration_since(self.epoch).as_nanos() / b).unwrap_or(u64::MAX)
+        self.buckets.slot(now)
     }
 
     /// The probability of rejecting a request locally now.
@@ -160,6 +158,67 @@ impl Throttle {
     }
 }
 
+/// A share of each key's requests (a tenant's) that may take a costlier path (falling back to
+/// the large tier), never fewer than a floor, over a sliding window.
+#[derive(Debug)]
+pub struct ShareBudget {
+    share: f64,
+    floor: u32,
+    buckets: Buckets,
+    /// Per key: (requests, takes) per bucket.
+    counts: Mutex<HashMap<String, SlidingCounts>>,
+}
+
+impl ShareBudget {
+    /// `share` (0..=1) of a key's requests over `window`, at least `floor`.
+    pub fn new(share: f64, floor: u32, window: Duration, now: Instant) -> Self {
+        Self {
+            share: share.clamp(0.0, 1.0),
+            floor,
+            buckets: Buckets::new(window, now),
+            counts: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn slot(&self, now: Instant) -> u64 {
+        self.buckets.slot(now)
+    }
+
+    /// Count one request of `key`; whether it is the first one seen of `key`.
+    pub fn request(&self, key: &str, now: Instant) -> bool {
+        let slot = self.slot(now);
+        let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        match counts.get_mut(key) {
+            Some(c) => {
+                c.add(slot, 1, 0);
+                false
+            }
+            None => {
+                let mut c = SlidingCounts::default();
+                c.add(slot, 1, 0);
+                counts.insert(key.to_owned(), c);
+                true
+            }
+        }
+    }
+
+    /// Take one from `key`'s budget if it has room: takes in the window, this one included, at
+    /// most `max(floor, share × requests)`.
+    pub fn try_take(&self, key: &str, now: Instant) -> bool {
+        let slot = self.slot(now);
+        let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        let c = counts.entry(key.to_owned()).or_default();
+        let (requests, taken) = c.totals(slot);
+        let allowed = ((f64::from(requests) * self.share).floor() as u32).max(self.floor);
+        if taken < allowed {
+            c.add(slot, 0, 1);
+            true
+        } else {
+            false
+        }
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 mod tests {
@@ -183,6 +242,34 @@ mod tests {
         let none = RetryBudget::new(0.0, 0);
         let _a = none.request();
         assert!(none.try_retry().is_none(), "a zero budget never retries");
+    }
+
+    #[test]
+    fn a_share_budget_allows_its_floor_then_a_share_of_requests_per_key() {
+        let t0 = Instant::now();
+        let b = ShareBudget::new(0.25, 2, Duration::from_secs(10), t0);
+        assert!(b.request("acme", t0), "the first of its key");
+        for _ in 0..3 {
+            assert!(!b.request("acme", t0));
+        }
+        assert!(
+            b.try_take("acme", t0) && b.try_take("acme", t0),
+            "the floor"
+        );
+        assert!(
+            !b.try_take("acme", t0),
+            "25% of 4 is 1, under the floor of 2"
+        );
+        for _ in 0..8 {
+            b.request("acme", t0);
+        }
+        assert!(b.try_take("acme", t0), "25% of 12 is 3");
+        assert!(!b.try_take("acme", t0));
+        assert!(b.try_take("other", t0), "per key");
+        assert!(
+            b.try_take("acme", t0 + Duration::from_secs(11)),
+            "the window forgets"
+        );
     }
 
     #[test]

@@ -1,5 +1,30 @@
 //! Two counters over a sliding window of [`SlidingCounts::BUCKETS`] buckets, keyed by bucket
-//! number (the caller turns time into bucket numbers, so the logic needs no clock).
+//! number, and [`Buckets`], which turns a time into a bucket number (time is passed in).
+
+use std::time::{Duration, Instant};
+
+/// Bucket numbers of a window: a tenth of it each, counted from an epoch.
+#[derive(Debug, Clone, Copy)]
+pub struct Buckets {
+    epoch: Instant,
+    bucket: Duration,
+}
+
+impl Buckets {
+    /// Buckets of `window` from `epoch`.
+    pub fn new(window: Duration, epoch: Instant) -> Self {
+        Self {
+            epoch,
+            bucket: (window / SlidingCounts::BUCKETS as u32).max(Duration::from_millis(1)),
+        }
+    }
+
+    /// The bucket `now` falls in.
+    pub fn slot(&self, now: Instant) -> u64 {
+        let b = self.bucket.as_nanos().max(1);
+        u64::try_from(now.saturating_duration_since(self.epoch).as_nanos() / b).unwrap_or(u64::MAX)
+    }
+}
 
 /// Two counts per bucket over the last [`SlidingCounts::BUCKETS`] buckets.
 #[derive(Debug, Default, Clone)]

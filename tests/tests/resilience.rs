@@ -449,3 +449,51 @@ async fn an_sdk_retry_of_a_request_still_running_joins_it_and_is_charged_nothing
     assert_eq!(stats(&sim).await["requests"], 2);
     app.stop().await;
 }
+
+#[tokio::test]
+async fn fallback_to_the_large_tier_is_bounded_by_the_tenants_share_and_counted() {
+    let large = Sim::zero("sim-large").await;
+    // The whole small tier fails.
+    let small = Sim::start(zero("sim-small", &["0s+60s=500"])).await;
+    let mut c = config(
+        vec![replica("s1", &small.url, "sim-small")],
+        vec![replica("l1", &large.url, "sim-large")],
+    );
+    c.upstream.retries_same_tier = 0;
+    c.upstream.failure_threshold = 1_000_000;
+    c.upstream.error_ratio = 1.0;
+    c.upstream.error_ratio_min_requests = 1_000_000;
+    c.upstream.throttle_k = 0.0;
+    c.upstream.fallback_max_share = 0.25;
+    c.upstream.fallback_min = 2;
+    let mut app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    let mut answered_large = 0;
+    for i in 0..12 {
+        let r = app.chat(chat_body("fast", &format!("q{i}"))).await;
+        let e = app.next_event().await;
+        if r.status() == 200 {
+            assert_eq!(r.headers()["x-gateway-tier"], "large");
+            assert_eq!(e.route_reason.as_deref(), Some("unhealthy"));
+            answered_large += 1;
+        } else {
+            assert_eq!(
+                r.status(),
+                502,
+                "the small tier's error, not a costlier answer"
+            );
+        }
+    }
+    // At most max(2, 25% of 12) = 3 of the 12 went to the large tier.
+    assert_eq!(answered_large, 3);
+    assert_eq!(stats(&large).await["requests"], 3);
+    let metrics = app.metrics().await;
+    for (outcome, n) in [("answered", 3), ("over_share", 9)] {
+        assert!(
+            metrics.contains(&format!(
+                "gateway_fallbacks_total{{outcome=\"{outcome}\",tenant=\"acme\",tier=\"large\"}} {n}"
+            )),
+            "{outcome}: {metrics}"
+        );
+    }
+    app.stop().await;
+}

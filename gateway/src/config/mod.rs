@@ -189,6 +189,15 @@ impl Config {
         if !(u.error_ratio > 0.0 && u.error_ratio <= 1.0) {
             return Err(invalid("upstream.error_ratio", "must be in (0, 1]"));
         }
+        if !(0.0..=1.0).contains(&u.fallback_max_share) {
+            return Err(invalid("upstream.fallback_max_share", "must be in [0, 1]"));
+        }
+        if u.fallback_window_ms < 100 {
+            return Err(invalid(
+                "upstream.fallback_window_ms",
+                "must be at least 100 (ms)",
+            ));
+        }
         if !(0.0..=1.0).contains(&u.retry_budget_ratio) {
             return Err(invalid("upstream.retry_budget_ratio", "must be in [0, 1]"));
         }

@@ -65,6 +65,13 @@ pub struct UpstreamConfig {
     pub throttle_window_ms: u64,
     /// Requests to a tier the window must hold before the throttle rejects anything.
     pub throttle_min_requests: u32,
+    /// Fallback to the other tier (small → large multiplies a request's cost) for at most this
+    /// share of a tenant's requests over `fallback_window_ms`...
+    pub fallback_max_share: f64,
+    /// ...but always this many in the window.
+    pub fallback_min: u32,
+    /// The window of the fallback bound, ms.
+    pub fallback_window_ms: u64,
     /// Idle pooled connections kept per upstream host.
     pub pool_max_idle_per_host: usize,
     /// What to do with an upstream stream whose client disconnected.
@@ -93,6 +100,9 @@ impl Default for UpstreamConfig {
             throttle_k: 2.0,
             throttle_window_ms: 60_000,
             throttle_min_requests: 20,
+            fallback_max_share: 0.3,
+            fallback_min: 10,
+            fallback_window_ms: 60_000,
             pool_max_idle_per_host: 256,
             on_client_disconnect: DisconnectPolicy::Drain,
         }

@@ -61,10 +61,37 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
         .upstreams
         .tier(call.tier)
         .map(|p| p.retry_budget.request());
+    let tenant = call.ctx.key.tenant_name.clone();
+    if state.upstreams.fallbacks().request(&tenant, Instant::now()) {
+        // The tenant's fallback counters exist from its first request (at 0).
+        for tier in [Tier::Small, Tier::Large] {
+            for outcome in ["answered", "over_share"] {
+                state.metrics.fallbacks.with_label_values(&[
+                    tenant.as_str(),
+                    tier.as_str(),
+                    outcome,
+                ]);
+            }
+        }
+    }
     for tier in plan(&state, call.tier, call.fallback) {
         let Some(pool) = state.upstreams.tier(tier) else {
             continue;
         };
+        if tier != call.tier
+            && !state
+                .upstreams
+                .fallbacks()
+                .try_take(&tenant, Instant::now())
+        {
+            // The tenant's share of fallback (the other tier's price) is spent for now.
+            state
+                .metrics
+                .fallbacks
+                .with_label_values(&[tenant.as_str(), tier.as_str(), "over_share"])
+                .inc();
+            break;
+        }
         if pool.throttle.reject(Instant::now(), rand::random()) {
             // Its servers are rejecting as overloaded: turn part of the traffic away here.
             state
@@ -229,6 +256,11 @@ fn answered_by(call: &mut Call, tier: Tier, attempts: u32) {
     call.event.retries = attempts - 1;
     if tier != call.tier {
         call.event.route_reason = Some(router::tier::Reason::Unhealthy.as_str().to_owned());
+        call.state
+            .metrics
+            .fallbacks
+            .with_label_values(&[call.ctx.key.tenant_name.as_str(), tier.as_str(), "answered"])
+            .inc();
     }
 }
 

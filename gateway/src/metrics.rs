@@ -26,6 +26,9 @@ pub mod names {
     pub const IN_FLIGHT: &str = "gateway_replica_in_flight";
     /// 1 when the replica is in rotation, 0 while cooling down.
     pub const HEALTHY: &str = "gateway_replica_healthy";
+    /// Requests shed because a tier was at capacity, by tier and reason (`queue_full`: too many
+    /// already waiting; `queue_timeout`: no slot freed within `upstream.queue_wait_ms`).
+    pub const SHED: &str = "gateway_shed_requests_total";
     /// Requests that fell back to the other tier, by tenant, the tier fallen back to and outcome
     /// (`answered`, or `over_share` when the tenant's share of fallback was spent).
     pub const FALLBACKS: &str = "gateway_fallbacks_total";
@@ -101,6 +104,7 @@ pub mod names {
         RETRIES,
         CLIENT_RETRIES,
         FALLBACKS,
+        SHED,
         REJECTED,
         KEY_LOOKUPS,
         GUARD_LOOPS,
@@ -148,6 +152,8 @@ pub struct Metrics {
     pub client_retries: IntCounterVec,
     /// See [`names::FALLBACKS`].
     pub fallbacks: IntCounterVec,
+    /// See [`names::SHED`].
+    pub shed: IntCounterVec,
     /// See [`names::UPSTREAM_THROTTLED`].
     pub upstream_throttled: IntCounterVec,
     /// See [`names::RETRIES`].
@@ -432,6 +438,14 @@ impl Metrics {
             &["tenant", "tier", "outcome"],
         )?;
         registry.register(Box::new(fallbacks.clone()))?;
+        let shed = IntCounterVec::new(
+            Opts::new(
+                names::SHED,
+                "Requests shed because a tier was at capacity, by tier and reason.",
+            ),
+            &["tier", "reason"],
+        )?;
+        registry.register(Box::new(shed.clone()))?;
         registry.register(Box::new(rejected.clone()))?;
         registry.register(Box::new(key_lookups.clone()))?;
         registry.register(Box::new(guard_loops.clone()))?;
@@ -450,6 +464,7 @@ impl Metrics {
             retries,
             client_retries,
             fallbacks,
+            shed,
             rejected,
             key_lookups,
             guard_loops,
@@ -506,6 +521,9 @@ impl Metrics {
     pub fn render(&self, replicas: &[(String, Vec<ReplicaSnapshot>)]) -> String {
         for (tier, snapshot) in replicas {
             self.upstream_throttled.with_label_values(&[tier.as_str()]);
+            for reason in ["queue_full", "queue_timeout"] {
+                self.shed.with_label_values(&[tier.as_str(), reason]);
+            }
             for outcome in ["sent", "budget_exhausted"] {
                 self.retries.with_label_values(&[tier.as_str(), outcome]);
             }

@@ -55,6 +55,8 @@ pub struct TierPool {
     pub retry_budget: RetryBudget,
     /// Local rejection while the tier's servers reject as overloaded.
     pub throttle: Throttle,
+    /// Requests waiting for a slot on this tier's replicas.
+    pub queued: std::sync::atomic::AtomicU32,
 }
 
 impl TierPool {
@@ -202,6 +204,7 @@ impl Upstreams {
                         up.throttle_min_requests,
                         Instant::now(),
                     ),
+                    queued: std::sync::atomic::AtomicU32::new(0),
                 },
             );
         }

@@ -371,6 +371,16 @@ impl ReplicaSet {
         None
     }
 
+    /// Whether a replica not in `exclude` would take a request but is at its concurrency limit
+    /// (so waiting for a slot makes sense; `false` when every candidate is out of rotation).
+    pub fn at_capacity(&self, now: Instant, exclude: &[usize]) -> bool {
+        self.replicas.iter().enumerate().any(|(i, r)| {
+            !exclude.contains(&i)
+                && self.state(r, now) != Breaker::Open
+                && r.in_flight() >= r.max_concurrency
+        })
+    }
+
     /// The request on `lease` succeeded: the replica is healthy again.
     pub fn record_success(&self, lease: &Lease, now: Instant) {
         let replica = &self.replicas[lease.index];
@@ -485,6 +495,19 @@ mod tests {
         assert!(s.choose(now, &[]).is_none(), "replica at max concurrency");
         drop(a);
         assert!(s.choose(now, &[]).is_some());
+    }
+
+    #[test]
+    fn a_full_healthy_replica_is_at_capacity_an_open_one_is_not() {
+        let s = set(1, 1);
+        let now = Instant::now();
+        assert!(!s.at_capacity(now, &[]));
+        let lease = s.choose(now, &[]).unwrap();
+        assert!(s.at_capacity(now, &[]), "full: worth waiting for");
+        assert!(!s.at_capacity(now, &[0]), "excluded");
+        s.record_failure(&lease, now);
+        s.record_failure(&lease, now);
+        assert!(!s.at_capacity(now, &[]), "open: not worth waiting for");
     }
 
     #[test]

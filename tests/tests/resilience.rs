@@ -497,3 +497,64 @@ async fn fallback_to_the_large_tier_is_bounded_by_the_tenants_share_and_counted(
     }
     app.stop().await;
 }
+
+#[tokio::test]
+async fn a_tier_at_capacity_queues_a_few_requests_briefly_and_sheds_the_rest_at_once() {
+    let large = Sim::zero("sim-large").await;
+    let sim = Sim::start(zero("sim-small", &["0s+60s=slow:400ms"])).await;
+    let mut s1 = replica("s1", &sim.url, "sim-small");
+    s1.max_concurrency = 1;
+    let mut c = config(vec![s1], vec![replica("l1", &large.url, "sim-large")]);
+    c.upstream.fallback_to_other_tier = false;
+    c.upstream.queue_depth = 1;
+    c.upstream.queue_wait_ms = 1_000;
+    let mut app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    let started = std::time::Instant::now();
+    let sends: Vec<_> = (0..3)
+        .map(|i| {
+            let (http, base, key) = (app.http.clone(), app.base.clone(), app.api_key.clone());
+            async move {
+                // Staggered, so the first holds the slot and the second is queued.
+                tokio::time::sleep(std::time::Duration::from_millis(50 * i)).await;
+                let r = http
+                    .post(format!("{base}/v1/chat/completions"))
+                    .bearer_auth(key)
+                    .json(&chat_body("fast", &format!("q{i}")))
+                    .send()
+                    .await
+                    .unwrap();
+                (
+                    r.status().as_u16(),
+                    started.elapsed(),
+                    r.text().await.unwrap(),
+                )
+            }
+        })
+        .collect();
+    let results = futures_util::future::join_all(sends).await;
+    assert_eq!(results[0].0, 200);
+    assert_eq!(
+        results[1].0, 200,
+        "queued until the slot freed: {results:?}"
+    );
+    assert!(
+        results[1].1 >= std::time::Duration::from_millis(700),
+        "{results:?}"
+    );
+    assert_eq!(results[2].0, 503, "the queue was full: {results:?}");
+    assert!(results[2].2.contains("queue_depth"), "{results:?}");
+    assert!(
+        results[2].1 < std::time::Duration::from_millis(300),
+        "shed at once: {results:?}"
+    );
+    for _ in 0..3 {
+        let e = app.next_event().await;
+        assert!(e.status != 503 || e.cost_micros == 0);
+    }
+    let metrics = app.metrics().await;
+    assert!(
+        metrics.contains("gateway_shed_requests_total{reason=\"queue_full\",tier=\"small\"} 1"),
+        "{metrics}"
+    );
+    app.stop().await;
+}

@@ -72,6 +72,11 @@ pub struct UpstreamConfig {
     pub fallback_min: u32,
     /// The window of the fallback bound, ms.
     pub fallback_window_ms: u64,
+    /// Requests that may wait, per tier, for a replica at its `max_concurrency` to free a slot;
+    /// beyond it a request fails fast (503, `Retry-After`) instead of queueing without bound.
+    pub queue_depth: u32,
+    /// Longest wait in that queue, ms (then 503).
+    pub queue_wait_ms: u64,
     /// Idle pooled connections kept per upstream host.
     pub pool_max_idle_per_host: usize,
     /// What to do with an upstream stream whose client disconnected.
@@ -103,6 +108,8 @@ impl Default for UpstreamConfig {
             fallback_max_share: 0.3,
             fallback_min: 10,
             fallback_window_ms: 60_000,
+            queue_depth: 256,
+            queue_wait_ms: 2_000,
             pool_max_idle_per_host: 256,
             on_client_disconnect: DisconnectPolicy::Drain,
         }

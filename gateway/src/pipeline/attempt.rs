@@ -1,7 +1,7 @@
 //! Attempts with failover: the tiers to try in order, a replica of each, and what counts as a
 //! failure worth trying elsewhere (connect errors, timeouts, 5xx; never a 4xx).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -74,10 +74,14 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
             }
         }
     }
+    let mut shed: Vec<Tier> = Vec::new();
     for tier in plan(&state, call.tier, call.fallback) {
         let Some(pool) = state.upstreams.tier(tier) else {
             continue;
         };
+        if shed.contains(&tier) {
+            continue;
+        }
         if tier != call.tier
             && !state
                 .upstreams
@@ -133,7 +137,25 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
             .filter(|(t, _)| *t == tier)
             .map(|(_, i)| *i)
             .collect();
-        let Some(lease) = pool.set.choose(Instant::now(), &exclude) else {
+        let lease = match pool.set.choose(Instant::now(), &exclude) {
+            Some(lease) => Some(lease),
+            None if pool.set.at_capacity(Instant::now(), &exclude) => {
+                let wait = Duration::from_millis(up.queue_wait_ms)
+                    .min(first_byte_left)
+                    .min(deadline.saturating_duration_since(Instant::now()));
+                match queued(&state, pool, &exclude, up.queue_depth, wait).await {
+                    Ok(lease) => lease,
+                    Err(e) => {
+                        // Shed from this tier: its other attempts would be shed too.
+                        shed.push(tier);
+                        last_error = Some(e);
+                        continue;
+                    }
+                }
+            }
+            None => None,
+        };
+        let Some(lease) = lease else {
             continue;
         };
         tried.push((tier, lease.index()));
@@ -248,6 +270,70 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
     event.latency_ms = ms_since(ctx.started);
     settle(&state, event, reservation);
     (error.into_response(), None)
+}
+
+/// Wait up to `wait` for a slot on `pool`'s replicas (all at their concurrency limit), among at
+/// most `depth` waiting requests: `Ok(None)` when none freed in time, `Err` when the queue is
+/// full (the request is shed at once).
+async fn queued(
+    state: &AppState,
+    pool: &crate::upstream::TierPool,
+    exclude: &[usize],
+    depth: u32,
+    wait: Duration,
+) -> Result<Option<router::Lease>, ApiError> {
+    use std::sync::atomic::Ordering;
+    let tier = pool.tier.as_str();
+    let full = pool
+        .queued
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < depth).then_some(n + 1)
+        })
+        .is_err();
+    if full {
+        state
+            .metrics
+            .shed
+            .with_label_values(&[tier, "queue_full"])
+            .inc();
+        return Err(ApiError::Unavailable {
+            message: format!(
+                "the {tier} tier is at capacity and {depth} requests already wait for it \
+                 (upstream.queue_depth); try again shortly"
+            ),
+            retry_after: 1,
+        });
+    }
+    let until = Instant::now() + wait;
+    let mut pause = Duration::from_millis(1);
+    let lease = loop {
+        if let Some(lease) = pool.set.choose(Instant::now(), exclude) {
+            break Some(lease);
+        }
+        let now = Instant::now();
+        if now >= until {
+            break None;
+        }
+        tokio::time::sleep(pause.min(until - now)).await;
+        pause = (pause * 2).min(Duration::from_millis(20));
+    };
+    pool.queued.fetch_sub(1, Ordering::AcqRel);
+    if lease.is_none() {
+        state
+            .metrics
+            .shed
+            .with_label_values(&[tier, "queue_timeout"])
+            .inc();
+        return Err(ApiError::Unavailable {
+            message: format!(
+                "the {tier} tier stayed at capacity for the {} ms a request may wait \
+                 (upstream.queue_wait_ms); try again shortly",
+                wait.as_millis()
+            ),
+            retry_after: 1,
+        });
+    }
+    Ok(lease)
 }
 
 /// Record that `tier` answered after `attempts` attempts: a tier other than the chosen one means

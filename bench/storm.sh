@@ -7,12 +7,14 @@
 # Run twice: the gateway's protections as shipped, then off.
 #
 #   BIN=/var/tmp/gw-target/debug bench/storm.sh     # or let bench/common.sh build release
+#   MAX_RETRIES=5 bench/storm.sh                     # the SDK's max_retries (default 2)
 # Needs: python3 with openai (tests/python/requirements.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/common.sh
 DURATION=${DURATION:-36}
 CLIENTS=${CLIENTS:-50}
+MAX_RETRIES=${MAX_RETRIES:-2}
 P_A=19301 P_B=19302 P_L=19303 P_GW=19304
 
 run() {
@@ -53,16 +55,18 @@ TOML
   wait_port $P_GW
   local key
   key=$(bench_key "http://127.0.0.1:$P_GW")
-  python3 - "$key" "$P_GW" "$DURATION" "$CLIENTS" "$name" $P_A $P_B $P_L <<'PY'
+  python3 - "$key" "$P_GW" "$DURATION" "$CLIENTS" "$name" "$MAX_RETRIES" $P_A $P_B $P_L <<'PY'
 import json, sys, threading, time, urllib.request
 from openai import OpenAI
 key, port, duration, clients, name = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-sims = sys.argv[6:]
+max_retries = int(sys.argv[6])
+sims = sys.argv[7:]
 start = time.time()
 lock = threading.Lock()
 count = {"requests": 0, "ok": 0, "failed": 0}
 def worker(i):
-    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, timeout=2.0)
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, timeout=2.0,
+                    max_retries=max_retries)
     n = 0
     while time.time() - start < duration:
         n += 1

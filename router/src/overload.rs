@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::window::{Buckets, SlidingCounts};
+use crate::window::{allowance, Buckets, SlidingCounts};
 
 /// Retries in flight at most `ratio` of the active requests, never fewer than `min`.
 #[derive(Debug)]
@@ -64,7 +64,7 @@ impl RetryBudget {
     /// The retries the budget allows now.
     pub fn allowed(&self) -> u32 {
         let active = self.counts.active.load(Ordering::Acquire);
-        ((f64::from(active) * self.ratio).floor() as u32).max(self.min)
+        allowance(active, self.ratio, self.min)
     }
 
     /// A retry, if the budget has room for one more in flight.
@@ -209,8 +209,7 @@ impl ShareBudget {
         let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
         let c = counts.entry(key.to_owned()).or_default();
         let (requests, taken) = c.totals(slot);
-        let allowed = ((f64::from(requests) * self.share).floor() as u32).max(self.floor);
-        if taken < allowed {
+        if taken < allowance(requests, self.share, self.floor) {
             c.add(slot, 0, 1);
             true
         } else {

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::window::SlidingCounts;
+use crate::window::{Buckets, SlidingCounts};
 
 /// How passive health checking reacts to failures.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -187,6 +187,8 @@ pub struct ReplicaSet {
     replicas: Vec<Arc<Replica>>,
     policy: HealthPolicy,
     epoch: Instant,
+    /// Bucket numbers of the error-ratio window.
+    buckets: Buckets,
     /// Rotates the starting point of the scan so ties spread round-robin.
     next: AtomicUsize,
     /// Source of probe tokens (never 0).
@@ -259,10 +261,12 @@ impl ReplicaSet {
                 })
             })
             .collect();
+        let epoch = Instant::now();
         Self {
             replicas,
+            buckets: Buckets::new(policy.ratio_window, epoch),
             policy,
-            epoch: Instant::now(),
+            epoch,
             next: AtomicUsize::new(0),
             probes: AtomicU64::new(1),
         }
@@ -284,9 +288,7 @@ impl ReplicaSet {
 
     /// The error-ratio window's bucket at `now`.
     fn slot(&self, now: Instant) -> u64 {
-        let bucket = (self.policy.ratio_window.as_nanos() / SlidingCounts::BUCKETS as u128).max(1);
-        u64::try_from(now.saturating_duration_since(self.epoch).as_nanos() / bucket)
-            .unwrap_or(u64::MAX)
+        self.buckets.slot(now)
     }
 
     fn is_healthy(&self, replica: &Replica, now: Instant) -> bool {

@@ -26,6 +26,12 @@ impl Buckets {
     }
 }
 
+/// What a budget of `share` of `count` allows, never less than `floor`: `max(floor, ⌊share ×
+/// count⌋)`. The one formula behind the retry budgets and the fallback share.
+pub fn allowance(count: u32, share: f64, floor: u32) -> u32 {
+    ((f64::from(count) * share).floor() as u32).max(floor)
+}
+
 /// Two counts per bucket over the last [`SlidingCounts::BUCKETS`] buckets.
 #[derive(Debug, Default, Clone)]
 pub struct SlidingCounts {

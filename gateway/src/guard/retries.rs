@@ -87,8 +87,7 @@ impl BudgetRule {
     /// Whether `retries` in the window (the current one included) exceed what `requests`
     /// allow: `max(floor, share × requests)`.
     pub fn over(&self, requests: u32, retries: u32) -> bool {
-        let allowed = ((f64::from(requests) * self.share).floor() as u32).max(self.floor);
-        retries > allowed
+        retries > router::window::allowance(requests, self.share, self.floor)
     }
 }
 

@@ -61,16 +61,17 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
         .upstreams
         .tier(call.tier)
         .map(|p| p.retry_budget.request());
-    let tenant = call.ctx.key.tenant_name.clone();
-    if state.upstreams.fallbacks().request(&tenant, Instant::now()) {
+    // The key outlives `call` (moved into the response below); its tenant names the counts.
+    let key = std::sync::Arc::clone(&call.ctx.key);
+    let tenant = key.tenant_name.as_str();
+    if state.upstreams.fallbacks().request(tenant, Instant::now()) {
         // The tenant's fallback counters exist from its first request (at 0).
         for tier in [Tier::Small, Tier::Large] {
             for outcome in ["answered", "over_share"] {
-                state.metrics.fallbacks.with_label_values(&[
-                    tenant.as_str(),
-                    tier.as_str(),
-                    outcome,
-                ]);
+                state
+                    .metrics
+                    .fallbacks
+                    .with_label_values(&[tenant, tier.as_str(), outcome]);
             }
         }
     }
@@ -82,17 +83,12 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
         if shed.contains(&tier) {
             continue;
         }
-        if tier != call.tier
-            && !state
-                .upstreams
-                .fallbacks()
-                .try_take(&tenant, Instant::now())
-        {
+        if tier != call.tier && !state.upstreams.fallbacks().try_take(tenant, Instant::now()) {
             // The tenant's share of fallback (the other tier's price) is spent for now.
             state
                 .metrics
                 .fallbacks
-                .with_label_values(&[tenant.as_str(), tier.as_str(), "over_share"])
+                .with_label_values(&[tenant, tier.as_str(), "over_share"])
                 .inc();
             break;
         }

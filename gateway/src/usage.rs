@@ -48,6 +48,9 @@ pub enum UsageSource {
     Tokenizer,
     /// No upstream call produced tokens (rejected before forwarding).
     None,
+    /// Not a request at all: a row of the labelled demo history `gateway demo` seeds (the
+    /// reports count these and say so).
+    Synthetic,
 }
 
 /// One request's settlement (also the cost ledger's row, and the spool's line format).

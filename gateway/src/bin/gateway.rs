@@ -228,6 +228,10 @@ enum Command {
         /// Store URL.
         #[arg(long, default_value = "sqlite://gateway-demo.db")]
         store: String,
+        /// Do not seed the labelled synthetic fortnight of ledger history (seeded once per
+        /// database otherwise, so the dashboard has a cost change to explain).
+        #[arg(long)]
+        no_history: bool,
     },
 }
 
@@ -394,10 +398,15 @@ async fn main() -> anyhow::Result<()> {
                 .await?;
             Ok(())
         }
-        Command::Demo { port, store } => {
+        Command::Demo {
+            port,
+            store,
+            no_history,
+        } => {
             gateway::demo::run(gateway::demo::DemoOptions {
                 listen: SocketAddr::from(([127, 0, 0, 1], port)),
                 store_url: store,
+                history: !no_history,
             })
             .await
         }

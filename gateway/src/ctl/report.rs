@@ -79,7 +79,14 @@ impl ReportCommand {
                 let a: Answer<WeeklyReport> = admin.call(Method::GET, &path, None).await?;
                 let r = &a.body;
                 let mut sections = vec![Section {
-                    title: format!("Week {} (vs {})", r.week, r.previous_week),
+                    title: format!(
+                        "Week {} (vs {}){}",
+                        r.week,
+                        r.previous_week,
+                        synthetic_note(
+                            r.total.this.synthetic_requests + r.total.previous.synthetic_requests
+                        )
+                    ),
                     header: WEEKLY_HEADER,
                     rows: vec![weekly_row(&r.total)],
                 }];
@@ -285,6 +292,18 @@ fn routing_section(title: &str, lines: &[RoutingChange]) -> Section {
     }
 }
 
+/// Said after a report's first title when its weeks hold the demo's synthetic history.
+fn synthetic_note(rows: i64) -> String {
+    if rows > 0 {
+        format!(
+            " — DEMO DATA: {rows} of these rows are synthetic, seeded by `gateway demo`, not \
+             requests"
+        )
+    } else {
+        String::new()
+    }
+}
+
 fn explain_sections(e: &Explanation) -> Vec<Section> {
     let total = e.to_micros - e.from_micros;
     let terms = e
@@ -301,12 +320,13 @@ fn explain_sections(e: &Explanation) -> Vec<Section> {
         .collect();
     let mut sections = vec![Section {
         title: format!(
-            "Cost {} → {}: {:#} → {:#} ({:+})",
+            "Cost {} → {}: {:#} → {:#} ({:+}){}",
             e.from_week,
             e.to_week,
             Usd(e.from_micros),
             Usd(e.to_micros),
-            Usd(total)
+            Usd(total),
+            synthetic_note(e.synthetic_requests)
         ),
         header: &["TERM", "CHANGE $", "SHARE"],
         rows: terms,

@@ -100,6 +100,9 @@ pub struct Aggregate {
     /// tier's price in force at the time).
     #[serde(default)]
     pub routed_all_large: i64,
+    /// Rows of the demo's labelled synthetic history (`usage_source = 'synthetic'`).
+    #[serde(default)]
+    pub synthetic_requests: i64,
 }
 
 impl Aggregate {
@@ -179,6 +182,10 @@ fn measures() -> Vec<(&'static str, String)> {
         (
             "routed_all_large",
             "COALESCE(all_large_micros, 0)".to_owned(),
+        ),
+        (
+            "synthetic_requests",
+            when("usage_source = 'synthetic'", "1"),
         ),
     ]
 }
@@ -313,6 +320,7 @@ macro_rules! decode_aggregate {
                 routed_large: r.try_get("routed_large")?,
                 routed_cost: r.try_get("routed_cost")?,
                 routed_all_large: r.try_get("routed_all_large")?,
+                synthetic_requests: r.try_get("synthetic_requests")?,
             },
         ))
     }};
@@ -404,7 +412,16 @@ pub struct WeeklyReport {
     /// everything on large, this week and the one before; then `total`.
     #[serde(default)]
     pub routing: Vec<RoutingChange>,
+    /// Each day of the week (`key`: its date) beside the same weekday of the week before.
+    #[serde(default)]
+    pub daily: Vec<ReportLine>,
+    /// The [`TOP_SPENDERS`] most expensive API keys (`key`: key id) and sessions this week.
+    #[serde(default)]
+    pub top: BTreeMap<String, Vec<ReportLine>>,
 }
+
+/// API keys and sessions listed by name in the weekly report.
+pub const TOP_SPENDERS: usize = 5;
 
 /// The weekly report's agent loops: totals, and the most expensive ones.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -489,6 +506,38 @@ pub async fn weekly(
         by.get("tenant").map_or(&[][..], Vec::as_slice),
         (&total.previous, &total.this),
     );
+    let mut daily = Vec::with_capacity(7);
+    for d in 0..7 {
+        let day = |w: IsoWeek| {
+            let from = w.start() + Duration::days(d);
+            (from, from + Duration::days(1))
+        };
+        let one = |(from, to): (DateTime<Utc>, DateTime<Utc>)| async move {
+            let rows = ledger.aggregate(from, to, tenant, &[]).await?;
+            Ok::<_, StoreError>(
+                rows.into_iter()
+                    .map(|(_, a)| a)
+                    .fold(Aggregate::default(), |a, b| add(a, &b)),
+            )
+        };
+        let (from, to) = day(week);
+        daily.push(ReportLine {
+            key: from.date_naive().to_string(),
+            this: one((from, to)).await?,
+            previous: one(day(previous)).await?,
+        });
+    }
+    let mut top = BTreeMap::new();
+    for (name, dim) in [("key", Dimension::Key), ("session", Dimension::Session)] {
+        let mut l = lines(
+            grouped(ledger, week, tenant, &[dim]).await?,
+            grouped(ledger, previous, tenant, &[dim]).await?,
+        );
+        // Untagged traffic is not a session; keys and sessions idle this week are not top.
+        l.retain(|l| l.this.requests > 0 && !(dim == Dimension::Session && l.key == "-"));
+        l.truncate(TOP_SPENDERS);
+        top.insert(name.to_owned(), l);
+    }
     Ok(WeeklyReport {
         week: week.to_string(),
         previous_week: previous.to_string(),
@@ -503,6 +552,8 @@ pub async fn weekly(
             top: found,
         },
         routing,
+        daily,
+        top,
     })
 }
 
@@ -544,6 +595,9 @@ pub struct Explanation {
     /// The tier router by tenant (those with routed requests in either week), then `total`.
     #[serde(default)]
     pub routing: Vec<RoutingChange>,
+    /// Rows of the demo's synthetic history in the two weeks (0 on real traffic).
+    #[serde(default)]
+    pub synthetic_requests: i64,
 }
 
 /// The tier router's share of large calls and savings for one tenant (or `total`), in the two
@@ -764,6 +818,7 @@ pub async fn explain(
         terms,
         top,
         routing,
+        synthetic_requests: t0.synthetic_requests + t1.synthetic_requests,
     })
 }
 
@@ -791,6 +846,7 @@ fn add(a: Aggregate, b: &Aggregate) -> Aggregate {
         routed_large: a.routed_large + b.routed_large,
         routed_cost: a.routed_cost + b.routed_cost,
         routed_all_large: a.routed_all_large + b.routed_all_large,
+        synthetic_requests: a.synthetic_requests + b.synthetic_requests,
     }
 }
 

@@ -51,6 +51,11 @@ const SQLITE: Embedded = &[
         "routing in the reports",
         include_str!("../../../migrations/sqlite/0008_routing_reports.sql"),
     ),
+    (
+        9,
+        "synthetic demo rows in the rollup",
+        include_str!("../../../migrations/sqlite/0009_synthetic_rows.sql"),
+    ),
 ];
 
 const POSTGRES: Embedded = &[
@@ -93,6 +98,11 @@ const POSTGRES: Embedded = &[
         8,
         "routing in the reports",
         include_str!("../../../migrations/postgres/0008_routing_reports.sql"),
+    ),
+    (
+        9,
+        "synthetic demo rows in the rollup",
+        include_str!("../../../migrations/postgres/0009_synthetic_rows.sql"),
     ),
 ];
 

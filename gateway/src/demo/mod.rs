@@ -1,6 +1,10 @@
 //! `gateway demo`: the gateway on its embedded default (SQLite file, in-process state) in front
 //! of three **simulated** model servers (two small replicas, one large), with a demo tenant and a
-//! fresh key, serving until Ctrl-C.
+//! fresh key, serving until Ctrl-C. On its first launch against a database it also seeds a
+//! labelled synthetic fortnight of ledger history ([`history`]), so the dashboard and the reports
+//! have a cost change to explain.
+
+pub mod history;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -26,6 +30,8 @@ pub struct DemoOptions {
     pub listen: SocketAddr,
     /// Store URL (embedded SQLite by default).
     pub store_url: String,
+    /// Seed the synthetic fortnight (once per database).
+    pub history: bool,
 }
 
 /// What the demo set up, for printing (and for tests).
@@ -39,6 +45,8 @@ pub struct Demo {
     pub admin_token: String,
     /// The bound listener.
     pub listener: TcpListener,
+    /// The synthetic history seeded now (`None`: skipped, or seeded by an earlier launch).
+    pub history: Option<history::Seeded>,
 }
 
 fn replica(name: &str, addr: SocketAddr, model: &str) -> ReplicaConfig {
@@ -103,7 +111,13 @@ pub async fn prepare(options: &DemoOptions) -> anyhow::Result<Demo> {
         ("auto".to_owned(), ModelTarget::Auto),
     ]);
     fetch_model(&config.cache.semantic.model_dir);
+    let prices = config.prices.clone();
     let state = AppState::build(config, Deps::default()).await?;
+    let seeded = if options.history {
+        history::seed(&state, &prices, chrono::Utc::now()).await?
+    } else {
+        None
+    };
     let tenant = match state.store.find_tenant(DEMO_TENANT).await? {
         Some(t) => t,
         None => state.store.create_tenant(DEMO_TENANT).await?,
@@ -128,6 +142,7 @@ pub async fn prepare(options: &DemoOptions) -> anyhow::Result<Demo> {
         api_key: generated.secret,
         admin_token,
         listener,
+        history: seeded,
     })
 }
 
@@ -147,6 +162,43 @@ fn fetch_model(dir: &std::path::Path) {
             eprintln!("could not run scripts/fetch-model.sh ({e}); the semantic cache stays off")
         }
     }
+}
+
+/// What the demo prints about its synthetic history: where to look, or how it was skipped.
+fn history_banner(
+    seeded: Option<&history::Seeded>,
+    addr: SocketAddr,
+    admin: &str,
+    wanted: bool,
+) -> String {
+    let later = seeded.map_or_else(
+        || crate::ledger::report::IsoWeek::containing(chrono::Utc::now()).previous(),
+        |s| s.later,
+    );
+    let earlier = later.previous();
+    let what = match seeded {
+        Some(s) => format!(
+            "The ledger now holds a labelled SYNTHETIC fortnight ({} rows in {earlier} and \
+             {later}; `--no-history` skips it)",
+            s.rows
+        ),
+        None if wanted => {
+            "The ledger holds the SYNTHETIC fortnight an earlier launch seeded".to_owned()
+        }
+        None => return String::new(),
+    };
+    format!(
+        r#"
+Why did the bill double?
+{what}.
+Its causes are known: longer prompts in acme's `search` feature, traffic up a fifth, more
+large-tier calls, a lower cache hit rate, one agent stuck in a loop and one retry storm. Every
+report marks these rows as demo data.
+
+  open http://{addr}/dashboard?week={later}
+  GATEWAY_URL=http://{addr} GATEWAY_ADMIN_TOKEN={admin} cargo run -q -p gateway --bin gatewayctl -- report explain --from {earlier} --to {later}
+"#
+    )
 }
 
 /// Run the demo until Ctrl-C.
@@ -191,11 +243,18 @@ PY
   GATEWAY_URL=http://{addr} GATEWAY_ADMIN_TOKEN={admin} cargo run -q -p gateway --bin gatewayctl -- keys list
   curl -s http://{addr}/metrics | grep gateway_requests_total
 
+{history}
 Serving on http://{addr} until Ctrl-C.
 "#,
         store = options.store_url,
         key = demo.api_key,
         admin = demo.admin_token,
+        history = history_banner(
+            demo.history.as_ref(),
+            addr,
+            &demo.admin_token,
+            options.history
+        ),
     );
     serve(demo.listener, demo.state, shutdown_signal()).await
 }

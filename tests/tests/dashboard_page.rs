@@ -44,6 +44,10 @@ fn event(
     e.tags.insert("feature".to_owned(), "dash".to_owned());
     e.status = if i % 17 == 1 { 500 } else { 200 };
     e.fingerprint = format!("fp{i}");
+    if tenant == "beta" {
+        e.tags
+            .insert("session".to_owned(), format!("run-{}", i % 3));
+    }
     if tenant == "alpha" && !hit {
         // alpha sends `auto`: the tier router put it on small, saving the large price (a cache
         // hit is answered before the route step).
@@ -228,6 +232,14 @@ async fn the_dashboard_renders_the_weekly_report_in_headless_chromium() {
     let ledger = gateway::ledger::open(&store.url).await.unwrap();
     ledger.insert(&rows(now)).await.unwrap();
     let app = TestApp::spawn_with_ledger(c, store).await;
+    let budget = app
+        .admin(
+            reqwest::Method::POST,
+            "budgets",
+            Some(serde_json::json!({"tenant": "acme", "window": "month", "limit_usd": 10.0})),
+        )
+        .await;
+    assert_eq!(budget.status(), 201);
 
     let week = IsoWeek::containing(now);
     let expected = report::weekly(ledger.as_ref(), week, None).await.unwrap();
@@ -419,22 +431,83 @@ async fn the_dashboard_renders_the_weekly_report_in_headless_chromium() {
     );
     assert!(want_routing[0].1 > 0, "{want_routing:?}");
 
-    // And it paints: a full-page screenshot with the charts in it.
-    let shot = profile.path().join("dash.png");
-    let shot_profile = tempfile::tempdir().unwrap();
-    run_chromium(
-        shot_profile.path(),
-        &[
-            format!("--screenshot={}", shot.display()),
-            "--window-size=1200,1600".to_owned(),
-            "--hide-scrollbars".to_owned(),
-        ],
-        &browser_url,
-    )
-    .await;
-    let png = std::fs::read(&shot).expect("screenshot written");
-    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
-    assert!(png.len() > 10 * 1024, "screenshot is {} bytes", png.len());
+    // Day by day: each weekday's cost this week beside the same day last week.
+    let day_bars = tags(section(&dom, "daily"), "rect");
+    assert_eq!(day_bars.len(), 14, "two bars a day");
+    assert_eq!(expected.daily.len(), 7);
+    for (pair, day) in day_bars.chunks(2).zip(&expected.daily) {
+        assert_eq!(pair[0]["class"], "prev");
+        assert_eq!(pair[0]["data-cost-micros"], day.previous.cost.to_string());
+        assert_eq!(pair[1]["class"], "this");
+        assert_eq!(pair[1]["data-cost-micros"], day.this.cost.to_string());
+    }
+    assert_eq!(
+        expected.daily.iter().map(|d| d.this.cost).sum::<i64>(),
+        expected.total.this.cost
+    );
+    // Cost by feature tag, the top keys and sessions, as in the report.
+    let features = tags(section(&dom, "by-feature"), "rect");
+    assert_eq!(features.len(), expected.by["feature"].len());
+    let top_rows = tags(section(&dom, "top"), "tr");
+    let shown_top: Vec<(String, String)> = top_rows
+        .iter()
+        .filter(|a| a.contains_key("data-key"))
+        .map(|a| (a["data-key"].clone(), a["data-cost-micros"].clone()))
+        .collect();
+    let want_top: Vec<(String, String)> = ["key", "session"]
+        .iter()
+        .flat_map(|d| &expected.top[*d])
+        .map(|l| (l.key.clone(), l.this.cost.to_string()))
+        .collect();
+    assert_eq!(shown_top, want_top);
+    assert_eq!(expected.top["session"].len(), 3, "beta's three sessions");
+    // Savings and waste by cause.
+    let sw = section(&dom, "savings-waste");
+    for (id, micros) in [
+        ("headline-cache-saved", expected.total.this.saved),
+        ("headline-waste-loops", expected.total.this.waste_loops),
+        ("headline-waste-retries", expected.total.this.waste_retries),
+        ("headline-waste-errors", expected.total.this.waste_errors),
+    ] {
+        assert!(
+            sw.contains(&format!("id=\"{id}\" data-cost-micros=\"{micros}\"")),
+            "{id} = {micros}: {sw}"
+        );
+    }
+    // The budget set above, with what it has used.
+    let budget_rows = tags(section(&dom, "budgets"), "tr");
+    assert!(
+        budget_rows
+            .iter()
+            .any(|a| a.get("data-tenant").map(String::as_str) == Some("acme")),
+        "acme's budget is shown: {budget_rows:?}"
+    );
+    assert!(
+        !dom.contains("id=\"demo-data\""),
+        "real rows are not demo data"
+    );
+
+    // And it paints: full-page screenshots at a laptop's width and a phone's, kept in the
+    // build's temporary folder (docs/dashboard.png is one of the demo's).
+    for (name, size) in [("1280", "1280,2400"), ("phone", "390,3200")] {
+        let shot =
+            std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("dashboard-{name}.png"));
+        let shot_profile = tempfile::tempdir().unwrap();
+        run_chromium(
+            shot_profile.path(),
+            &[
+                format!("--screenshot={}", shot.display()),
+                format!("--window-size={size}"),
+                "--hide-scrollbars".to_owned(),
+            ],
+            &browser_url,
+        )
+        .await;
+        let png = std::fs::read(&shot).expect("screenshot written");
+        assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+        assert!(png.len() > 10 * 1024, "screenshot is {} bytes", png.len());
+        println!("screenshot: {}", shot.display());
+    }
 
     app.stop().await;
 }

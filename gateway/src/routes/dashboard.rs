@@ -1,15 +1,19 @@
-//! `GET /dashboard`: this week's cost by tenant, model and tier, and why it changed since last
-//! week, as one self-contained HTML page (inline CSS and inline SVG: no scripts, fonts or
+//! `GET /dashboard`: this week's cost day by day beside last week's, by tenant, feature, model
+//! and tier, the top keys and sessions, budgets, cache savings and waste, the tier router, and
+//! why the cost changed since last week, as one self-contained HTML page (inline CSS and inline SVG: no scripts, fonts or
 //! external resources), so every deployment, the embedded SQLite one included, has a dashboard.
 //!
 //! Behind the admin token (bearer, or HTTP Basic auth with the token as password so a browser
 //! can open it). Money is shown exactly: micro-dollars as USD with 6 decimals (`$1234.567890`).
+
+use std::collections::HashMap;
 
 use axum::extract::State;
 use axum::http::header::{CACHE_CONTROL, CONTENT_SECURITY_POLICY, CONTENT_TYPE};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
+use crate::budget::engine::UsageRow;
 use crate::error::ApiError;
 use crate::ledger::report::{
     self, Explanation, IsoWeek, ReportLine, RoutingChange, WeeklyLoops, WeeklyReport,
@@ -49,7 +53,8 @@ pub async fn dashboard(
     let store = ledger(&state)?;
     let weekly = report::weekly(store, w, tenant).await?;
     let explanation = report::explain(store, w.previous(), w, tenant).await?;
-    let html = render(&weekly, &explanation, w, tenant, now);
+    let live = Live::read(&state, tenant).await;
+    let html = render(&weekly, &explanation, &live, w, tenant, now);
     Ok((
         [
             (CONTENT_TYPE, "text/html; charset=utf-8"),
@@ -59,6 +64,57 @@ pub async fn dashboard(
         html,
     )
         .into_response())
+}
+
+/// What the page shows from the live state rather than the ledger: key names, and the budgets
+/// in their current windows.
+struct Live {
+    /// Key id → its name (or display prefix).
+    key_names: HashMap<String, String>,
+    /// (tenant name, its budgets now), or why they could not be read.
+    budgets: Result<Vec<(String, Vec<UsageRow>)>, String>,
+}
+
+impl Live {
+    async fn read(state: &AppState, tenant: Option<&str>) -> Self {
+        let key_names = state
+            .store
+            .list_keys(None)
+            .await
+            .map(|keys| {
+                keys.into_iter()
+                    .map(|k| {
+                        let name = k.name.clone().unwrap_or_else(|| format!("{}…", k.prefix));
+                        (k.id, format!("{name} ({})", k.tenant_name))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let budgets = async {
+            let tenants = state
+                .store
+                .list_tenants()
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut out = Vec::new();
+            for t in tenants
+                .into_iter()
+                .filter(|t| tenant.is_none_or(|name| t.name == name))
+            {
+                let rows = state
+                    .budgets
+                    .usage(&t.id)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if !rows.is_empty() {
+                    out.push((t.name, rows));
+                }
+            }
+            Ok(out)
+        }
+        .await;
+        Self { key_names, budgets }
+    }
 }
 
 /// Escape text for HTML element content and (double- or single-quoted) attribute values.
@@ -120,6 +176,7 @@ fn percent(this: i64, previous: i64) -> String {
 fn render(
     r: &WeeklyReport,
     e: &Explanation,
+    live: &Live,
     w: IsoWeek,
     tenant: Option<&str>,
     now: chrono::DateTime<chrono::Utc>,
@@ -159,18 +216,35 @@ fn render(
         previous = escape(&r.previous_week),
         prev_link = link(w.previous()),
     );
+    let synthetic = r.total.this.synthetic_requests + r.total.previous.synthetic_requests;
+    if synthetic > 0 {
+        html.push_str(&format!(
+            r#"<p class="demo" id="demo-data" data-rows="{synthetic}"><strong>Demo data.</strong> {synthetic} of the rows in these two weeks are a labelled synthetic history that <code>gateway demo</code> seeded (ledger <code>usage_source = 'synthetic'</code>), not requests. Start the demo with <code>--no-history</code> to skip it.</p>
+"#
+        ));
+    }
     html.push_str(&headline(&r.total));
+    html.push_str(&trend(&r.daily, &r.week, &r.previous_week));
+    html.push_str(&explanation(e));
     for (dim, title, color) in [
         ("tenant", "Cost by tenant", "#4f6df5"),
+        ("feature", "Cost by feature tag", "#7c3aed"),
+    ] {
+        let lines = r.by.get(dim).map(Vec::as_slice).unwrap_or_default();
+        html.push_str(&chart(dim, title, color, lines));
+    }
+    html.push_str(&top(r, &live.key_names));
+    html.push_str(&budgets(&live.budgets, now));
+    html.push_str(&savings_and_waste(&r.total));
+    for (dim, title, color) in [
         ("model", "Cost by model", "#16a34a"),
         ("tier", "Cost by tier", "#d97706"),
     ] {
         let lines = r.by.get(dim).map(Vec::as_slice).unwrap_or_default();
         html.push_str(&chart(dim, title, color, lines));
     }
-    html.push_str(&loops(&r.loops));
     html.push_str(&routing(&r.routing));
-    html.push_str(&explanation(e));
+    html.push_str(&loops(&r.loops));
     html.push_str(
         "<footer>Amounts are exact: the ledger's micro-dollars shown as USD with 6 decimals. \
          Weeks are ISO weeks, Monday 00:00 UTC.</footer>\n</body>\n</html>\n",
@@ -276,6 +350,251 @@ fn chart(dim: &str, title: &str, color: &str, lines: &[ReportLine]) -> String {
         ));
     }
     out.push_str("</tbody>\n</table>\n</section>\n");
+    out
+}
+
+/// Daily cost: a pair of columns per weekday, this week's beside the same day of last week's,
+/// and the exact amounts under it.
+fn trend(days: &[ReportLine], week: &str, previous: &str) -> String {
+    const HEIGHT: f64 = 160.0;
+    const SLOT: f64 = 100.0;
+    let max = days
+        .iter()
+        .map(|d| d.this.cost.max(d.previous.cost))
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let names = ["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"];
+    let width = SLOT * 7.0 + 40.0;
+    let mut out = format!(
+        r##"<section class="chart" id="daily">
+<h2>Daily cost: {week} beside {previous}</h2>
+<p class="legend"><span class="swatch this"></span>{week} <span class="swatch prev"></span>{previous}</p>
+<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h}" viewBox="0 0 {width} {h}" role="img" aria-label="Daily cost, {week} beside {previous}">
+<line x1="20" y1="{HEIGHT}" x2="{x2}" y2="{HEIGHT}" stroke="#d1d5db"/>
+"##,
+        week = escape(week),
+        previous = escape(previous),
+        h = HEIGHT + 24.0,
+        x2 = width - 20.0,
+    );
+    let bar = |cost: i64| (cost.max(0) as f64 / max as f64 * (HEIGHT - 8.0)).max(0.0);
+    for (i, (d, name)) in days.iter().zip(names).enumerate() {
+        let x = 20.0 + SLOT * i as f64 + 14.0;
+        let (this, prev) = (bar(d.this.cost), bar(d.previous.cost));
+        out.push_str(&format!(
+            r##"<g class="day" data-day="{day}"><rect class="prev" x="{px:.1}" y="{py:.2}" width="32" height="{prev:.2}" rx="2" fill="#c7d2fe" data-cost-micros="{pc}"><title>{name} of {previous_week}: {pusd}</title></rect><rect class="this" x="{tx:.1}" y="{ty:.2}" width="32" height="{this:.2}" rx="2" fill="#4f6df5" data-cost-micros="{tc}"><title>{day}: {tusd}</title></rect><text x="{lx:.1}" y="{ly}" text-anchor="middle" class="key">{name}</text></g>
+"##,
+            day = escape(&d.key),
+            previous_week = escape(previous),
+            px = x,
+            py = HEIGHT - prev,
+            pc = d.previous.cost,
+            pusd = usd(d.previous.cost),
+            tx = x + 36.0,
+            ty = HEIGHT - this,
+            tc = d.this.cost,
+            tusd = usd(d.this.cost),
+            lx = x + 34.0,
+            ly = HEIGHT + 18.0,
+        ));
+    }
+    out.push_str("</svg>\n");
+    out.push_str(&format!(
+        r#"<div class="scroll"><table class="amounts" id="table-daily">
+<thead><tr><th>Day</th><th>{week}</th><th>{previous}</th><th>Change</th><th>Requests</th></tr></thead>
+<tbody>
+"#,
+        week = escape(week),
+        previous = escape(previous),
+    ));
+    for (d, name) in days.iter().zip(names) {
+        out.push_str(&format!(
+            r#"<tr data-key="{day}" data-cost-micros="{cost}"><td>{name} {day}</td><td class="num">{this}</td><td class="num">{prev}</td><td class="num">{delta} ({pct})</td><td class="num">{requests}</td></tr>
+"#,
+            day = escape(&d.key),
+            cost = d.this.cost,
+            this = usd(d.this.cost),
+            prev = usd(d.previous.cost),
+            delta = usd_change(d.this.cost - d.previous.cost),
+            pct = percent(d.this.cost, d.previous.cost),
+            requests = d.this.requests,
+        ));
+    }
+    out.push_str("</tbody>\n</table></div>\n</section>\n");
+    out
+}
+
+/// The most expensive API keys (by name) and sessions this week.
+fn top(r: &WeeklyReport, key_names: &HashMap<String, String>) -> String {
+    let mut out = String::from(
+        r#"<section class="chart" id="top">
+<h2>Top keys and sessions this week</h2>
+<div class="columns">
+"#,
+    );
+    for (dim, title) in [("key", "API key"), ("session", "Session")] {
+        let lines = r.top.get(dim).map(Vec::as_slice).unwrap_or_default();
+        out.push_str(&format!(
+            r#"<div class="scroll"><table class="amounts" id="table-top-{dim}">
+<thead><tr><th>{title}</th><th>This week</th><th>Last week</th><th>Requests</th></tr></thead>
+<tbody>
+"#
+        ));
+        if lines.is_empty() {
+            out.push_str("<tr><td colspan=\"4\">none this week</td></tr>\n");
+        }
+        for l in lines {
+            let label = if dim == "key" {
+                key_names
+                    .get(&l.key)
+                    .cloned()
+                    .unwrap_or_else(|| l.key.clone())
+            } else {
+                l.key.clone()
+            };
+            out.push_str(&format!(
+                r#"<tr data-key="{key}" data-cost-micros="{cost}"><td title="{key}">{label}</td><td class="num">{this}</td><td class="num">{prev}</td><td class="num">{requests}</td></tr>
+"#,
+                key = escape(&l.key),
+                label = escape(&shorten(&label, 40)),
+                cost = l.this.cost,
+                this = usd(l.this.cost),
+                prev = usd(l.previous.cost),
+                requests = l.this.requests,
+            ));
+        }
+        out.push_str("</tbody>\n</table></div>\n");
+    }
+    out.push_str("</div>\n</section>\n");
+    out
+}
+
+/// Budget utilisation per tenant: each policy's spend (and reservations) in its current window
+/// against its limit, as a bar.
+fn budgets(
+    budgets: &Result<Vec<(String, Vec<UsageRow>)>, String>,
+    now: chrono::DateTime<chrono::Utc>,
+) -> String {
+    let mut out = String::from(
+        r#"<section class="chart" id="budgets">
+<h2>Budgets now</h2>
+"#,
+    );
+    let tenants = match budgets {
+        Err(e) => {
+            out.push_str(&format!(
+                "<p class=\"nav\">Budget counters could not be read: {}</p>\n</section>\n",
+                escape(e)
+            ));
+            return out;
+        }
+        Ok(t) if t.is_empty() => {
+            out.push_str(
+                "<p class=\"nav\">No budget is set (<code>gatewayctl budgets set</code>).</p>\n</section>\n",
+            );
+            return out;
+        }
+        Ok(t) => t,
+    };
+    out.push_str(
+        r#"<div class="scroll"><table class="amounts" id="table-budgets">
+<thead><tr><th>Tenant</th><th>Applies to</th><th>Window</th><th>Used</th><th>Limit</th><th></th><th>Resets</th></tr></thead>
+<tbody>
+"#,
+    );
+    for (tenant, rows) in tenants {
+        for u in rows {
+            let p = &u.policy;
+            let (kind, value) = p.scope.to_columns();
+            let scope = if value.is_empty() {
+                kind.to_owned()
+            } else {
+                format!("{kind} {value}")
+            };
+            // Money when the policy limits money, else tokens; reservations count as used.
+            let (used, limit, text) = match (p.limit.micros, p.limit.tokens) {
+                (Some(limit), _) => {
+                    let used = u.state.spent_micros + u.state.reserved_micros;
+                    (used as f64, limit as f64, (usd(used), usd(limit)))
+                }
+                (None, Some(limit)) => {
+                    let used = u.state.spent_tokens + u.state.reserved_tokens;
+                    (
+                        used as f64,
+                        limit as f64,
+                        (format!("{used} tokens"), format!("{limit} tokens")),
+                    )
+                }
+                (None, None) => (0.0, 0.0, ("-".to_owned(), "none".to_owned())),
+            };
+            let share = if limit > 0.0 { used / limit } else { 0.0 };
+            let color = if share >= 1.0 {
+                "#dc2626"
+            } else if share >= 0.8 {
+                "#d97706"
+            } else {
+                "#16a34a"
+            };
+            let resets = u.resets_at - now;
+            out.push_str(&format!(
+                r##"<tr data-tenant="{tenant}" data-used="{share:.4}"><td>{tenant}</td><td>{scope}</td><td>{window}</td><td class="num">{used}</td><td class="num">{limit}</td><td><svg xmlns="http://www.w3.org/2000/svg" width="120" height="14" viewBox="0 0 120 14" role="img" aria-label="{pct:.0}% used"><rect width="120" height="14" rx="3" fill="#e5e7eb"/><rect width="{w:.1}" height="14" rx="3" fill="{color}"/></svg> {pct:.0}%</td><td>in {hours}h</td></tr>
+"##,
+                tenant = escape(tenant),
+                scope = escape(&scope),
+                window = p.window.as_str(),
+                used = text.0,
+                limit = text.1,
+                pct = share * 100.0,
+                w = share.min(1.0) * 120.0,
+                hours = resets.num_hours().max(0),
+            ));
+        }
+    }
+    out.push_str("</tbody>\n</table></div>\n</section>\n");
+    out
+}
+
+/// What the cache saved and what was wasted, by cause, against last week.
+fn savings_and_waste(total: &ReportLine) -> String {
+    let (a, b) = (&total.this, &total.previous);
+    let hit_rate = |x: &report::Aggregate| {
+        if x.requests > 0 {
+            format!("{:.1}%", x.cache_hits as f64 * 100.0 / x.requests as f64)
+        } else {
+            "-".to_owned()
+        }
+    };
+    let mut out = format!(
+        r#"<section class="chart" id="savings-waste">
+<h2>Cache savings and waste</h2>
+<div class="headline">
+<div class="card" id="cache-hit-rate" data-value="{hits}"><div class="label">Cache hit rate</div><div class="value">{rate}</div><div class="change">{hits} hits; {rate_before} last week</div></div>
+"#,
+        hits = a.cache_hits,
+        rate = hit_rate(a),
+        rate_before = hit_rate(b),
+    );
+    out.push_str(&card_money("cache-saved", "Cache saved", a.saved, b.saved));
+    out.push_str(&card_money(
+        "waste-loops",
+        "Waste: agent loops",
+        a.waste_loops,
+        b.waste_loops,
+    ));
+    out.push_str(&card_money(
+        "waste-retries",
+        "Waste: retry storms",
+        a.waste_retries,
+        b.waste_retries,
+    ));
+    out.push_str(&card_money(
+        "waste-errors",
+        "Waste: failed requests",
+        a.waste_errors,
+        b.waste_errors,
+    ));
+    out.push_str("</div>\n</section>\n");
     out
 }
 
@@ -459,8 +778,15 @@ h3{font-size:15px;margin:16px 0 8px}.nav{color:#6b7280;margin:0 0 20px}.nav a{co
 .card{background:#fff;border:1px solid #e5e7eb;border-radius:8px;padding:12px 16px;min-width:180px}
 .card .label{color:#6b7280;font-size:13px}.card .value{font-size:22px;font-weight:600;\
 font-variant-numeric:tabular-nums}.card .change{color:#6b7280;font-size:12px}
-section.chart,section.explain{background:#fff;border:1px solid #e5e7eb;border-radius:8px;\
-padding:16px;margin-bottom:20px}
+section.chart,section.explain,section.routing,section.loops{background:#fff;\
+border:1px solid #e5e7eb;border-radius:8px;padding:16px;margin-bottom:20px}
+p.demo{background:#fef3c7;border:1px solid #f59e0b;border-radius:8px;padding:10px 14px;margin:0 0 20px}
+.legend{color:#374151;font-size:13px;margin:0 0 8px}.swatch{display:inline-block;width:12px;\
+height:12px;border-radius:2px;margin:0 4px 0 12px;vertical-align:-1px}.swatch.this{background:#4f6df5}\
+.swatch.prev{background:#c7d2fe}
+.columns{display:flex;flex-wrap:wrap;gap:24px}.scroll{overflow-x:auto;max-width:100%}
+@media (max-width:640px){body{padding:12px}.card{min-width:0;flex:1 1 40%}\
+table.amounts th,table.amounts td{padding:4px 6px}h1{font-size:20px}}
 svg{display:block;max-width:100%;height:auto;font-size:13px}svg .key{fill:#374151}\
 svg .amount{fill:#111827;font-variant-numeric:tabular-nums}
 table.amounts{border-collapse:collapse;margin-top:12px;font-size:13px}

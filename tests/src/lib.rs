@@ -512,6 +512,23 @@ pub fn price(c: &mut Config, model: &str, input: f64, output: f64) {
     );
 }
 
+/// A chat request whose history shows an agent stuck in a loop: the same action answered by the
+/// same failure three times in a row (the guard flags it on this first request).
+pub fn looping_chat() -> Value {
+    let mut looping = chat_body("fast", "fix it");
+    let step = serde_json::json!([
+        {"role": "assistant", "content": "Running the tests."},
+        {"role": "user", "content": "FAILED test_x"}
+    ]);
+    for _ in 0..3 {
+        looping["messages"]
+            .as_array_mut()
+            .expect("chat_body has messages")
+            .extend(step.as_array().into_iter().flatten().cloned());
+    }
+    looping
+}
+
 /// A user message body for `model`.
 pub fn chat_body(model: &str, text: &str) -> Value {
     serde_json::json!({"model": model, "messages": [{"role": "user", "content": text}]})

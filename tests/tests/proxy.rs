@@ -866,18 +866,7 @@ async fn metrics_expose_every_defined_name_after_traffic() {
         let _ = s.app.chat(repeat.clone()).await.text().await;
     }
     // An agent loop, so the guard counts one and its cost.
-    let mut looping = chat_body("fast", "fix it");
-    let step = json!([
-        {"role": "assistant", "content": "Running the tests."},
-        {"role": "user", "content": "FAILED test_x"}
-    ]);
-    for _ in 0..3 {
-        looping["messages"]
-            .as_array_mut()
-            .unwrap()
-            .extend(step.as_array().unwrap().iter().cloned());
-    }
-    let _ = s.app.chat(looping).await.text().await;
+    let _ = s.app.chat(e2e::looping_chat()).await.text().await;
     let text = s.app.metrics().await;
     for name in gateway::metrics::names::ALL {
         assert!(

@@ -324,6 +324,7 @@ async fn paraphrases_hit_the_semantic_layer_and_near_misses_do_not() {
         vec![replica("l1", &large.url, "sim-large")],
     );
     c.cache.semantic.model_dir = model_dir();
+    c.cache.semantic.preload = true;
     assert!(
         c.cache
             .semantic
@@ -460,6 +461,7 @@ async fn a_saturated_semantic_layer_is_skipped_not_waited_for() {
         vec![replica("l1", &sim.url, "sim-small")],
     );
     c.cache.semantic.model_dir = model_dir();
+    c.cache.semantic.preload = true;
     // Nothing may wait for the model: every semantic lookup is shed (the first question's
     // namespace is empty, so it is not even looked up; the paraphrase is shed).
     c.cache.semantic.max_queue = 0;
@@ -558,6 +560,7 @@ async fn the_semantic_layer_loads_only_once_a_policy_asks_for_it() {
         vec![replica("l1", &sim.url, "sim-small")],
     );
     c.cache.semantic.model_dir = model_dir();
+    c.cache.semantic.preload = true;
     c.cache.mode = gateway::cache::CacheMode::Exact;
     let app = TestApp::spawn(c, StoreKind::Sqlite).await;
     assert!(
@@ -570,5 +573,44 @@ async fn the_semantic_layer_loads_only_once_a_policy_asks_for_it() {
     assert!(ok, "{out}");
     assert!(app.state.cache.semantic_started());
     semantic_ready(&app).await;
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn with_the_semantic_default_the_model_loads_on_the_first_request_that_needs_it() {
+    let sim = Sim::zero("sim-small").await;
+    let mut c = config(
+        vec![replica("s1", &sim.url, "sim-small")],
+        vec![replica("l1", &sim.url, "sim-small")],
+    );
+    c.cache.semantic.model_dir = model_dir();
+    assert_eq!(c.cache.mode, gateway::cache::CacheMode::Semantic);
+    assert!(!c.cache.semantic.preload, "lazy by default");
+    let app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    // Requests the cache cannot use (sampled) start nothing.
+    let r = app.chat(e2e::chat_body("fast", "a sampled question")).await;
+    assert_eq!(r.status(), 200);
+    assert!(!app.state.cache.semantic_started(), "no model at start");
+    // The first cacheable one starts the load and is answered at once (exact layer only).
+    let r = app
+        .chat(deterministic("What is the capital of France?"))
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(cache_header(&r), "miss");
+    assert!(app.state.cache.semantic_started());
+    semantic_ready(&app).await;
+    // Then a new question is indexed, and its paraphrase is answered from it.
+    let r = app
+        .chat(deterministic(
+            "How can I learn to cook Italian food at home?",
+        ))
+        .await;
+    assert_eq!(cache_header(&r), "miss");
+    let r = app
+        .chat(deterministic(
+            "How do I learn to cook Italian food at home?",
+        ))
+        .await;
+    assert_eq!(cache_header(&r), "hit-semantic");
     app.stop().await;
 }

@@ -246,8 +246,9 @@ fn deterministic(body: &Map<String, Value>) -> bool {
 }
 
 impl Cache {
-    /// Build the cache; the semantic layer starts when the default mode or a tenant's policy
-    /// first asks for it (and the model is present).
+    /// Build the cache; the semantic layer starts on the first request whose policy needs it
+    /// (at start with `cache.semantic.preload`, or when a tenant's policy names it), when the
+    /// model is present.
     pub async fn new(
         config: CacheConfig,
         store: Arc<dyn Store>,
@@ -280,8 +281,12 @@ impl Cache {
             metrics,
         };
         if cache.config.mode == CacheMode::Semantic {
-            // A bad `cache.semantic.device` fails the start here, not on a first request.
-            cache.start_semantic().map_err(anyhow::Error::msg)?;
+            if cache.config.semantic.preload {
+                cache.start_semantic().map_err(anyhow::Error::msg)?;
+            } else {
+                // A bad `cache.semantic.device` fails the start here, not on a first request.
+                semantic::check_device(&cache.config.semantic).map_err(anyhow::Error::msg)?;
+            }
         }
         cache.refresh().await?;
         Ok(cache)
@@ -381,6 +386,13 @@ impl Cache {
         }
         let key = sha128(&[tenant_id.as_bytes(), fingerprint.as_bytes()]);
         let read = !directives.no_cache;
+        if mode == CacheMode::Semantic && self.semantic.get().is_none() {
+            // The first request that needs the semantic layer loads it (in its own thread; this
+            // request and those until it is ready use the exact layer alone).
+            if let Err(e) = self.start_semantic() {
+                tracing::error!(error = %e, "the semantic layer cannot start");
+            }
+        }
         let semantic = match (self.semantic(), mode) {
             (Some(s), CacheMode::Semantic) if read && !tools && req.choices() == 1 => {
                 let threshold = s.threshold_for(policy.min_precision.unwrap_or(1.0));

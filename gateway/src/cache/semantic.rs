@@ -98,17 +98,23 @@ pub struct Semantic {
 /// entry points into. This only bounds how long a stale vector is kept.
 const INDEX_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
 
+/// The GPU `config.device` asks for (`None`: the CPU); an error when it names `cuda` and no GPU
+/// can be used. Loads no model.
+pub fn check_device(config: &SemanticConfig) -> Result<Option<usize>, String> {
+    Ok(match config.device {
+        EmbedDevice::Cpu => None,
+        EmbedDevice::Cuda => Some(gpu_ordinal().map_err(|e| {
+            format!("cache.semantic.device = \"cuda\", but no GPU can be used: {e}")
+        })?),
+        EmbedDevice::Auto => gpu_ordinal().ok(),
+    })
+}
+
 impl Semantic {
     /// Start the worker, or return `None` (with a log line saying why the semantic layer is
     /// off) when the model is missing. `device = "cuda"` without a usable GPU is an error.
     pub fn start(config: &SemanticConfig, metrics: Metrics) -> Result<Option<Self>, String> {
-        let gpu = match config.device {
-            EmbedDevice::Cpu => None,
-            EmbedDevice::Cuda => Some(gpu_ordinal().map_err(|e| {
-                format!("cache.semantic.device = \"cuda\", but no GPU can be used: {e}")
-            })?),
-            EmbedDevice::Auto => gpu_ordinal().ok(),
-        };
+        let gpu = check_device(config)?;
         if !BertEmbedder::present(&config.model_dir) {
             tracing::warn!(
                 model_dir = %config.model_dir.display(),

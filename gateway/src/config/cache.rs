@@ -82,6 +82,11 @@ pub struct SemanticConfig {
     /// Lookups queued beyond this are skipped (a miss) rather than queued: the embedding model
     /// must not become the gateway's bottleneck.
     pub max_queue: usize,
+    /// Load the model when the gateway starts (when `cache.mode` is `semantic`) instead of on
+    /// the first request that needs the semantic layer. Off by default: a gateway whose traffic
+    /// never uses it stays small (~200 MB less resident), and until the model is loaded (about
+    /// two seconds on a CPU) requests are served by the exact layer alone.
+    pub preload: bool,
 }
 
 impl Default for SemanticConfig {
@@ -96,6 +101,7 @@ impl Default for SemanticConfig {
             batch: 16,
             lookup_timeout_ms: 250,
             max_queue: 32,
+            preload: false,
         }
     }
 }

@@ -110,6 +110,8 @@ pub async fn prepare(options: &DemoOptions) -> anyhow::Result<Demo> {
         ("smart".to_owned(), ModelTarget::Large),
         ("auto".to_owned(), ModelTarget::Auto),
     ]);
+    // The demo shows a paraphrase answered from the cache: load the model at start.
+    config.cache.semantic.preload = true;
     fetch_model(&config.cache.semantic.model_dir);
     let prices = config.prices.clone();
     let state = AppState::build(config, Deps::default()).await?;

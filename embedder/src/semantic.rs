@@ -90,6 +90,16 @@ pub struct Verdict {
     pub probability: f32,
 }
 
+/// What [`SemanticIndex::best`] found.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Best {
+    /// The best candidate at the threshold asked for.
+    pub verdict: Option<Verdict>,
+    /// The highest verifier probability among the candidates (`None`: no stored question was
+    /// close enough to be a candidate).
+    pub top_probability: Option<f32>,
+}
+
 /// Nearest-neighbour search plus verification over stored questions.
 pub struct SemanticIndex {
     index: Box<dyn VectorIndex>,
@@ -135,7 +145,8 @@ impl SemanticIndex {
     }
 
     /// The best of the `search.k` nearest stored questions in `ns` (cosine ≥
-    /// `search.min_cosine`) whose verifier probability reaches `search.threshold`, if any.
+    /// `search.min_cosine`) whose verifier probability reaches `search.threshold`, if any; and
+    /// the highest probability of any of them (what another threshold would have answered).
     pub fn best(
         &mut self,
         ns: u64,
@@ -143,7 +154,7 @@ impl SemanticIndex {
         query: &TextVectors,
         search: Search,
         now_ms: i64,
-    ) -> Option<Verdict> {
+    ) -> Best {
         let Search {
             k,
             min_cosine,
@@ -151,6 +162,7 @@ impl SemanticIndex {
         } = search;
         let hits = self.index.search(ns, &query.0, k, min_cosine, now_ms);
         let mut best: Option<Verdict> = None;
+        let mut top: Option<f32> = None;
         for hit in hits {
             let Some(stored) = self.entries.get(&hit.id) else {
                 continue;
@@ -169,6 +181,7 @@ impl SemanticIndex {
                 },
                 &self.table,
             );
+            top = Some(top.map_or(probability, |t| t.max(probability)));
             if probability >= threshold && best.is_none_or(|b| probability > b.probability) {
                 best = Some(Verdict {
                     key: stored.key,
@@ -177,7 +190,10 @@ impl SemanticIndex {
                 });
             }
         }
-        best
+        Best {
+            verdict: best,
+            top_probability: top,
+        }
     }
 
     /// Store a question (`text` and its vectors) answered by the caller's `key`.

@@ -315,6 +315,17 @@ fn model_dir() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/all-MiniLM-L6-v2")
 }
 
+/// One simulator behind both tiers, the semantic layer on the repository's model, loaded at start.
+fn semantic_config(sim: &Sim) -> Config {
+    let mut c = config(
+        vec![replica("s1", &sim.url, "sim-small")],
+        vec![replica("l1", &sim.url, "sim-small")],
+    );
+    c.cache.semantic.model_dir = model_dir();
+    c.cache.semantic.preload = true;
+    c
+}
+
 #[tokio::test]
 async fn paraphrases_hit_the_semantic_layer_and_near_misses_do_not() {
     let sim = Sim::zero("sim-small").await;
@@ -456,12 +467,7 @@ async fn an_answer_clamped_by_a_budget_is_not_cached() {
 #[tokio::test]
 async fn a_saturated_semantic_layer_is_skipped_not_waited_for() {
     let sim = Sim::zero("sim-small").await;
-    let mut c = config(
-        vec![replica("s1", &sim.url, "sim-small")],
-        vec![replica("l1", &sim.url, "sim-small")],
-    );
-    c.cache.semantic.model_dir = model_dir();
-    c.cache.semantic.preload = true;
+    let mut c = semantic_config(&sim);
     // Nothing may wait for the model: every semantic lookup is shed (the first question's
     // namespace is empty, so it is not even looked up; the paraphrase is shed).
     c.cache.semantic.max_queue = 0;
@@ -555,12 +561,7 @@ async fn with_redis_a_repeat_hits_on_every_replica() {
 #[tokio::test]
 async fn the_semantic_layer_loads_only_once_a_policy_asks_for_it() {
     let sim = Sim::zero("sim-small").await;
-    let mut c = config(
-        vec![replica("s1", &sim.url, "sim-small")],
-        vec![replica("l1", &sim.url, "sim-small")],
-    );
-    c.cache.semantic.model_dir = model_dir();
-    c.cache.semantic.preload = true;
+    let mut c = semantic_config(&sim);
     c.cache.mode = gateway::cache::CacheMode::Exact;
     let app = TestApp::spawn(c, StoreKind::Sqlite).await;
     assert!(
@@ -612,5 +613,65 @@ async fn with_the_semantic_default_the_model_loads_on_the_first_request_that_nee
         ))
         .await;
     assert_eq!(cache_header(&r), "hit-semantic");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn cache_show_says_what_each_precision_setting_would_answer_of_the_tenants_own_lookups() {
+    let sim = Sim::zero("sim-small").await;
+    let mut c = semantic_config(&sim);
+    c.cache.semantic.lookup_timeout_ms = 5_000;
+    let app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    semantic_ready(&app).await;
+    let (ok, out) = app.ctl(&["cache", "show", "--tenant", "acme"]).await;
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("No semantic lookup of this tenant seen"),
+        "{out}"
+    );
+    let questions = [
+        "How can I learn to cook Italian food at home?",
+        "How do I learn to cook Italian food at home?",
+        "What was the IIT JEE 2016 cutoff for general category?",
+        "What was the IIT JEE 2017 cutoff for general category?",
+        "What is the best way to learn Python?",
+        "How should I start learning Python programming?",
+    ];
+    let mut answered = 0;
+    for q in questions {
+        let r = app.chat(deterministic(q)).await;
+        assert_eq!(r.status(), 200);
+        if cache_header(&r) == "hit-semantic" {
+            answered += 1;
+        }
+    }
+    assert!(answered >= 1, "the paraphrase pair hits at the default");
+    let (ok, out) = app
+        .ctl(&["--json", "cache", "show", "--tenant", "acme"])
+        .await;
+    assert!(ok, "{out}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let cal = &v["calibration"];
+    assert_eq!(cal["lookups"], 6, "{cal}");
+    assert!(cal["without_candidate"].as_u64().unwrap() >= 1, "{cal}");
+    let settings = cal["settings"].as_array().unwrap();
+    let precisions: Vec<f64> = settings
+        .iter()
+        .map(|s| s["min_precision"].as_f64().unwrap())
+        .collect();
+    assert_eq!(precisions, vec![0.8, 0.85, 0.9, 0.95]);
+    let hits: Vec<u64> = settings
+        .iter()
+        .map(|s| s["semantic_hits"].as_u64().unwrap())
+        .collect();
+    // A stricter setting never answers more.
+    assert!(hits.windows(2).all(|w| w[0] >= w[1]), "{hits:?}");
+    // At the setting in force (0.9) it counts exactly the semantic hits the tenant got.
+    assert_eq!(hits[2], answered, "{cal}");
+    let rate = settings[2]["semantic_hit_rate"].as_f64().unwrap();
+    assert!((rate - answered as f64 / 6.0).abs() < 1e-9);
+    // The table says the same to a person.
+    let (ok, out) = app.ctl(&["cache", "show", "--tenant", "acme"]).await;
+    assert!(ok && out.contains("0.9 (in force)"), "{out}");
     app.stop().await;
 }

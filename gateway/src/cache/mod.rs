@@ -17,6 +17,7 @@
 //! The pipeline calls [`Cache::plan`], then [`Cache::lookup`] before the budget step, and
 //! [`Cache::fill`] when a fresh answer completed.
 
+pub mod calibration;
 pub mod semantic;
 pub mod shared;
 pub mod tools;
@@ -126,6 +127,8 @@ pub struct Cache {
     /// Started on first need (the default mode, or a tenant's policy, is `semantic`); `None`
     /// inside when the model is missing. Until then no model is loaded (~200 MB resident).
     semantic: std::sync::OnceLock<Option<semantic::Semantic>>,
+    /// What each tenant's semantic lookups would have answered at other settings.
+    calibration: calibration::Calibration,
     metrics: Metrics,
 }
 
@@ -245,6 +248,30 @@ fn deterministic(body: &Map<String, Value>) -> bool {
         .is_some_and(|t| t == 0.0)
 }
 
+/// What the precision settings would have answered of one tenant's semantic lookups.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct CalibrationView {
+    /// Semantic lookups this replica ran for the tenant (recent ones weigh most).
+    pub lookups: u64,
+    /// Of those, the ones with no stored question close enough to be a candidate.
+    pub without_candidate: u64,
+    /// One line per setting.
+    pub settings: Vec<SettingView>,
+}
+
+/// One precision setting, applied to a tenant's own lookups.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct SettingView {
+    /// The setting (`gatewayctl cache set --min-precision`).
+    pub min_precision: f64,
+    /// Its point on the verifier's held-out curve (`None`: the curve never reaches it).
+    pub point: Option<embedder::verifier::CurvePoint>,
+    /// Lookups whose best candidate reached that point's threshold.
+    pub semantic_hits: u64,
+    /// `semantic_hits / lookups` (`None` without lookups).
+    pub semantic_hit_rate: Option<f64>,
+}
+
 impl Cache {
     /// Build the cache; the semantic layer starts on the first request whose policy needs it
     /// (at start with `cache.semantic.preload`, or when a tenant's policy names it), when the
@@ -278,6 +305,7 @@ impl Cache {
             exact,
             shared,
             semantic: std::sync::OnceLock::new(),
+            calibration: calibration::Calibration::default(),
             metrics,
         };
         if cache.config.mode == CacheMode::Semantic {
@@ -358,6 +386,35 @@ impl Cache {
     /// or when the curve never reaches it).
     pub fn curve_point(&self, precision: f64) -> Option<embedder::verifier::CurvePoint> {
         self.semantic()?.curve_point(precision)
+    }
+
+    /// What each precision setting (`settings`, on the verifier's held-out curve) would have
+    /// answered of `tenant_id`'s semantic lookups on this replica; `None` before the semantic
+    /// layer is ready.
+    pub fn calibration(&self, tenant_id: &str, settings: &[f64]) -> Option<CalibrationView> {
+        let s = self.semantic().filter(|s| s.ready())?;
+        let points: Vec<(f64, Option<embedder::verifier::CurvePoint>)> =
+            settings.iter().map(|p| (*p, s.curve_point(*p))).collect();
+        let thresholds: Vec<f32> = points
+            .iter()
+            .map(|(_, c)| c.map_or(f32::INFINITY, |c| c.threshold))
+            .collect();
+        let (seen, hits) = self.calibration.expected(tenant_id, &thresholds);
+        let settings = points
+            .into_iter()
+            .zip(hits)
+            .map(|((min_precision, point), hits)| SettingView {
+                min_precision,
+                point,
+                semantic_hits: hits,
+                semantic_hit_rate: (seen.lookups > 0).then(|| hits as f64 / seen.lookups as f64),
+            })
+            .collect();
+        Some(CalibrationView {
+            lookups: seen.lookups,
+            without_candidate: seen.without_candidate,
+            settings,
+        })
     }
 
     /// Decide whether (and how) `req` of `tenant_id` uses the cache. `None`: bypass.
@@ -464,6 +521,7 @@ impl Cache {
         if !s.maybe_populated(q.ns) {
             // Nothing stored in this namespace: a certain miss, not worth an embedding now.
             lookups.with_label_values(&["semantic", "miss"]).inc();
+            self.calibration.record(&lookup.tenant_id, None);
             return None;
         }
         let started = Instant::now();
@@ -475,6 +533,8 @@ impl Cache {
             .cache_semantic_seconds
             .observe(started.elapsed().as_secs_f64());
         q.vectors = Some(result.vectors);
+        self.calibration
+            .record(&lookup.tenant_id, result.top_probability);
         let found = result.verdict.and_then(|v| {
             self.exact.get(&v.key).map(|entry| Found {
                 entry,

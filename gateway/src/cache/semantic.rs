@@ -35,6 +35,8 @@ pub struct Looked {
     pub vectors: Arc<TextVectors>,
     /// The verified match.
     pub verdict: Option<Verdict>,
+    /// The highest verifier probability among the candidates (`None`: no candidate).
+    pub top_probability: Option<f32>,
 }
 
 enum Job {
@@ -392,10 +394,11 @@ impl Worker {
                     min_cosine: self.config.min_cosine,
                     threshold,
                 };
-                let verdict = index.best(ns, &text, &vectors, search, now);
+                let best = index.best(ns, &text, &vectors, search, now);
                 let _ = reply.send(Looked {
                     vectors: Arc::new(vectors),
-                    verdict,
+                    verdict: best.verdict,
+                    top_probability: best.top_probability,
                 });
             }
         }

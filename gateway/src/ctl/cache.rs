@@ -105,8 +105,55 @@ fn render(v: &CachePolicyView) -> String {
         }
         None => "semantic layer not loaded on this replica".into(),
     };
+    let calibration = match &v.calibration {
+        Some(c) if c.lookups > 0 => {
+            let rows = c
+                .settings
+                .iter()
+                .map(|s| {
+                    let own = e
+                        .min_precision
+                        .is_some_and(|p| (p - s.min_precision).abs() < 1e-9);
+                    vec![
+                        format!(
+                            "{:?}{}",
+                            s.min_precision,
+                            if own { " (in force)" } else { "" }
+                        ),
+                        s.point
+                            .map_or("-".into(), |p| format!("{:.3}", p.threshold)),
+                        s.point
+                            .map_or("-".into(), |p| format!("{:.3}", p.precision)),
+                        s.point.map_or("-".into(), |p| format!("{:.3}", p.recall)),
+                        s.semantic_hit_rate
+                            .map_or("-".into(), |r| format!("{:.1}%", r * 100.0)),
+                        s.semantic_hits.to_string(),
+                    ]
+                })
+                .collect();
+            format!(
+                "\n\nWhat each setting would answer of this tenant's own semantic lookups on this \
+                 replica ({} seen, {} with no candidate at all):\n{}",
+                c.lookups,
+                c.without_candidate,
+                table(
+                    &[
+                        "MIN PRECISION",
+                        "THRESHOLD",
+                        "HELD-OUT PRECISION",
+                        "HELD-OUT RECALL",
+                        "SEMANTIC HIT RATE",
+                        "HITS"
+                    ],
+                    rows
+                )
+            )
+        }
+        Some(_) => "\n\nNo semantic lookup of this tenant seen on this replica yet.".into(),
+        None => String::new(),
+    };
     format!(
-        "{}\n{}",
+        "{}\n{}{calibration}",
         table(
             &[
                 "TENANT",

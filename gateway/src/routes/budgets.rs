@@ -355,7 +355,14 @@ pub struct CachePolicyView {
     /// The verifier curve's point for the effective `min_precision` (`None` when the semantic
     /// layer is not ready or the curve never reaches it).
     pub verifier_point: Option<CurvePoint>,
+    /// What each precision setting (the usual ones and the tenant's own) would have answered
+    /// of this tenant's semantic lookups on this replica (`None` before the layer is ready).
+    #[serde(default)]
+    pub calibration: Option<crate::cache::CalibrationView>,
 }
+
+/// The precision settings `gatewayctl cache show` compares (with the tenant's own).
+pub const CALIBRATION_SETTINGS: [f64; 4] = [0.8, 0.85, 0.9, 0.95];
 
 fn cache_policy_view(
     state: &AppState,
@@ -369,9 +376,19 @@ fn cache_policy_view(
     CachePolicyView {
         tenant: tenant_id.to_owned(),
         policy: own,
-        effective,
         semantic_ready: state.cache.semantic_ready(),
         verifier_point,
+        calibration: {
+            let mut settings = CALIBRATION_SETTINGS.to_vec();
+            if let Some(own) = effective.min_precision {
+                if !settings.iter().any(|p| (p - own).abs() < 1e-9) {
+                    settings.push(own);
+                    settings.sort_by(f64::total_cmp);
+                }
+            }
+            state.cache.calibration(tenant_id, &settings)
+        },
+        effective,
     }
 }
 

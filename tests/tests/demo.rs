@@ -64,8 +64,9 @@ async fn gateway_demo_serves_the_python_sdk_with_the_key_it_prints() {
     demo.kill().await.unwrap();
     let _ = demo.wait().await;
 
-    // A second launch on the same database seeds nothing more, and says the history is there.
-    let mut again = spawn_demo(port, &db);
+    // A second launch on the same database seeds nothing more, and says the history is there;
+    // with --traffic, live requests of the three features arrive on their own.
+    let mut again = spawn_demo_with(port, &db, &["--traffic"]);
     let second = read_banner(&mut again).await;
     assert!(
         second
@@ -80,6 +81,27 @@ async fn gateway_demo_serves_the_python_sdk_with_the_key_it_prints() {
         explained["synthetic_requests"], first_synthetic,
         "no row seeded twice"
     );
+    e2e::eventually(
+        "--traffic sends requests of every feature",
+        Duration::from_secs(30),
+        || {
+            let admin = admin.clone();
+            async move {
+                let w = admin_get(port, &admin, "reports/weekly").await;
+                let features: Vec<&str> = w["by"]["feature"]
+                    .as_array()?
+                    .iter()
+                    .filter(|l| l["this"]["requests"].as_i64() > Some(0))
+                    .filter_map(|l| l["key"].as_str())
+                    .collect();
+                ["chat", "search", "support-bot"]
+                    .iter()
+                    .all(|f| features.contains(f))
+                    .then_some(())
+            }
+        },
+    )
+    .await;
     again.kill().await.unwrap();
 }
 
@@ -101,9 +123,14 @@ struct Banner {
 type CommandLine = (Vec<(String, String)>, Vec<String>);
 
 fn spawn_demo(port: u16, db: &std::path::Path) -> tokio::process::Child {
+    spawn_demo_with(port, db, &[])
+}
+
+fn spawn_demo_with(port: u16, db: &std::path::Path, extra: &[&str]) -> tokio::process::Child {
     tokio::process::Command::new(e2e::binary("gateway"))
         .args(["demo", "--port", &port.to_string(), "--store"])
         .arg(format!("sqlite://{}", db.display()))
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .kill_on_drop(true)

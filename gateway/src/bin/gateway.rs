@@ -232,6 +232,10 @@ enum Command {
         /// database otherwise, so the dashboard has a cost change to explain).
         #[arg(long)]
         no_history: bool,
+        /// Send a small background mix of requests (three features, cache repeats, an agent
+        /// loop now and then, SDK retries), about one a second, so the numbers move.
+        #[arg(long)]
+        traffic: bool,
     },
 }
 
@@ -402,11 +406,13 @@ async fn main() -> anyhow::Result<()> {
             port,
             store,
             no_history,
+            traffic,
         } => {
             gateway::demo::run(gateway::demo::DemoOptions {
                 listen: SocketAddr::from(([127, 0, 0, 1], port)),
                 store_url: store,
                 history: !no_history,
+                traffic,
             })
             .await
         }

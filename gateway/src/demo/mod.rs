@@ -5,6 +5,7 @@
 //! have a cost change to explain.
 
 pub mod history;
+pub mod traffic;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -32,6 +33,8 @@ pub struct DemoOptions {
     pub store_url: String,
     /// Seed the synthetic fortnight (once per database).
     pub history: bool,
+    /// Send a small background mix of requests (see [`traffic`]).
+    pub traffic: bool,
 }
 
 /// What the demo set up, for printing (and for tests).
@@ -132,7 +135,9 @@ pub async fn prepare(options: &DemoOptions) -> anyhow::Result<Demo> {
             name: Some("demo".into()),
             hash: generated.hash,
             prefix: generated.prefix,
-            tags: BTreeMap::from([("feature".to_owned(), "demo".to_owned())]),
+            // No tags of its own: requests name their feature (`x-gateway-tags: feature=…`,
+            // as --traffic does).
+            tags: BTreeMap::new(),
             client_tags: None,
         })
         .await?;
@@ -258,5 +263,9 @@ Serving on http://{addr} until Ctrl-C.
             options.history
         ),
     );
+    if options.traffic {
+        println!("Sending background traffic (--traffic): about one request a second.\n");
+        traffic::spawn(format!("http://{addr}"), demo.api_key.clone());
+    }
     serve(demo.listener, demo.state, shutdown_signal()).await
 }

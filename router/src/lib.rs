@@ -16,14 +16,20 @@
 //!   can describe a prompt as a chain of hashes of fixed-size token blocks, the same way the
 //!   servers key their prefix caches. Two prompts that share their first `k` blocks share their
 //!   first `k` hashes, so a replica that recently saw a hash likely still holds that prefix
-//!   (prefix-affinity routing builds on it; the simulator's prefix cache uses it today).
+//!   (the simulator's prefix cache uses it too).
+//! - [`affinity`]: prefix-affinity replica choice over those chains (SGLang's imbalance gate or
+//!   llm-d's weighted score), with rendezvous hashing so independent gateways agree.
 
+pub mod affinity;
 pub mod overload;
 pub mod prefix;
 pub mod replica;
 pub mod tier;
 pub mod window;
 
+pub use affinity::{
+    Affinity, Candidate, Choice, Policy as AffinityPolicy, Reason as AffinityReason,
+};
 pub use overload::{RetryBudget, ShareBudget, Throttle};
 pub use prefix::{prefix_block_hashes, PrefixLru};
 pub use replica::{Breaker, HealthPolicy, Lease, Replica, ReplicaSet, ReplicaSnapshot, Trip};

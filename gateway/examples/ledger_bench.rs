@@ -79,6 +79,8 @@ fn event(i: u64, week: IsoWeek) -> UsageEvent {
         route_reason: Some("explicit".into()),
         routed: false,
         all_large_micros: None,
+        replica_choice: None,
+        matched_blocks: None,
         fingerprint: format!("{:032x}", i % 50_000),
     }
 }

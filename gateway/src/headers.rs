@@ -27,6 +27,9 @@ pub const ROUTE: HeaderName = HeaderName::from_static("x-gateway-route");
 pub const TIER: HeaderName = HeaderName::from_static("x-gateway-tier");
 /// Response: the replica that answered.
 pub const REPLICA: HeaderName = HeaderName::from_static("x-gateway-replica");
+/// Response, under prefix affinity: how the replica was chosen and the prompt blocks it had
+/// seen before (`reason=affinity matched_blocks=8`).
+pub const REPLICA_CHOICE: HeaderName = HeaderName::from_static("x-gateway-replica-choice");
 /// Response: the model name the upstream served.
 pub const SERVED_MODEL: HeaderName = HeaderName::from_static("x-gateway-served-model");
 /// Response: attempts after the first (failover).

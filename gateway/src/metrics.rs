@@ -43,6 +43,13 @@ pub mod names {
     /// Times a replica's circuit breaker opened, by tier, replica and reason
     /// (consecutive_failures, error_ratio, probe_failed).
     pub const BREAKER_TRIPS: &str = "gateway_replica_breaker_trips_total";
+    /// Replica choices under prefix affinity, by tier, replica and reason (affinity,
+    /// rendezvous, least-loaded, imbalanced).
+    pub const REPLICA_CHOICES: &str = "gateway_replica_choices_total";
+    /// Prompt prefix blocks sent to a replica under prefix affinity, by tier, replica and kind:
+    /// `sent` (every block of the prompt) and `matched` (those the router had sent there
+    /// before): matched / sent is the prefix hit rate the router aims for.
+    pub const PREFIX_BLOCKS: &str = "gateway_prefix_blocks_total";
     /// Requests rejected before reaching an upstream, by error kind.
     pub const REJECTED: &str = "gateway_rejected_requests_total";
     /// Agent loops the guard step found, by the action taken (flag, throttle, block).
@@ -100,6 +107,8 @@ pub mod names {
         IN_FLIGHT,
         HEALTHY,
         BREAKER_TRIPS,
+        REPLICA_CHOICES,
+        PREFIX_BLOCKS,
         UPSTREAM_THROTTLED,
         RETRIES,
         CLIENT_RETRIES,
@@ -148,6 +157,10 @@ pub struct Metrics {
     pub healthy: IntGaugeVec,
     /// See [`names::BREAKER_TRIPS`].
     pub breaker_trips: IntCounterVec,
+    /// See [`names::REPLICA_CHOICES`].
+    pub replica_choices: IntCounterVec,
+    /// See [`names::PREFIX_BLOCKS`].
+    pub prefix_blocks: IntCounterVec,
     /// See [`names::CLIENT_RETRIES`].
     pub client_retries: IntCounterVec,
     /// See [`names::FALLBACKS`].
@@ -406,6 +419,22 @@ impl Metrics {
             &["tier", "replica", "reason"],
         )?;
         registry.register(Box::new(breaker_trips.clone()))?;
+        let replica_choices = IntCounterVec::new(
+            Opts::new(
+                names::REPLICA_CHOICES,
+                "Replica choices under prefix affinity, by reason.",
+            ),
+            &["tier", "replica", "reason"],
+        )?;
+        registry.register(Box::new(replica_choices.clone()))?;
+        let prefix_blocks = IntCounterVec::new(
+            Opts::new(
+                names::PREFIX_BLOCKS,
+                "Prompt prefix blocks sent to a replica under prefix affinity (sent, matched).",
+            ),
+            &["tier", "replica", "kind"],
+        )?;
+        registry.register(Box::new(prefix_blocks.clone()))?;
         let upstream_throttled = IntCounterVec::new(
             Opts::new(
                 names::UPSTREAM_THROTTLED,
@@ -460,6 +489,8 @@ impl Metrics {
             in_flight,
             healthy,
             breaker_trips,
+            replica_choices,
+            prefix_blocks,
             upstream_throttled,
             retries,
             client_retries,
@@ -542,6 +573,17 @@ impl Metrics {
                         r.name.as_str(),
                         trip.as_str(),
                     ]);
+                }
+                for reason in router::AffinityReason::ALL {
+                    self.replica_choices.with_label_values(&[
+                        tier.as_str(),
+                        r.name.as_str(),
+                        reason.as_str(),
+                    ]);
+                }
+                for kind in ["sent", "matched"] {
+                    self.prefix_blocks
+                        .with_label_values(&[tier.as_str(), r.name.as_str(), kind]);
                 }
             }
         }

@@ -57,12 +57,25 @@ pub struct TierPool {
     pub throttle: Throttle,
     /// Requests waiting for a slot on this tier's replicas.
     pub queued: std::sync::atomic::AtomicU32,
+    /// Prefix-affinity memory, when `upstream.replica_choice` asks for it.
+    pub affinity: Option<std::sync::Mutex<router::Affinity>>,
+    /// Stable identities of the replicas (hashes of their names) for rendezvous hashing.
+    pub replica_ids: Vec<u64>,
 }
 
 impl TierPool {
     /// The target a lease points at.
     pub fn target(&self, lease: &Lease) -> &Target {
         &self.targets[lease.index()]
+    }
+}
+
+/// The affinity policy `upstream.replica_choice` names (`None`: least loaded).
+fn affinity_policy(up: &UpstreamConfig) -> Option<router::AffinityPolicy> {
+    match up.replica_choice {
+        crate::config::ReplicaChoice::LeastLoaded => None,
+        crate::config::ReplicaChoice::AffinityGate => Some(router::AffinityPolicy::GATE),
+        crate::config::ReplicaChoice::AffinityWeighted => Some(router::AffinityPolicy::WEIGHTED),
     }
 }
 
@@ -205,6 +218,24 @@ impl Upstreams {
                         Instant::now(),
                     ),
                     queued: std::sync::atomic::AtomicU32::new(0),
+                    affinity: affinity_policy(up).map(|p| {
+                        std::sync::Mutex::new(router::Affinity::new(
+                            p,
+                            tier.replicas.len(),
+                            up.affinity_capacity_blocks,
+                        ))
+                    }),
+                    replica_ids: tier
+                        .replicas
+                        .iter()
+                        .map(|r| {
+                            // The whole name as one block: the same id on every gateway.
+                            router::prefix_byte_hashes(r.name.as_bytes(), r.name.len().max(1))
+                                .first()
+                                .copied()
+                                .unwrap_or(0)
+                        })
+                        .collect(),
                 },
             );
         }

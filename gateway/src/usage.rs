@@ -133,6 +133,13 @@ pub struct UsageEvent {
     /// otherwise. Set at settle.
     #[serde(default)]
     pub all_large_micros: Option<i64>,
+    /// How prefix-affinity chose the replica (`affinity`, `rendezvous`, `least-loaded`,
+    /// `imbalanced`); `None` when the tier chooses by load alone.
+    #[serde(default)]
+    pub replica_choice: Option<String>,
+    /// Leading prompt blocks the router had sent to that replica before (with affinity).
+    #[serde(default)]
+    pub matched_blocks: Option<u32>,
     /// SHA-256 (first 32 hex digits) of the canonical request: same question, same fingerprint.
     /// Never the prompt text.
     pub fingerprint: String,

@@ -98,6 +98,14 @@ pub enum Reason {
 }
 
 impl Reason {
+    /// Every reason.
+    pub const ALL: [Self; 4] = [
+        Self::Affinity,
+        Self::Rendezvous,
+        Self::LeastLoaded,
+        Self::Imbalanced,
+    ];
+
     /// As in the `x-gateway-replica-choice` header and the ledger.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -31,5 +31,5 @@ pub use affinity::{
     Affinity, Candidate, Choice, Policy as AffinityPolicy, Reason as AffinityReason,
 };
 pub use overload::{RetryBudget, ShareBudget, Throttle};
-pub use prefix::{prefix_block_hashes, PrefixLru};
+pub use prefix::{prefix_block_hashes, prefix_byte_hashes, PrefixLru};
 pub use replica::{Breaker, HealthPolicy, Lease, Replica, ReplicaSet, ReplicaSnapshot, Trip};

@@ -31,6 +31,23 @@ pub fn prefix_block_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
     hashes
 }
 
+/// The same chain over bytes: every full block of `block_size` bytes, each hash seeded with the
+/// previous one. The gateway hashes a prompt's text this way (it has no access to the server's
+/// token ids, and needs none: the same prefix text gives the same leading hashes).
+pub fn prefix_byte_hashes(bytes: &[u8], block_size: usize) -> Vec<u64> {
+    if block_size == 0 {
+        return Vec::new();
+    }
+    let mut seed = CHAIN_SEED;
+    bytes
+        .chunks_exact(block_size)
+        .map(|block| {
+            seed = xxh3_64_with_seed(block, seed);
+            seed
+        })
+        .collect()
+}
+
 /// A bounded set of block hashes with least-recently-used eviction, the shape of a model server's
 /// prefix cache (and of the router's per-replica memory of what it sent where).
 #[derive(Debug)]
@@ -120,6 +137,18 @@ mod tests {
     fn same_block_at_another_position_hashes_differently() {
         let h = prefix_block_hashes(&[1, 2, 1, 2], 2);
         assert_ne!(h[0], h[1]);
+    }
+
+    #[test]
+    fn byte_chains_share_the_leading_hashes_of_a_shared_prefix() {
+        let a = b"You are a helpful assistant. The user asks: what is 2 + 2?";
+        let b = b"You are a helpful assistant. The user asks: what is 3 + 3?";
+        let (ha, hb) = (prefix_byte_hashes(a, 8), prefix_byte_hashes(b, 8));
+        assert_eq!(ha.len(), a.len() / 8);
+        let same = a.iter().zip(b.iter()).take_while(|(x, y)| x == y).count() / 8;
+        assert_eq!(ha[..same], hb[..same]);
+        assert_ne!(ha[same], hb[same]);
+        assert!(prefix_byte_hashes(b"short", 8).is_empty());
     }
 
     #[test]

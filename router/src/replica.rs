@@ -306,6 +306,50 @@ impl ReplicaSet {
         }
     }
 
+    /// Whether replica `index` may take a request now: not in `exclude`, circuit not open, a
+    /// half-open one's probe not taken, below its concurrency limit.
+    fn eligible(&self, index: usize, now: Instant, exclude: &[usize]) -> bool {
+        let replica = &self.replicas[index];
+        if exclude.contains(&index) {
+            return false;
+        }
+        let open = match self.state(replica, now) {
+            Breaker::Closed => false,
+            Breaker::Open => true,
+            Breaker::HalfOpen => replica.probe.load(Ordering::Acquire) != 0,
+        };
+        !open && replica.in_flight() < replica.max_concurrency
+    }
+
+    /// Take a slot on replica `index` (and its probe, when half-open); `None` when another
+    /// request took the last slot or the probe first.
+    fn lease(&self, index: usize, now: Instant) -> Option<Lease> {
+        let replica = &self.replicas[index];
+        let probe = if self.state(replica, now) == Breaker::HalfOpen {
+            let token = self.probes.fetch_add(1, Ordering::Relaxed);
+            replica
+                .probe
+                .compare_exchange(0, token, Ordering::AcqRel, Ordering::Acquire)
+                .ok()?;
+            token
+        } else {
+            0
+        };
+        if replica.try_acquire() {
+            return Some(Lease {
+                replica: Arc::clone(replica),
+                index,
+                probe,
+            });
+        }
+        if probe != 0 {
+            let _ = replica
+                .probe
+                .compare_exchange(probe, 0, Ordering::AcqRel, Ordering::Acquire);
+        }
+        None
+    }
+
     /// Lease the healthy replica with the fewest requests in flight, skipping replicas whose
     /// index is in `exclude` (already tried for this request), replicas at their concurrency
     /// limit, and half-open replicas whose one probe is already in flight. Ties go round-robin.
@@ -319,58 +363,44 @@ impl ReplicaSet {
         // A concurrent request may fill the best candidate between the scan and the acquire;
         // rescan a bounded number of times instead of failing the request.
         for _ in 0..n {
-            let mut best: Option<(usize, u32)> = None;
-            for offset in 0..n {
-                let index = (start + offset) % n;
-                let replica = &self.replicas[index];
-                if exclude.contains(&index) {
-                    continue;
-                }
-                match self.state(replica, now) {
-                    Breaker::Closed => {}
-                    Breaker::Open => continue,
-                    Breaker::HalfOpen if replica.probe.load(Ordering::Acquire) != 0 => continue,
-                    Breaker::HalfOpen => {}
-                }
-                let load = replica.in_flight();
-                if load >= replica.max_concurrency {
-                    continue;
-                }
-                if best.is_none_or(|(_, best_load)| load < best_load) {
-                    best = Some((index, load));
-                }
-            }
-            let (index, _) = best?;
-            let replica = &self.replicas[index];
-            let probe = if self.state(replica, now) == Breaker::HalfOpen {
-                let token = self.probes.fetch_add(1, Ordering::Relaxed);
-                if replica
-                    .probe
-                    .compare_exchange(0, token, Ordering::AcqRel, Ordering::Acquire)
-                    .is_err()
-                {
-                    // Another request took the probe between the scan and here.
-                    continue;
-                }
-                token
-            } else {
-                0
-            };
-            if replica.try_acquire() {
-                return Some(Lease {
-                    replica: Arc::clone(replica),
-                    index,
-                    probe,
-                });
-            }
-            if probe != 0 {
-                let _ =
-                    replica
-                        .probe
-                        .compare_exchange(probe, 0, Ordering::AcqRel, Ordering::Acquire);
+            let best = (0..n)
+                .map(|offset| (start + offset) % n)
+                .filter(|&index| self.eligible(index, now, exclude))
+                .min_by_key(|&index| self.replicas[index].in_flight())?;
+            if let Some(lease) = self.lease(best, now) {
+                return Some(lease);
             }
         }
         None
+    }
+
+    /// Lease the replica `pick` names among the candidates (one per replica, in set order:
+    /// eligibility as [`ReplicaSet::choose`] decides it, load = requests in flight), such as a
+    /// prefix-affinity choice; the least loaded ([`ReplicaSet::choose`]) when `pick` names none
+    /// or its replica filled up meanwhile. `ids` are the replicas' stable identities.
+    pub fn choose_by(
+        &self,
+        now: Instant,
+        exclude: &[usize],
+        ids: &[u64],
+        pick: impl FnOnce(&[crate::affinity::Candidate]) -> Option<usize>,
+    ) -> Option<Lease> {
+        let candidates: Vec<crate::affinity::Candidate> = (0..self.replicas.len())
+            .map(|i| crate::affinity::Candidate {
+                load: self.replicas[i].in_flight(),
+                kv_usage: None,
+                eligible: self.eligible(i, now, exclude),
+                id: ids.get(i).copied().unwrap_or(i as u64),
+            })
+            .collect();
+        if let Some(index) = pick(&candidates).filter(|&i| i < self.replicas.len()) {
+            if candidates[index].eligible {
+                if let Some(lease) = self.lease(index, now) {
+                    return Some(lease);
+                }
+            }
+        }
+        self.choose(now, exclude)
     }
 
     /// Whether a replica not in `exclude` would take a request but is at its concurrency limit

@@ -811,6 +811,8 @@ pub fn ledger_event(request_id: String, billed: Billed<'_>) -> gateway::usage::U
         route_reason: None,
         routed: false,
         all_large_micros: None,
+        replica_choice: None,
+        matched_blocks: None,
         fingerprint: format!("fp-{tenant}-{}", at.timestamp_micros()),
     }
 }

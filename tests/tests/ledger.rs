@@ -55,6 +55,8 @@ fn full_event(i: u32) -> UsageEvent {
         route_reason: Some("classifier".into()),
         routed: true,
         all_large_micros: Some(1_234_567),
+        replica_choice: Some("affinity".into()),
+        matched_blocks: Some(12),
     }
 }
 
@@ -76,6 +78,8 @@ async fn every_usage_field_lands_in_the_ledger_and_replays_are_no_ops_on_both_st
         sparse.tags.clear();
         sparse.routed = false;
         sparse.all_large_micros = None;
+        sparse.replica_choice = None;
+        sparse.matched_blocks = None;
         let rows = vec![full_event(1), sparse];
         assert_eq!(ledger.insert(&rows).await.unwrap(), 2, "{kind:?}");
         assert_eq!(

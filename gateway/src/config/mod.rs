@@ -38,7 +38,7 @@ pub use routing::{RoutingConfig, ToolsRule, Unavailable};
 pub use server::ServerConfig;
 pub use store::StoreConfig;
 pub use tiers::{ReplicaConfig, TierConfig};
-pub use upstream::{DisconnectPolicy, UpstreamConfig};
+pub use upstream::{DisconnectPolicy, ReplicaChoice, UpstreamConfig};
 
 use crate::types::price::usd_to_micros;
 pub use crate::types::{ModelTarget, Tier, TokenizerKind};
@@ -188,6 +188,12 @@ impl Config {
         let u = &self.upstream;
         if !(u.error_ratio > 0.0 && u.error_ratio <= 1.0) {
             return Err(invalid("upstream.error_ratio", "must be in (0, 1]"));
+        }
+        if u.affinity_block_bytes == 0 {
+            return Err(invalid(
+                "upstream.affinity_block_bytes",
+                "must be at least 1",
+            ));
         }
         if !(0.0..=1.0).contains(&u.fallback_max_share) {
             return Err(invalid("upstream.fallback_max_share", "must be in [0, 1]"));

@@ -14,6 +14,18 @@ pub enum DisconnectPolicy {
     Cancel,
 }
 
+/// How a replica of a tier is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplicaChoice {
+    /// The one with the fewest requests in flight (ties round-robin).
+    LeastLoaded,
+    /// Prefix affinity with SGLang's imbalance gate ([`router::affinity`]).
+    AffinityGate,
+    /// Prefix affinity with llm-d's weighted score.
+    AffinityWeighted,
+}
+
 /// Timeouts, retries and passive health for upstream calls.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -81,6 +93,15 @@ pub struct UpstreamConfig {
     pub pool_max_idle_per_host: usize,
     /// What to do with an upstream stream whose client disconnected.
     pub on_client_disconnect: DisconnectPolicy,
+    /// How a replica is chosen: `least_loaded`, or prefix affinity (`affinity_gate`,
+    /// `affinity_weighted`) so prompts sharing a prefix reach the replica whose KV cache holds
+    /// it. Not yet measured against least-loaded, hence not the default.
+    pub replica_choice: ReplicaChoice,
+    /// Bytes of prompt text per prefix block the affinity memory hashes.
+    pub affinity_block_bytes: usize,
+    /// Blocks the affinity memory keeps per replica (near the server's KV-cache capacity: a
+    /// longer memory claims prefixes the server already evicted).
+    pub affinity_capacity_blocks: usize,
 }
 
 impl Default for UpstreamConfig {
@@ -112,6 +133,9 @@ impl Default for UpstreamConfig {
             queue_wait_ms: 2_000,
             pool_max_idle_per_host: 256,
             on_client_disconnect: DisconnectPolicy::Drain,
+            replica_choice: ReplicaChoice::LeastLoaded,
+            affinity_block_bytes: 256,
+            affinity_capacity_blocks: 65_536,
         }
     }
 }

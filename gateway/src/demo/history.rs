@@ -256,6 +256,8 @@ impl Generator<'_> {
                     .cost(LARGE_MODEL, &usage, call.at)
                     .max(input + output)
             }),
+            replica_choice: None,
+            matched_blocks: None,
             fingerprint: fingerprint(&mut self.rng),
         });
         let last = self.rows.len() - 1;

@@ -254,7 +254,7 @@ pub(crate) const COLUMNS: &str = "request_id, started_at, tenant_id, tenant_name
      prompt_tokens, completion_tokens, cached_tokens, usage_source, cost_micros, output_cost_micros, saved_micros, \
      cache_status, status, error_kind, stream, client_disconnected, latency_ms, ttft_ms, retries, \
      loop_flag, retry_storm_flag, fingerprint, loop_steps, avoided_micros, route_reason, \
-     all_large_micros";
+     all_large_micros, replica_choice, matched_blocks";
 
 fn enum_text<T: serde::Serialize>(v: &T) -> String {
     match serde_json::to_value(v) {
@@ -312,6 +312,10 @@ macro_rules! decode_row {
             route_reason: r.try_get("route_reason")?,
             routed: all_large_micros.is_some(),
             all_large_micros,
+            replica_choice: r.try_get("replica_choice")?,
+            matched_blocks: r
+                .try_get::<Option<i32>, _>("matched_blocks")?
+                .and_then(|n| u32::try_from(n).ok()),
         })
     }};
 }

@@ -102,7 +102,7 @@ impl LedgerStore for PostgresLedger {
              $19::int8[], $20::int8[], $21::int8[], $22::text[], $23::int4[], $24::text[], \
              $25::bool[], $26::bool[], $27::float8[], $28::float8[], $29::int4[], $30::bool[], \
              $31::bool[], $32::text[], $33::int4[], $34::int8[], $35::text[], \
-             $36::int8[]) ON CONFLICT DO NOTHING RETURNING *), \
+             $36::int8[], $37::text[], $38::int4[]) ON CONFLICT DO NOTHING RETURNING *), \
              up AS ({rollup}) SELECT COUNT(*) FROM ins"
         );
         let inserted: i64 = sqlx::query_scalar(&sql)
@@ -142,6 +142,10 @@ impl LedgerStore for PostgresLedger {
             .bind(col!(|e| e.avoided_micros))
             .bind(col!(|e| e.route_reason.clone()))
             .bind(col!(|e| e.all_large_micros))
+            .bind(col!(|e| e.replica_choice.clone()))
+            .bind(col!(|e| e
+                .matched_blocks
+                .map(|n| i32::try_from(n).unwrap_or(i32::MAX))))
             .fetch_one(&self.pool)
             .await?;
         Ok(u64::try_from(inserted).unwrap_or(0))

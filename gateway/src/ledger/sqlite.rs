@@ -40,7 +40,7 @@ impl LedgerStore for SqliteLedger {
         let sql = format!(
             "INSERT OR IGNORE INTO ledger ({COLUMNS}) VALUES \
              ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, \
-             $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35, $36)"
+             $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35, $36, $37, $38)"
         );
         let rollup = super::report::rollup_upsert_sql(
             "substr(started_at, 1, 10)",
@@ -86,6 +86,11 @@ impl LedgerStore for SqliteLedger {
                 .bind(e.avoided_micros)
                 .bind(&e.route_reason)
                 .bind(e.all_large_micros)
+                .bind(&e.replica_choice)
+                .bind(
+                    e.matched_blocks
+                        .map(|n| i32::try_from(n).unwrap_or(i32::MAX)),
+                )
                 .execute(&mut *tx)
                 .await?
                 .rows_affected();

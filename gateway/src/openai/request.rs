@@ -131,6 +131,25 @@ pub struct ParsedRequest {
 }
 
 impl ParsedRequest {
+    /// The prompt as the text a model server's prefix cache keys on, in order: the tools, then
+    /// the messages (or the prompt of a completion). A request that continues another's
+    /// conversation starts with the same bytes. Empty for embeddings (nothing is cached there).
+    pub fn prefix_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        let fields: &[&str] = match self.endpoint {
+            Endpoint::Chat => &["tools", "messages"],
+            Endpoint::Completions => &["prompt"],
+            Endpoint::Embeddings => &[],
+        };
+        for f in fields {
+            if let Some(v) = self.body.get(*f) {
+                // Serialising cannot fail for a parsed Value.
+                let _ = serde_json::to_writer(&mut out, v);
+            }
+        }
+        out
+    }
+
     /// Parse and validate a body for `endpoint`.
     pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Self, ApiError> {
         let body_bytes = body.len();

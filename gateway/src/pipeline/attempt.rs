@@ -11,7 +11,7 @@ use super::{ms_since, respond, settle, Call};
 use crate::error::ApiError;
 use crate::state::AppState;
 use crate::types::Tier;
-use crate::upstream::{self, AttemptError, UpstreamResponse};
+use crate::upstream::{self, AttemptError, TierPool, UpstreamResponse};
 
 /// The tiers to try, in order: the first tier once plus `retries_same_tier` more replicas of it,
 /// then the other tier once when fallback is allowed (by the config, and by the request: a
@@ -54,6 +54,12 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
     let mut first_byte_left = up.first_byte_budget();
     let limit = up.max_response_bytes;
     let mut tried: Vec<(Tier, usize)> = Vec::new();
+    // The prompt's prefix blocks, for tiers that choose replicas by prefix affinity.
+    let chain: Vec<u64> = if up.replica_choice == crate::config::ReplicaChoice::LeastLoaded {
+        Vec::new()
+    } else {
+        router::prefix_byte_hashes(&call.req.prefix_bytes(), up.affinity_block_bytes)
+    };
     let mut last_error: Option<ApiError> = None;
     let mut attempts = 0u32;
     // Active on its first tier until answered: the base of that tier's retry budget.
@@ -133,7 +139,20 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
             .filter(|(t, _)| *t == tier)
             .map(|(_, i)| *i)
             .collect();
-        let lease = match pool.set.choose(Instant::now(), &exclude) {
+        let affinity = pool.affinity.as_ref().filter(|_| !chain.is_empty());
+        let mut chose: Option<router::Choice> = None;
+        let picked = match affinity {
+            Some(aff) => {
+                pool.set
+                    .choose_by(Instant::now(), &exclude, &pool.replica_ids, |candidates| {
+                        let c = lock(aff).choose(&chain, candidates)?;
+                        chose = Some(c);
+                        Some(c.index)
+                    })
+            }
+            None => pool.set.choose(Instant::now(), &exclude),
+        };
+        let lease = match picked {
             Some(lease) => Some(lease),
             None if pool.set.at_capacity(Instant::now(), &exclude) => {
                 let wait = Duration::from_millis(up.queue_wait_ms)
@@ -154,6 +173,9 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
         let Some(lease) = lease else {
             continue;
         };
+        if let Some(aff) = affinity {
+            note_choice(&state, &mut call.event, pool, &lease, aff, &chain, chose);
+        }
         tried.push((tier, lease.index()));
         attempts += 1;
         let target = pool.target(&lease);
@@ -364,4 +386,47 @@ fn attempt_error(e: &AttemptError) -> ApiError {
             ),
         },
     }
+}
+
+fn lock(aff: &std::sync::Mutex<router::Affinity>) -> std::sync::MutexGuard<'_, router::Affinity> {
+    aff.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Remember that `chain` went to the leased replica, and say how it was chosen (the event's
+/// `replica_choice` and `matched_blocks`, the metrics). A lease on another replica than the
+/// affinity choice (it filled up meanwhile, or the request queued) counts as least-loaded.
+fn note_choice(
+    state: &AppState,
+    event: &mut crate::usage::UsageEvent,
+    pool: &TierPool,
+    lease: &router::Lease,
+    aff: &std::sync::Mutex<router::Affinity>,
+    chain: &[u64],
+    chose: Option<router::Choice>,
+) {
+    let index = lease.index();
+    let mut memory = lock(aff);
+    let (reason, matched) = match chose.filter(|c| c.index == index) {
+        Some(c) => (c.reason, c.matched_blocks),
+        None => (
+            router::AffinityReason::LeastLoaded,
+            memory.matched(index, chain),
+        ),
+    };
+    memory.record(index, chain);
+    drop(memory);
+    event.replica_choice = Some(reason.as_str().to_owned());
+    event.matched_blocks = Some(u32::try_from(matched).unwrap_or(u32::MAX));
+    let (tier, replica) = (pool.tier.as_str(), pool.target(lease).name.as_str());
+    let m = &state.metrics;
+    m.replica_choices
+        .with_label_values(&[tier, replica, reason.as_str()])
+        .inc();
+    m.prefix_blocks
+        .with_label_values(&[tier, replica, "sent"])
+        .inc_by(chain.len() as u64);
+    m.prefix_blocks
+        .with_label_values(&[tier, replica, "matched"])
+        .inc_by(matched as u64);
 }

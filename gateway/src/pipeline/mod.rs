@@ -564,6 +564,8 @@ fn new_event(ctx: &RequestContext, endpoint: Endpoint) -> UsageEvent {
         route_reason: None,
         routed: false,
         all_large_micros: None,
+        replica_choice: None,
+        matched_blocks: None,
         fingerprint: String::new(),
     }
 }

@@ -129,7 +129,12 @@ pub(super) fn budget_headers(a: &Admission) -> Vec<(HeaderName, HeaderValue)> {
         .collect()
 }
 
-fn gateway_headers(out: &mut HeaderMap, pool: &TierPool, target: &Target, retries: u32) {
+fn gateway_headers(
+    out: &mut HeaderMap,
+    pool: &TierPool,
+    target: &Target,
+    event: &crate::usage::UsageEvent,
+) {
     for (name, value) in [
         (headers::TIER, pool.tier.as_str()),
         (headers::REPLICA, target.name.as_str()),
@@ -139,7 +144,16 @@ fn gateway_headers(out: &mut HeaderMap, pool: &TierPool, target: &Target, retrie
             out.insert(name, v);
         }
     }
-    out.insert(headers::RETRIES, HeaderValue::from(retries));
+    out.insert(headers::RETRIES, HeaderValue::from(event.retries));
+    if let Some(reason) = &event.replica_choice {
+        let value = format!(
+            "reason={reason} matched_blocks={}",
+            event.matched_blocks.unwrap_or(0)
+        );
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            out.insert(headers::REPLICA_CHOICE, v);
+        }
+    }
 }
 
 /// A whole (non-streamed) upstream answer: usage from the body or the tokenizer, cache fill,
@@ -189,7 +203,8 @@ pub(super) fn buffered(
     } else {
         event.error_kind = Some(format!("upstream_{}", status.as_u16()));
     }
-    let retries = event.retries;
+    let mut gateway = HeaderMap::new();
+    gateway_headers(&mut gateway, pool, target, &event);
     settle(&state, event, reservation);
     let mut response = Response::new(Body::from(body));
     *response.status_mut() = status;
@@ -206,7 +221,7 @@ pub(super) fn buffered(
             response.headers_mut().insert(name.clone(), value.clone());
         }
     }
-    gateway_headers(response.headers_mut(), pool, target, retries);
+    response.headers_mut().extend(gateway);
     response
 }
 
@@ -274,7 +289,7 @@ pub(super) fn streamed(
             .unwrap_or_else(|| HeaderValue::from_static("text/event-stream")),
     );
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    gateway_headers(&mut headers, pool, target, event.retries);
+    gateway_headers(&mut headers, pool, target, &event);
 
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(32);
     let tier = pool.tier;

@@ -56,6 +56,11 @@ const SQLITE: Embedded = &[
         "synthetic demo rows in the rollup",
         include_str!("../../../migrations/sqlite/0009_synthetic_rows.sql"),
     ),
+    (
+        10,
+        "replica choice in the ledger",
+        include_str!("../../../migrations/sqlite/0010_replica_choice.sql"),
+    ),
 ];
 
 const POSTGRES: Embedded = &[
@@ -103,6 +108,11 @@ const POSTGRES: Embedded = &[
         9,
         "synthetic demo rows in the rollup",
         include_str!("../../../migrations/postgres/0009_synthetic_rows.sql"),
+    ),
+    (
+        10,
+        "replica choice in the ledger",
+        include_str!("../../../migrations/postgres/0010_replica_choice.sql"),
     ),
 ];
 

@@ -1,0 +1,149 @@
+//! Prefix-affinity replica choice through the real gateway (`upstream.replica_choice`): a
+//! conversation's turns go back to the replica that served its prefix, new conversations spread,
+//! the choice is said in `x-gateway-replica-choice` and the ledger row, and a replica that
+//! cannot take requests is never chosen.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::collections::BTreeMap;
+
+use e2e::{config, replica, Sim, StoreKind, TestApp};
+use gateway::config::ReplicaChoice;
+use serde_json::{json, Value};
+
+/// A system prompt of a dozen 256-byte blocks, shared by every turn of conversation `n`.
+fn system(n: usize) -> String {
+    format!("You are support agent #{n}. ").repeat(120)
+}
+
+fn turn(n: usize, turns: usize) -> Value {
+    let mut messages = vec![json!({"role": "system", "content": system(n)})];
+    for t in 0..turns {
+        messages
+            .push(json!({"role": "user", "content": format!("question {t} of conversation {n}")}));
+        messages.push(json!({"role": "assistant", "content": format!("answer {t}")}));
+    }
+    messages.push(json!({"role": "user", "content": "and one more thing?"}));
+    json!({"model": "fast", "messages": messages, "max_tokens": 8})
+}
+
+fn header(r: &reqwest::Response, name: &str) -> String {
+    r.headers()
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default()
+}
+
+async fn app(choice: ReplicaChoice) -> (TestApp, Vec<Sim>) {
+    let sims = vec![
+        Sim::zero("sim-small").await,
+        Sim::zero("sim-small").await,
+        Sim::zero("sim-small").await,
+    ];
+    let mut c = config(
+        sims.iter()
+            .enumerate()
+            .map(|(i, s)| replica(&format!("small-{i}"), &s.url, "sim-small"))
+            .collect(),
+        vec![replica("large", &sims[0].url, "sim-small")],
+    );
+    c.upstream.replica_choice = choice;
+    c.upstream.fallback_to_other_tier = false;
+    (TestApp::spawn(c, StoreKind::Sqlite).await, sims)
+}
+
+#[tokio::test]
+async fn a_conversation_returns_to_the_replica_holding_its_prefix() {
+    for choice in [ReplicaChoice::AffinityGate, ReplicaChoice::AffinityWeighted] {
+        let (mut app, _sims) = app(choice).await;
+        let mut first_replica = BTreeMap::new();
+        for n in 0..12 {
+            let r = app.chat(turn(n, 0)).await;
+            assert_eq!(r.status(), 200);
+            let how = header(&r, "x-gateway-replica-choice");
+            assert!(how.starts_with("reason=rendezvous"), "{choice:?}: {how}");
+            first_replica.insert(n, header(&r, "x-gateway-replica"));
+            let _ = r.text().await;
+            let e = app.next_event().await;
+            assert_eq!(e.replica_choice.as_deref(), Some("rendezvous"));
+        }
+        let spread: std::collections::BTreeSet<&String> = first_replica.values().collect();
+        assert!(
+            spread.len() >= 2,
+            "new conversations spread: {first_replica:?}"
+        );
+        // Later turns of each conversation: the same replica, with most blocks matched.
+        for turns in 1..4 {
+            for n in 0..12 {
+                let r = app.chat(turn(n, turns)).await;
+                assert_eq!(r.status(), 200);
+                assert_eq!(
+                    header(&r, "x-gateway-replica"),
+                    first_replica[&n],
+                    "{choice:?}"
+                );
+                let how = header(&r, "x-gateway-replica-choice");
+                let matched: usize = how
+                    .split("matched_blocks=")
+                    .nth(1)
+                    .and_then(|m| m.parse().ok())
+                    .unwrap();
+                assert!(how.starts_with("reason=affinity") && matched >= 10, "{how}");
+                let _ = r.text().await;
+                let e = app.next_event().await;
+                assert_eq!(e.replica_choice.as_deref(), Some("affinity"));
+                assert_eq!(e.matched_blocks, Some(matched as u32));
+            }
+        }
+        let m = app.metrics().await;
+        assert!(
+            m.contains("gateway_replica_choices_total{reason=\"affinity\""),
+            "{m}"
+        );
+        assert!(
+            m.contains("gateway_prefix_blocks_total{kind=\"matched\""),
+            "{m}"
+        );
+        app.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn a_replica_that_is_down_is_never_chosen_even_when_it_holds_the_prefix() {
+    let (mut app, sims) = app(ReplicaChoice::AffinityGate).await;
+    let r = app.chat(turn(0, 0)).await;
+    let home = header(&r, "x-gateway-replica");
+    let _ = r.text().await;
+    let _ = app.next_event().await;
+    let index: usize = home.trim_start_matches("small-").parse().unwrap();
+    // Its server fails every request: the circuit opens after the failures, and the turns go
+    // elsewhere (answered, since another replica of the tier takes over).
+    sims[index]
+        .faults(json!({"fail_next": 1000, "status": 503}))
+        .await;
+    let mut elsewhere = 0;
+    for turns in 1..8 {
+        let r = app.chat(turn(0, turns)).await;
+        assert_eq!(r.status(), 200, "another replica answers");
+        if header(&r, "x-gateway-replica") != home {
+            elsewhere += 1;
+        }
+        let _ = r.text().await;
+        let _ = app.next_event().await;
+    }
+    assert_eq!(elsewhere, 7, "every turn answered by another replica");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn least_loaded_choice_says_nothing_about_prefixes() {
+    let (mut app, _sims) = app(ReplicaChoice::LeastLoaded).await;
+    let r = app.chat(turn(0, 0)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-gateway-replica-choice"), "");
+    let _ = r.text().await;
+    let e = app.next_event().await;
+    assert_eq!(e.replica_choice, None);
+    assert_eq!(e.matched_blocks, None);
+    app.stop().await;
+}

@@ -33,6 +33,7 @@ pub mod pricing;
 pub mod redis_conn;
 pub mod routes;
 pub mod routing;
+pub mod scrape;
 pub mod server;
 pub mod simulator;
 pub mod state;

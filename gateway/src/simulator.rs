@@ -47,6 +47,12 @@ pub struct SimProfile {
     pub cache_blocks: usize,
     /// Completion length when the request sets no `max_tokens`.
     pub default_max_tokens: u32,
+    /// Sequences generated at once (continuous batching); more requests wait in a queue, as
+    /// vLLM's `max_num_seqs`.
+    pub max_running: usize,
+    /// How much slower prefill and each decode step get with a full batch: the time is
+    /// multiplied by `1 + batch_slowdown × running / max_running`.
+    pub batch_slowdown: f64,
 }
 
 impl SimProfile {
@@ -61,6 +67,8 @@ impl SimProfile {
             block_size: 16,
             cache_blocks: 4096,
             default_max_tokens: 24,
+            max_running: 64,
+            batch_slowdown: 1.0,
         }
     }
 
@@ -75,6 +83,8 @@ impl SimProfile {
             block_size: 16,
             cache_blocks: 4096,
             default_max_tokens: 24,
+            max_running: 64,
+            batch_slowdown: 1.0,
         }
     }
 
@@ -89,6 +99,8 @@ impl SimProfile {
             block_size: 16,
             cache_blocks: 4096,
             default_max_tokens: 16,
+            max_running: 4096,
+            batch_slowdown: 0.0,
         }
     }
 
@@ -253,6 +265,27 @@ pub struct Simulator {
     schedule: Mutex<Vec<Window>>,
     /// Requests a fault answered (injected status, scheduled status, slow, hang).
     faulted: [AtomicU64; 4],
+    /// Batch slots (`max_running`).
+    slots: Arc<tokio::sync::Semaphore>,
+    /// Requests generating now.
+    running: Arc<AtomicU64>,
+    /// Requests waiting for a batch slot.
+    waiting: AtomicU64,
+    /// Prompt tokens looked up in the prefix cache, and those found there.
+    prefix_queries: AtomicU64,
+    prefix_hits: AtomicU64,
+}
+
+/// A batch slot held for one request's generation.
+struct Running {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    running: Arc<AtomicU64>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.running.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Indexes of [`Simulator::faulted`].
@@ -289,6 +322,7 @@ impl Simulator {
         let tokenizer = Tokenizer::default();
         tokenizer.warm();
         let schedule = Mutex::new(windows(Instant::now(), &options.schedule));
+        let options_slots = options.profile.max_running.max(1);
         Arc::new(Self {
             cache: Mutex::new(PrefixLru::new(options.profile.cache_blocks)),
             options,
@@ -301,6 +335,11 @@ impl Simulator {
             last_request: Mutex::new(Value::Null),
             schedule,
             faulted: Default::default(),
+            slots: Arc::new(tokio::sync::Semaphore::new(options_slots)),
+            running: Arc::new(AtomicU64::new(0)),
+            waiting: AtomicU64::new(0),
+            prefix_queries: AtomicU64::new(0),
+            prefix_hits: AtomicU64::new(0),
         })
     }
 
@@ -335,7 +374,77 @@ impl Simulator {
         let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
         let hit = cache.matched_prefix(&chain);
         cache.touch(&chain);
-        hit * self.options.profile.block_size
+        let hit = hit * self.options.profile.block_size;
+        self.prefix_queries
+            .fetch_add(tokens.len() as u64, Ordering::Relaxed);
+        self.prefix_hits.fetch_add(hit as u64, Ordering::Relaxed);
+        hit
+    }
+
+    /// Wait for a batch slot (counted as waiting meanwhile), then hold it while generating.
+    async fn run(&self) -> Running {
+        self.waiting.fetch_add(1, Ordering::AcqRel);
+        let permit = Arc::clone(&self.slots).acquire_owned().await;
+        self.waiting.fetch_sub(1, Ordering::AcqRel);
+        self.running.fetch_add(1, Ordering::AcqRel);
+        Running {
+            // The semaphore is never closed.
+            _permit: permit.unwrap_or_else(|_| unreachable!("simulator slots closed")),
+            running: Arc::clone(&self.running),
+        }
+    }
+
+    /// The batch's slowdown factor now.
+    fn slowdown(&self) -> f64 {
+        let p = &self.options.profile;
+        let running = self.running.load(Ordering::Acquire) as f64;
+        1.0 + p.batch_slowdown.max(0.0) * running / p.max_running.max(1) as f64
+    }
+
+    /// vLLM-compatible metrics (`/metrics`): running and waiting requests, KV-cache use (the
+    /// prefix cache's share of its blocks), prefix-cache queries and hits in tokens.
+    pub fn metrics_text(&self) -> String {
+        let model = &self.options.profile.model;
+        let used = self.cache.lock().map(|c| c.len()).unwrap_or_default() as f64
+            / self.options.profile.cache_blocks.max(1) as f64;
+        let mut out = String::new();
+        for (name, kind, help, value) in [
+            (
+                "vllm:num_requests_running",
+                "gauge",
+                "Requests in the batch.",
+                self.running.load(Ordering::Acquire).to_string(),
+            ),
+            (
+                "vllm:num_requests_waiting",
+                "gauge",
+                "Requests waiting for a batch slot.",
+                self.waiting.load(Ordering::Acquire).to_string(),
+            ),
+            (
+                "vllm:gpu_cache_usage_perc",
+                "gauge",
+                "KV-cache usage (1 = full).",
+                format!("{used:.6}"),
+            ),
+            (
+                "vllm:prefix_cache_queries_total",
+                "counter",
+                "Prompt tokens looked up in the prefix cache.",
+                self.prefix_queries.load(Ordering::Relaxed).to_string(),
+            ),
+            (
+                "vllm:prefix_cache_hits_total",
+                "counter",
+                "Prompt tokens found in the prefix cache.",
+                self.prefix_hits.load(Ordering::Relaxed).to_string(),
+            ),
+        ] {
+            out.push_str(&format!(
+                "# HELP {name} {help} (SIMULATED)\n# TYPE {name} {kind}\n{name}{{model_name=\"{model}\"}} {value}\n"
+            ));
+        }
+        out
     }
 
     /// Injected fault for this request, if any: `Err(status)` to fail, `Ok(extra delay)` (a
@@ -391,12 +500,14 @@ impl Simulator {
     fn ttft(&self, prompt_tokens: usize, cached: usize) -> Duration {
         let p = &self.options.profile;
         let ms = p.base_ms
-            + (prompt_tokens.saturating_sub(cached) as f64) * p.prefill_us_per_token / 1000.0;
+            + (prompt_tokens.saturating_sub(cached) as f64) * p.prefill_us_per_token / 1000.0
+                * self.slowdown();
         Duration::from_secs_f64(ms.max(0.0) / 1000.0)
     }
 
     fn decode_step(&self) -> Duration {
-        Duration::from_secs_f64(self.options.profile.decode_ms_per_token.max(0.0) / 1000.0)
+        let ms = self.options.profile.decode_ms_per_token.max(0.0) * self.slowdown();
+        Duration::from_secs_f64(ms / 1000.0)
     }
 }
 
@@ -414,6 +525,15 @@ pub fn router(sim: Arc<Simulator>) -> Router {
         .route("/v1/models", get(models))
         .route("/sim/faults", post(set_faults))
         .route("/sim/stats", get(stats))
+        .route(
+            "/metrics",
+            get(|State(sim): State<Arc<Simulator>>| async move {
+                (
+                    [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                    sim.metrics_text(),
+                )
+            }),
+        )
         .route("/health", get(|| async { "ok" }))
         // Prompts as long as the gateway accepts (axum's default stops at 2 MiB; vLLM has no
         // such limit of its own).
@@ -490,6 +610,10 @@ async fn stats(State(sim): State<Arc<Simulator>>) -> Json<Value> {
     Json(json!({
         "requests": sim.requests(),
         "faulted": faulted,
+        "running": sim.running.load(Ordering::Acquire),
+        "waiting": sim.waiting.load(Ordering::Acquire),
+        "prefix_cache_queries": sim.prefix_queries.load(Ordering::Relaxed),
+        "prefix_cache_hits": sim.prefix_hits.load(Ordering::Relaxed),
         "profile": sim.options.profile.name,
         "last_request": last,
     }))
@@ -618,11 +742,19 @@ async fn generate(sim: Arc<Simulator>, g: Generation, chat: bool) -> Response {
     let id = format!("sim-{}", sim.requests());
     let model = sim.options.profile.model.clone();
     let created = chrono::Utc::now().timestamp();
-    let ttft = sim.ttft(g.prompt_tokens, g.cached);
     let usage = sim.options.report_usage.then(|| g.usage(&sim.tokenizer));
+    // Continuous batching: wait for a slot, then prefill and decode at the batch's pace.
+    let slot = sim.run().await;
+    let ttft = sim.ttft(g.prompt_tokens, g.cached);
     if !g.stream {
-        let step = sim.decode_step() * u32::try_from(g.pieces.len()).unwrap_or(u32::MAX);
-        tokio::time::sleep(ttft + step).await;
+        tokio::time::sleep(ttft).await;
+        for _ in 0..g.pieces.len() {
+            let step = sim.decode_step();
+            if !step.is_zero() {
+                tokio::time::sleep(step).await;
+            }
+        }
+        drop(slot);
         let text = g.pieces.concat();
         let choice = if chat {
             json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
@@ -639,8 +771,8 @@ async fn generate(sim: Arc<Simulator>, g: Generation, chat: bool) -> Response {
         return Json(out).into_response();
     }
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(8);
-    let step = sim.decode_step();
     tokio::spawn(async move {
+        let _slot = slot;
         let object = if chat {
             "chat.completion.chunk"
         } else {
@@ -665,6 +797,7 @@ async fn generate(sim: Arc<Simulator>, g: Generation, chat: bool) -> Response {
         }
         let last = g.pieces.len().saturating_sub(1);
         for (i, piece) in g.pieces.iter().enumerate() {
+            let step = sim.decode_step();
             if i > 0 && !step.is_zero() {
                 tokio::time::sleep(step).await;
             }
@@ -774,6 +907,57 @@ mod tests {
         assert_eq!(sim.prefill(&prompt), 320, "all 20 blocks cached");
         let warm = sim.ttft(320, 320);
         assert!(warm < cold / 2, "warm {warm:?} vs cold {cold:?}");
+    }
+
+    #[tokio::test]
+    async fn a_full_batch_queues_requests_and_slows_decoding_and_metrics_say_so() {
+        let mut p = SimProfile::small();
+        p.max_running = 2;
+        p.batch_slowdown = 1.0;
+        let sim = Simulator::new(SimOptions::new(p));
+        let alone = sim.decode_step();
+        let a = sim.run().await;
+        let b = sim.run().await;
+        // A full batch: each step takes twice as long, and the next request waits.
+        assert_eq!(sim.decode_step(), alone * 2);
+        let waiter = {
+            let sim = Arc::clone(&sim);
+            tokio::spawn(async move { sim.run().await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let text = sim.metrics_text();
+        assert!(
+            text.contains("vllm:num_requests_running{model_name=\"sim-small\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("vllm:num_requests_waiting{model_name=\"sim-small\"} 1"),
+            "{text}"
+        );
+        drop(a);
+        let c = waiter.await.unwrap();
+        assert!(sim
+            .metrics_text()
+            .contains("vllm:num_requests_waiting{model_name=\"sim-small\"} 0"));
+        drop((b, c));
+        assert_eq!(sim.running.load(Ordering::Acquire), 0);
+        // Prefix-cache counters and KV-cache use, in tokens and as a share of the blocks.
+        let prompt: Vec<u32> = (0..320).collect();
+        sim.prefill(&prompt);
+        sim.prefill(&prompt);
+        let text = sim.metrics_text();
+        assert!(
+            text.contains("vllm:prefix_cache_queries_total{model_name=\"sim-small\"} 640"),
+            "{text}"
+        );
+        assert!(
+            text.contains("vllm:prefix_cache_hits_total{model_name=\"sim-small\"} 320"),
+            "{text}"
+        );
+        assert!(
+            text.contains("vllm:gpu_cache_usage_perc{model_name=\"sim-small\"} 0.004883"),
+            "{text}"
+        );
     }
 
     #[test]

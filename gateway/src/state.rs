@@ -229,6 +229,20 @@ impl AppState {
         cache.start(&background, every);
         guard.start(&background, every);
         routing.start(&background, every);
+        for tier in config.tiers.keys() {
+            if let Some(pool) = upstreams.tier(*tier) {
+                for (url, into) in pool.metrics_urls.iter().zip(&pool.observed) {
+                    if let Some(url) = url {
+                        crate::scrape::start(
+                            &background,
+                            url.clone(),
+                            Arc::clone(into),
+                            config.upstream.scrape_interval(),
+                        );
+                    }
+                }
+            }
+        }
         Ok(Self(Arc::new(Inner {
             config,
             store,

@@ -49,6 +49,8 @@ pub struct TierPool {
     pub set: ReplicaSet,
     /// Replica addresses.
     pub targets: Vec<Target>,
+    /// Each replica's `metrics_url`.
+    pub metrics_urls: Vec<Option<String>>,
     /// Tokenizer for counting when the upstream reports no usage.
     pub tokenizer: Tokenizer,
     /// The gateway's own retries to this tier, bounded by the requests active on it.
@@ -61,6 +63,23 @@ pub struct TierPool {
     pub affinity: Option<std::sync::Mutex<router::Affinity>>,
     /// Stable identities of the replicas (hashes of their names) for rendezvous hashing.
     pub replica_ids: Vec<u64>,
+    /// The latest scrape of each replica's own metrics (empty when never scraped).
+    pub observed: Vec<std::sync::Arc<crate::scrape::Observed>>,
+}
+
+impl TierPool {
+    /// What affinity choice weighs of replica `index`: its stable id, and the server's own load
+    /// and KV-cache use from a fresh scrape (the load never below this gateway's in-flight count).
+    pub fn describe(&self, index: usize, c: &mut router::Candidate, max_age: Duration) {
+        c.id = self.replica_ids.get(index).copied().unwrap_or(index as u64);
+        if let Some(o) = self.observed.get(index) {
+            let (load, kv) = o.fresh(max_age);
+            if let Some(load) = load {
+                c.load = c.load.max(load);
+            }
+            c.kv_usage = kv;
+        }
+    }
 }
 
 impl TierPool {
@@ -209,6 +228,11 @@ impl Upstreams {
                     tier: *name,
                     set,
                     targets,
+                    metrics_urls: tier
+                        .replicas
+                        .iter()
+                        .map(|r| r.metrics_url.clone())
+                        .collect(),
                     tokenizer,
                     retry_budget: RetryBudget::new(up.retry_budget_ratio, up.retry_budget_min),
                     throttle: Throttle::new(
@@ -235,6 +259,11 @@ impl Upstreams {
                                 .copied()
                                 .unwrap_or(0)
                         })
+                        .collect(),
+                    observed: tier
+                        .replicas
+                        .iter()
+                        .map(|_| std::sync::Arc::default())
                         .collect(),
                 },
             );

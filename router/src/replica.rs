@@ -375,22 +375,27 @@ impl ReplicaSet {
     }
 
     /// Lease the replica `pick` names among the candidates (one per replica, in set order:
-    /// eligibility as [`ReplicaSet::choose`] decides it, load = requests in flight), such as a
-    /// prefix-affinity choice; the least loaded ([`ReplicaSet::choose`]) when `pick` names none
-    /// or its replica filled up meanwhile. `ids` are the replicas' stable identities.
+    /// eligibility as [`ReplicaSet::choose`] decides it, load = requests in flight, then
+    /// `describe` adds what the caller knows: the replica's stable id, the server's own load),
+    /// such as a prefix-affinity choice; the least loaded ([`ReplicaSet::choose`]) when `pick`
+    /// names none or its replica filled up meanwhile.
     pub fn choose_by(
         &self,
         now: Instant,
         exclude: &[usize],
-        ids: &[u64],
+        describe: impl Fn(usize, &mut crate::affinity::Candidate),
         pick: impl FnOnce(&[crate::affinity::Candidate]) -> Option<usize>,
     ) -> Option<Lease> {
         let candidates: Vec<crate::affinity::Candidate> = (0..self.replicas.len())
-            .map(|i| crate::affinity::Candidate {
-                load: self.replicas[i].in_flight(),
-                kv_usage: None,
-                eligible: self.eligible(i, now, exclude),
-                id: ids.get(i).copied().unwrap_or(i as u64),
+            .map(|i| {
+                let mut c = crate::affinity::Candidate {
+                    load: self.replicas[i].in_flight(),
+                    kv_usage: None,
+                    eligible: self.eligible(i, now, exclude),
+                    id: i as u64,
+                };
+                describe(i, &mut c);
+                c
             })
             .collect();
         if let Some(index) = pick(&candidates).filter(|&i| i < self.replicas.len()) {

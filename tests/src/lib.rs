@@ -163,6 +163,7 @@ pub fn replica(name: &str, base_url: &str, model: &str) -> ReplicaConfig {
         model: model.into(),
         api_key_env: None,
         max_concurrency: 64,
+        metrics_url: None,
     }
 }
 

@@ -147,3 +147,67 @@ async fn least_loaded_choice_says_nothing_about_prefixes() {
     assert_eq!(e.matched_blocks, None);
     app.stop().await;
 }
+
+#[tokio::test]
+async fn a_server_busy_with_other_traffic_is_seen_in_its_own_metrics() {
+    use gateway::simulator::{SimOptions, SimProfile};
+    // Two replicas that generate one sequence at a time (the rest waits, as in vLLM).
+    let mut p = SimProfile::small();
+    p.max_running = 1;
+    p.decode_ms_per_token = 10.0;
+    let sims = [
+        Sim::start(SimOptions::new(p.clone())).await,
+        Sim::start(SimOptions::new(p)).await,
+    ];
+    let mut c = config(
+        sims.iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let mut r = replica(&format!("small-{i}"), &s.url, "sim-small");
+                r.metrics_url = Some(format!("{}/metrics", s.root));
+                r
+            })
+            .collect(),
+        vec![replica("large", &sims[0].url, "sim-small")],
+    );
+    c.upstream.replica_choice = ReplicaChoice::AffinityGate;
+    c.upstream.scrape_interval_ms = 100;
+    let app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    let r = app.chat(turn(0, 0)).await;
+    let home = header(&r, "x-gateway-replica");
+    let _ = r.text().await;
+    let index: usize = home.trim_start_matches("small-").parse().unwrap();
+    // Other clients (another gateway, say) queue 40 requests on that server directly: this
+    // gateway has nothing in flight there, only the server's metrics show it.
+    let http = reqwest::Client::new();
+    let url = format!("{}/chat/completions", sims[index].url);
+    let mut others = Vec::new();
+    for _ in 0..40 {
+        let (http, url) = (http.clone(), url.clone());
+        others.push(tokio::spawn(async move {
+            let body =
+                json!({"model": "sim-small", "messages": [{"role": "user", "content": "x"}]});
+            let _ = http.post(url).json(&body).send().await;
+        }));
+    }
+    e2e::eventually(
+        "the next turn avoids the busy server",
+        std::time::Duration::from_secs(10),
+        || {
+            let app = &app;
+            let home = home.clone();
+            async move {
+                let r = app.chat(turn(0, 1)).await;
+                let how = header(&r, "x-gateway-replica-choice");
+                let at = header(&r, "x-gateway-replica");
+                let _ = r.text().await;
+                (at != home && how.starts_with("reason=imbalanced")).then_some(())
+            }
+        },
+    )
+    .await;
+    for o in others {
+        o.abort();
+    }
+    app.stop().await;
+}

@@ -219,6 +219,16 @@ enum Command {
         /// ...answering this status.
         #[arg(long, default_value_t = 503)]
         fail_status: u16,
+        /// Sequences in the batch at once (default: the profile's); more requests wait.
+        #[arg(long)]
+        max_running: Option<usize>,
+        /// Prefill and decode slow down by this factor at a full batch (default: the
+        /// profile's).
+        #[arg(long)]
+        batch_slowdown: Option<f64>,
+        /// Blocks the prefix (KV) cache holds (default: the profile's).
+        #[arg(long)]
+        cache_blocks: Option<usize>,
     },
     /// Run the gateway on its embedded default in front of simulated model servers.
     Demo {
@@ -365,6 +375,9 @@ async fn main() -> anyhow::Result<()> {
             fail_after,
             fail_for,
             fail_status,
+            max_running,
+            batch_slowdown,
+            cache_blocks,
         } => {
             if let (Some(after), Some(length)) = (fail_after, fail_for) {
                 anyhow::ensure!(
@@ -382,6 +395,15 @@ async fn main() -> anyhow::Result<()> {
             })?;
             if let Some(m) = model {
                 p.model = m;
+            }
+            if let Some(n) = max_running {
+                p.max_running = n.max(1);
+            }
+            if let Some(s) = batch_slowdown {
+                p.batch_slowdown = s.max(0.0);
+            }
+            if let Some(b) = cache_blocks {
+                p.cache_blocks = b;
             }
             let options = SimOptions {
                 profile: p,

@@ -189,6 +189,12 @@ impl Config {
         if !(u.error_ratio > 0.0 && u.error_ratio <= 1.0) {
             return Err(invalid("upstream.error_ratio", "must be in (0, 1]"));
         }
+        if u.scrape_interval_ms < 50 {
+            return Err(invalid(
+                "upstream.scrape_interval_ms",
+                "must be at least 50",
+            ));
+        }
         if u.affinity_block_bytes == 0 {
             return Err(invalid(
                 "upstream.affinity_block_bytes",
@@ -385,6 +391,7 @@ mod tests {
                 model: format!("{name}-model"),
                 api_key_env: None,
                 max_concurrency: 4,
+                metrics_url: None,
             }],
         }
     }

@@ -33,6 +33,11 @@ pub struct ReplicaConfig {
     /// Most requests in flight to this replica from this gateway.
     #[serde(default = "default_max_concurrency")]
     pub max_concurrency: u32,
+    /// The server's Prometheus endpoint (vLLM, SGLang: `http://10.0.0.5:8000/metrics`),
+    /// scraped every `upstream.scrape_interval_ms` for its running and waiting requests and
+    /// KV-cache use, which prefix-affinity choice weighs; unset: not scraped (hosted providers).
+    #[serde(default)]
+    pub metrics_url: Option<String>,
 }
 
 fn default_max_concurrency() -> u32 {

@@ -102,6 +102,9 @@ pub struct UpstreamConfig {
     /// Blocks the affinity memory keeps per replica (near the server's KV-cache capacity: a
     /// longer memory claims prefixes the server already evicted).
     pub affinity_capacity_blocks: usize,
+    /// How often replicas with a `metrics_url` are scraped, ms; a scrape older than three
+    /// intervals no longer counts.
+    pub scrape_interval_ms: u64,
 }
 
 impl Default for UpstreamConfig {
@@ -136,11 +139,16 @@ impl Default for UpstreamConfig {
             replica_choice: ReplicaChoice::LeastLoaded,
             affinity_block_bytes: 256,
             affinity_capacity_blocks: 65_536,
+            scrape_interval_ms: 1_000,
         }
     }
 }
 
 impl UpstreamConfig {
+    /// The replicas' metrics scrape interval.
+    pub fn scrape_interval(&self) -> Duration {
+        Duration::from_millis(self.scrape_interval_ms)
+    }
     /// Connect timeout as a duration.
     pub fn connect_timeout(&self) -> Duration {
         Duration::from_millis(self.connect_timeout_ms)

@@ -59,6 +59,8 @@ fn replica(name: &str, addr: SocketAddr, model: &str) -> ReplicaConfig {
         model: model.into(),
         api_key_env: None,
         max_concurrency: 64,
+        // The simulators serve vLLM-style metrics: the gateway reads their load from there.
+        metrics_url: Some(format!("http://{addr}/metrics")),
     }
 }
 

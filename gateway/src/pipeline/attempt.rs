@@ -143,12 +143,17 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
         let mut chose: Option<router::Choice> = None;
         let picked = match affinity {
             Some(aff) => {
-                pool.set
-                    .choose_by(Instant::now(), &exclude, &pool.replica_ids, |candidates| {
+                let max_age = up.scrape_interval() * 3;
+                pool.set.choose_by(
+                    Instant::now(),
+                    &exclude,
+                    |i, c| pool.describe(i, c, max_age),
+                    |candidates| {
                         let c = lock(aff).choose(&chain, candidates)?;
                         chose = Some(c);
                         Some(c.index)
-                    })
+                    },
+                )
             }
             None => pool.set.choose(Instant::now(), &exclude),
         };

@@ -22,7 +22,9 @@ pub mod train;
 use serde::{Deserialize, Serialize};
 
 pub use features::{Text, BASES, EXTRA, FEATURES};
-pub use train::{train, Embedded, TrainOptions, Trained};
+pub use train::{
+    train, Embedded, SourceFigures, Sources, TrainOptions, Trained, DEFAULT_PRECISION,
+};
 
 use crate::eval::Point;
 use crate::learn::linear::Linear;

@@ -11,6 +11,10 @@
 //!   loss), and the trees learn from the linear models' scores on 5 inner grouped folds (each
 //!   row scored by a model that never saw it), so they weigh those scores as they will behave on
 //!   new pairs, not as they look on rows the model memorised.
+//! - **Sources held out.** With pairs from several sources (corpora, kinds of text), each
+//!   source is also scored by a model fitted on the others alone (less any pair that shares a
+//!   text with it), at the threshold the others' grouped held-out scores pick for the default
+//!   precision: the figure that predicts how the cache does on traffic unlike its training data.
 
 use std::collections::HashMap;
 
@@ -18,7 +22,7 @@ use rayon::prelude::*;
 
 use super::features::{Inputs, PairBasics, Stats, Text};
 use super::{columns, CurvePoint, Verifier};
-use crate::eval::at;
+use crate::eval::{at, threshold_for_precision, Point};
 use crate::learn::linear::{fit, log_loss, Matrix};
 use crate::learn::trees::{Boosted, Params};
 use crate::learn::{group_folds, without};
@@ -70,6 +74,62 @@ impl Default for TrainOptions {
     }
 }
 
+/// Where each training pair comes from (a corpus or kind of text), for per-source figures and
+/// for holding whole sources out.
+#[derive(Debug, Clone, Default)]
+pub struct Sources {
+    /// Source names.
+    pub names: Vec<String>,
+    /// Each pair's index in `names`.
+    pub of: Vec<usize>,
+}
+
+impl Sources {
+    /// Every one of `n` pairs from the single source `name`.
+    pub fn one(name: &str, n: usize) -> Self {
+        Self {
+            names: vec![name.to_owned()],
+            of: vec![0; n],
+        }
+    }
+
+    /// The source index of `name`, added when new.
+    pub fn index(&mut self, name: &str) -> usize {
+        match self.names.iter().position(|n| n == name) {
+            Some(i) => i,
+            None => {
+                self.names.push(name.to_owned());
+                self.names.len() - 1
+            }
+        }
+    }
+}
+
+/// The precision setting a tenant gets unless it picks another.
+pub const DEFAULT_PRECISION: f64 = 0.90;
+
+/// How one source did held out.
+#[derive(Debug, Clone)]
+pub struct SourceFigures {
+    /// The source.
+    pub name: String,
+    /// Its pairs.
+    pub pairs: usize,
+    /// Its duplicates.
+    pub duplicates: usize,
+    /// Grouped folds, at the shipped threshold for [`DEFAULT_PRECISION`].
+    pub grouped: Point,
+    /// Grouped folds: the most recall at precision [`DEFAULT_PRECISION`] within this source
+    /// alone (its own best threshold; `None` when never reached).
+    pub grouped_best: Option<Point>,
+    /// Held out as a whole source: at the threshold the other sources pick (`None` with a
+    /// single source).
+    pub left_out: Option<Point>,
+    /// Held out as a whole source: the most recall at precision [`DEFAULT_PRECISION`] at this
+    /// source's own best threshold (how well the scores rank, whatever the threshold).
+    pub left_out_best: Option<Point>,
+}
+
 /// A trained verifier and how it did held out.
 #[derive(Debug)]
 pub struct Trained {
@@ -83,6 +143,11 @@ pub struct Trained {
     pub fold_of: Vec<usize>,
     /// The regularisation chosen for each linear model on all pairs.
     pub chosen_c: Vec<f64>,
+    /// Each pair's probability from the model fitted without its source (empty with one
+    /// source).
+    pub left_out: Vec<f32>,
+    /// Per source, in [`Sources::names`] order.
+    pub sources: Vec<SourceFigures>,
 }
 
 /// Union the pairs that share a normalised text: a group id per pair.
@@ -211,6 +276,35 @@ impl Data<'_> {
         self.options.cs[best]
     }
 
+    /// Each pair's score from a model fitted on the other sources, leaving out as well every
+    /// pair that shares a text (directly or through other pairs) with the source held out.
+    fn leave_sources_out(&self, sources: &Sources, progress: &(dyn Fn(&str) + Sync)) -> Vec<f32> {
+        let mut scores = vec![0.0f32; self.pairs.len()];
+        for (s, name) in sources.names.iter().enumerate() {
+            let held: Vec<usize> = (0..self.pairs.len())
+                .filter(|&r| sources.of[r] == s)
+                .collect();
+            let touched: std::collections::HashSet<usize> =
+                held.iter().map(|&r| self.groups[r]).collect();
+            let train: Vec<usize> = (0..self.pairs.len())
+                .filter(|&r| !touched.contains(&self.groups[r]))
+                .collect();
+            progress(&format!(
+                "source {name} held out: {} pairs, trained on {}",
+                held.len(),
+                train.len()
+            ));
+            if train.is_empty() || held.is_empty() {
+                continue;
+            }
+            let (v, _) = self.fit(&train, progress);
+            for (r, p) in held.iter().zip(self.score(&v, &held)) {
+                scores[*r] = p;
+            }
+        }
+        scores
+    }
+
     fn score(&self, v: &Verifier, rows: &[usize]) -> Vec<f32> {
         let inputs = self.inputs(&v.stats, rows);
         rows.iter()
@@ -220,10 +314,12 @@ impl Data<'_> {
     }
 }
 
-/// Train on `pairs` (two embedded texts and whether they are duplicates): held-out scores from
-/// grouped outer folds, then the shipped model on everything.
+/// Train on `pairs` (two embedded texts and whether they are duplicates) from `sources`:
+/// held-out scores from grouped outer folds, each source scored by a model fitted on the others
+/// (with two sources or more), then the shipped model on everything.
 pub fn train(
     pairs: &[(Embedded, Embedded, bool)],
+    sources: &Sources,
     table: &StaticEmbedder,
     options: &TrainOptions,
     progress: &(dyn Fn(&str) + Sync),
@@ -274,6 +370,11 @@ pub fn train(
             baseline[r] = plain.probability(&data.basics[r].features);
         }
     }
+    let left_out = if sources.names.len() > 1 {
+        data.leave_sources_out(sources, progress)
+    } else {
+        Vec::new()
+    };
     progress("all pairs: the shipped model");
     let (mut verifier, chosen_c) = data.fit(&all, progress);
     // Every 0.01, and every 0.001 from 0.5 up, where the settings a tenant picks lie.
@@ -284,11 +385,59 @@ pub fn train(
         .collect();
     curve.retain(|p| p.recall > 0.0);
     verifier.curve = curve;
+    let shipped = verifier
+        .threshold_for(DEFAULT_PRECISION)
+        .map_or(1.0, |p| p.threshold);
+    let figures = source_figures(sources, &data.labels, &held_out, shipped, &left_out);
     Trained {
         verifier,
         held_out,
         baseline,
         fold_of,
         chosen_c,
+        left_out,
+        sources: figures,
     }
+}
+
+/// Per-source figures from the grouped held-out scores (at the `shipped` threshold) and from
+/// the left-out scores (at the threshold the other sources' grouped held-out scores pick).
+fn source_figures(
+    sources: &Sources,
+    labels: &[bool],
+    held_out: &[f32],
+    shipped: f32,
+    left_out: &[f32],
+) -> Vec<SourceFigures> {
+    let pick = |scores: &[f32], keep: &dyn Fn(usize) -> bool| -> (Vec<f32>, Vec<bool>) {
+        (0..labels.len())
+            .filter(|&r| keep(r))
+            .map(|r| (scores[r], labels[r]))
+            .unzip()
+    };
+    (0..sources.names.len())
+        .map(|s| {
+            let mine = |r: usize| sources.of[r] == s;
+            let (scores, y) = pick(held_out, &mine);
+            let left = (!left_out.is_empty()).then(|| {
+                let (others, others_y) = pick(held_out, &|r| !mine(r));
+                let threshold = threshold_for_precision(&others, &others_y, DEFAULT_PRECISION)
+                    .map_or(1.0, |p| p.threshold);
+                let (scores, y) = pick(left_out, &mine);
+                (
+                    at(&scores, &y, threshold),
+                    threshold_for_precision(&scores, &y, DEFAULT_PRECISION),
+                )
+            });
+            SourceFigures {
+                name: sources.names[s].clone(),
+                pairs: y.len(),
+                duplicates: y.iter().filter(|&&l| l).count(),
+                grouped: at(&scores, &y, shipped),
+                grouped_best: threshold_for_precision(&scores, &y, DEFAULT_PRECISION),
+                left_out: left.map(|l| l.0),
+                left_out_best: left.and_then(|l| l.1),
+            }
+        })
+        .collect()
 }

@@ -15,12 +15,15 @@
 //!   source is also scored by a model fitted on the others alone (less any pair that shares a
 //!   text with it), at the threshold the others' grouped held-out scores pick for the default
 //!   precision: the figure that predicts how the cache does on traffic unlike its training data.
+//! - **The shipped curve** takes, at each threshold, the worst source's held-out precision (see
+//!   `worst_source_curve`), so a tenant's setting holds on every kind of text in training rather
+//!   than on their mix, which the easiest source would dominate.
 
 use std::collections::HashMap;
 
 use rayon::prelude::*;
 
-use super::features::{Inputs, PairBasics, Stats, Text};
+use super::features::{Inputs, PairBasics, Stats, Text, FEATURES};
 use super::{columns, CurvePoint, Verifier};
 use crate::eval::{at, threshold_for_precision, Point};
 use crate::learn::linear::{fit, log_loss, Matrix};
@@ -362,12 +365,12 @@ pub fn train(
         }
         let x: Vec<Vec<f32>> = train
             .iter()
-            .map(|&r| data.basics[r].features.clone())
+            .map(|&r| data.basics[r].features[..FEATURES.len()].to_vec())
             .collect();
         let y: Vec<bool> = train.iter().map(|&r| data.labels[r]).collect();
         let plain = Boosted::fit(&x, &y, options.trees);
         for &r in held {
-            baseline[r] = plain.probability(&data.basics[r].features);
+            baseline[r] = plain.probability(&data.basics[r].features[..FEATURES.len()]);
         }
     }
     let left_out = if sources.names.len() > 1 {
@@ -377,14 +380,7 @@ pub fn train(
     };
     progress("all pairs: the shipped model");
     let (mut verifier, chosen_c) = data.fit(&all, progress);
-    // Every 0.01, and every 0.001 from 0.5 up, where the settings a tenant picks lie.
-    let mut curve: Vec<CurvePoint> = (1..50)
-        .map(|i| i as f32 / 100.0)
-        .chain((500..1000).map(|i| i as f32 / 1000.0))
-        .map(|t| at(&held_out, &data.labels, t).into())
-        .collect();
-    curve.retain(|p| p.recall > 0.0);
-    verifier.curve = curve;
+    verifier.curve = worst_source_curve(&held_out, &data.labels, &sources.of, &|_| true);
     let shipped = verifier
         .threshold_for(DEFAULT_PRECISION)
         .map_or(1.0, |p| p.threshold);
@@ -400,8 +396,58 @@ pub fn train(
     }
 }
 
+/// A source counts towards the worst-source precision at a threshold once it has this many hits
+/// there (fewer say little about its precision).
+const MIN_SOURCE_HITS: usize = 20;
+
+/// The held-out curve over the rows `keep` accepts, with each point's precision the lowest of
+/// the sources' (among sources with duplicates and at least [`MIN_SOURCE_HITS`] hits there; the
+/// pooled precision when none has): a threshold that holds its precision on every kind of text
+/// seen in training is likelier to hold on a new one than a pooled figure, which the easiest
+/// source dominates. Recall and hit rate are pooled.
+fn worst_source_curve(
+    scores: &[f32],
+    labels: &[bool],
+    of: &[usize],
+    keep: &dyn Fn(usize) -> bool,
+) -> Vec<CurvePoint> {
+    let rows: Vec<usize> = (0..scores.len()).filter(|&r| keep(r)).collect();
+    let n = of.iter().copied().max().map_or(0, |m| m + 1);
+    let has_duplicates: Vec<bool> = (0..n)
+        .map(|s| rows.iter().any(|&r| of[r] == s && labels[r]))
+        .collect();
+    let (pooled_scores, pooled_labels): (Vec<f32>, Vec<bool>) =
+        rows.iter().map(|&r| (scores[r], labels[r])).unzip();
+    // Every 0.01, and every 0.001 from 0.5 up, where the settings a tenant picks lie.
+    let mut curve: Vec<CurvePoint> = (1..50)
+        .map(|i| i as f32 / 100.0)
+        .chain((500..1000).map(|i| i as f32 / 1000.0))
+        .map(|t| {
+            let mut point = at(&pooled_scores, &pooled_labels, t);
+            let mut counts = vec![(0usize, 0usize); n];
+            for &r in rows.iter().filter(|&&r| scores[r] >= t) {
+                counts[of[r]].0 += 1;
+                counts[of[r]].1 += usize::from(labels[r]);
+            }
+            let worst = counts
+                .iter()
+                .zip(&has_duplicates)
+                .filter(|((hits, _), &d)| d && *hits >= MIN_SOURCE_HITS)
+                .map(|((hits, tp), _)| *tp as f64 / *hits as f64)
+                .fold(f64::INFINITY, f64::min);
+            if worst.is_finite() {
+                point.precision = worst;
+            }
+            CurvePoint::from(point)
+        })
+        .collect();
+    curve.retain(|p| p.recall > 0.0);
+    curve
+}
+
 /// Per-source figures from the grouped held-out scores (at the `shipped` threshold) and from
-/// the left-out scores (at the threshold the other sources' grouped held-out scores pick).
+/// the left-out scores (at the threshold the other sources' grouped held-out scores pick, by
+/// the same worst-source rule).
 fn source_figures(
     sources: &Sources,
     labels: &[bool],
@@ -409,6 +455,7 @@ fn source_figures(
     shipped: f32,
     left_out: &[f32],
 ) -> Vec<SourceFigures> {
+    use super::lowest_reaching;
     let pick = |scores: &[f32], keep: &dyn Fn(usize) -> bool| -> (Vec<f32>, Vec<bool>) {
         (0..labels.len())
             .filter(|&r| keep(r))
@@ -420,9 +467,9 @@ fn source_figures(
             let mine = |r: usize| sources.of[r] == s;
             let (scores, y) = pick(held_out, &mine);
             let left = (!left_out.is_empty()).then(|| {
-                let (others, others_y) = pick(held_out, &|r| !mine(r));
-                let threshold = threshold_for_precision(&others, &others_y, DEFAULT_PRECISION)
-                    .map_or(1.0, |p| p.threshold);
+                let curve = worst_source_curve(held_out, labels, &sources.of, &|r| !mine(r));
+                let threshold =
+                    lowest_reaching(&curve, DEFAULT_PRECISION).map_or(1.0, |p| p.threshold);
                 let (scores, y) = pick(left_out, &mine);
                 (
                     at(&scores, &y, threshold),

@@ -12,6 +12,9 @@ pub struct Pair {
     pub b: String,
     /// Whether the two ask the same thing.
     pub duplicate: bool,
+    /// Where the pair comes from (a corpus or kind of text), when the file says.
+    #[serde(default)]
+    pub source: Option<String>,
 }
 
 /// Quality at one threshold.

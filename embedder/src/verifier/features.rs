@@ -76,6 +76,78 @@ fn question_word(ws: &[String]) -> Option<String> {
         .find(|w| QUESTION_WORDS.contains(&w.as_str()))
 }
 
+/// Names of the features that see word order, templates and the form of the request (after
+/// [`EXTRA`]).
+pub const FORM: &[&str] = &[
+    "order_inversions",
+    "bigram_jaccard",
+    "bigram_minus_word_jaccard",
+    "placeholders_differ",
+    "question_form_differs",
+];
+
+/// Words in `{braces}` (template placeholders), lower-cased.
+fn placeholders(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let mut rest = text;
+    while let Some(open) = rest.find('{') {
+        let after = &rest[open + 1..];
+        let Some(close) = after.find('}') else { break };
+        let name = after[..close].trim();
+        if !name.is_empty() && name.len() <= 40 {
+            out.insert(name.to_lowercase());
+        }
+        rest = &after[close + 1..];
+    }
+    out
+}
+
+/// Share of discordant pairs among the words that occur once in each text, ordered as in `a`
+/// and compared with their order in `b` (0: same order; a swapped "from Paris to Rome" / "from
+/// Rome to Paris" reads as out of order although the bags of words agree).
+fn order_inversions(la: &[String], lb: &[String]) -> f32 {
+    fn once(ws: &[String]) -> std::collections::HashMap<&str, (usize, usize)> {
+        let mut seen: std::collections::HashMap<&str, (usize, usize)> = Default::default();
+        for (i, w) in ws.iter().enumerate() {
+            seen.entry(w.as_str()).or_insert((i, 0)).1 += 1;
+        }
+        seen
+    }
+    let (oa, ob) = (once(la), once(lb));
+    let mut positions: Vec<(usize, usize)> = oa
+        .iter()
+        .filter(|(_, (_, n))| *n == 1)
+        .filter_map(|(w, (i, _))| ob.get(w).filter(|(_, n)| *n == 1).map(|(j, _)| (*i, *j)))
+        .collect();
+    if positions.len() < 2 {
+        return 0.0;
+    }
+    positions.sort_unstable();
+    let n = positions.len();
+    let mut discordant = 0usize;
+    for x in 0..n {
+        for y in x + 1..n {
+            discordant += usize::from(positions[y].1 < positions[x].1);
+        }
+    }
+    discordant as f32 / (n * (n - 1) / 2) as f32
+}
+
+fn bigrams(ws: &[String]) -> BTreeSet<(&str, &str)> {
+    ws.windows(2)
+        .map(|w| (w[0].as_str(), w[1].as_str()))
+        .collect()
+}
+
+/// A question (ends with "?" or opens with a question word) rather than a statement or an
+/// instruction.
+fn question_form(text: &str, lower: &[String]) -> bool {
+    text.trim_end().ends_with('?')
+        || lower
+            .first()
+            .is_some_and(|w| QUESTION_WORDS.contains(&w.as_str()))
+}
+
 /// Names of the features that weigh tokens by rarity (after [`FEATURES`]).
 pub const EXTRA: &[&str] = &[
     "idf_unmatched_share",
@@ -98,7 +170,7 @@ pub const EXTRA: &[&str] = &[
     "cosine_static_idf",
 ];
 
-/// Names of the linear models' scores (after [`EXTRA`]).
+/// Names of the linear models' scores (after [`FORM`]).
 pub const BASES: &[&str] = &[
     "linear_bilinear_pca",
     "linear_sentence_product",
@@ -173,7 +245,7 @@ pub struct Stats {
 /// What a pair's inputs need that depends on nothing fitted.
 #[derive(Debug, Clone)]
 pub struct PairBasics {
-    /// [`FEATURES`].
+    /// [`FEATURES`] then [`FORM`].
     pub features: Vec<f32>,
     /// `[u∘v, |u−v|]` of the sentence vectors.
     pub sentence_product: Vec<f32>,
@@ -277,6 +349,8 @@ impl PairBasics {
             static_align,
             context_align,
         );
+        let mut features = features;
+        features.extend(form(a.text, b.text, &wa, &wb));
         let dim = a.sentence.len();
         Self {
             same_words: wa.len() == wb.len()
@@ -325,6 +399,25 @@ fn lexical(
         cosine_transformer * align_min,
         context_min,
         context_mean,
+    ]
+}
+
+/// [`FORM`] of a pair: word order, template placeholders and the form of the request.
+fn form(ta: &str, tb: &str, wa: &[String], wb: &[String]) -> Vec<f32> {
+    let lower = |ws: &[String]| ws.iter().map(|w| w.to_lowercase()).collect::<Vec<_>>();
+    let (la, lb) = (lower(wa), lower(wb));
+    let (ba, bb) = (bigrams(&la), bigrams(&lb));
+    let bigram = ba.intersection(&bb).count() as f32 / ba.union(&bb).count().max(1) as f32;
+    let (sa, sb): (BTreeSet<&String>, BTreeSet<&String>) =
+        (la.iter().collect(), lb.iter().collect());
+    let word = sa.intersection(&sb).count() as f32 / sa.union(&sb).count().max(1) as f32;
+    let flag = |x: bool| if x { 1.0 } else { 0.0 };
+    vec![
+        order_inversions(&la, &lb),
+        bigram,
+        word - bigram,
+        flag(placeholders(ta) != placeholders(tb)),
+        flag(question_form(ta, &la) != question_form(tb, &lb)),
     ]
 }
 
@@ -528,6 +621,35 @@ mod tests {
             question_word(&words("How do I sleep?")).as_deref(),
             Some("how")
         );
+    }
+
+    #[test]
+    fn form_features_see_swapped_arguments_placeholders_and_questions() {
+        let lower = |t: &str| {
+            words(t)
+                .iter()
+                .map(|w| w.to_lowercase())
+                .collect::<Vec<_>>()
+        };
+        let (a, b) = (
+            lower("Cheap flights from Paris to Rome"),
+            lower("cheap flights from Rome to Paris"),
+        );
+        // 3 of the 15 pairs of shared words are out of order.
+        assert!((order_inversions(&a, &b) - 0.2).abs() < 1e-6);
+        assert_eq!(order_inversions(&a, &a), 0.0);
+        assert_eq!(
+            placeholders("Translate {text} into {Language}"),
+            ["language", "text"].map(String::from).into()
+        );
+        assert!(placeholders("no braces {here").is_empty());
+        assert!(question_form("How do I sleep", &lower("How do I sleep")));
+        assert!(!question_form(
+            "Tell me how to sleep.",
+            &lower("Tell me how to sleep.")
+        ));
+        let f = form("A to B", "B to A", &words("A to B"), &words("B to A"));
+        assert_eq!(f.len(), FORM.len());
     }
 
     #[test]

@@ -21,8 +21,10 @@ pub mod train;
 
 use serde::{Deserialize, Serialize};
 
-pub use features::{Text, BASES, EXTRA, FEATURES};
-pub use train::{train, Embedded, TrainOptions, Trained};
+pub use features::{Text, BASES, EXTRA, FEATURES, FORM};
+pub use train::{
+    train, Embedded, SourceFigures, Sources, TrainOptions, Trained, DEFAULT_PRECISION,
+};
 
 use crate::eval::Point;
 use crate::learn::linear::Linear;
@@ -30,10 +32,11 @@ use crate::learn::trees::Boosted;
 use crate::static_embed::StaticEmbedder;
 use features::{PairBasics, Stats};
 
-/// Every column the trees read, in order: [`FEATURES`], [`EXTRA`], then [`BASES`].
+/// Every column the trees read, in order: [`FEATURES`], [`FORM`], [`EXTRA`], then [`BASES`].
 pub fn columns() -> Vec<String> {
     FEATURES
         .iter()
+        .chain(FORM)
         .chain(EXTRA)
         .chain(BASES)
         .map(|s| (*s).to_owned())
@@ -51,7 +54,8 @@ pub struct Verifier {
     pub bases: Vec<Linear>,
     /// The trees.
     pub trees: Boosted,
-    /// Held-out (cross-validated) precision/recall by threshold on the verifier's probability.
+    /// Held-out (cross-validated) precision/recall by threshold on the verifier's probability;
+    /// the precision is the worst source's (see [`train`]).
     pub curve: Vec<CurvePoint>,
     /// What it was trained on.
     pub trained_on: String,
@@ -62,7 +66,7 @@ pub struct Verifier {
 pub struct CurvePoint {
     /// Probability threshold.
     pub threshold: f32,
-    /// Held-out precision at it.
+    /// Held-out precision at it (the lowest among the training sources).
     pub precision: f64,
     /// Held-out recall at it.
     pub recall: f64,
@@ -135,10 +139,15 @@ impl Verifier {
     /// The lowest threshold whose held-out precision reaches `precision` (a tenant's setting),
     /// or `None` when the curve never gets there.
     pub fn threshold_for(&self, precision: f64) -> Option<CurvePoint> {
-        self.curve
-            .iter()
-            .filter(|p| p.precision >= precision && p.recall > 0.0)
-            .min_by(|a, b| a.threshold.total_cmp(&b.threshold))
-            .copied()
+        lowest_reaching(&self.curve, precision)
     }
+}
+
+/// The lowest threshold of `curve` whose precision reaches `precision`.
+pub(crate) fn lowest_reaching(curve: &[CurvePoint], precision: f64) -> Option<CurvePoint> {
+    curve
+        .iter()
+        .filter(|p| p.precision >= precision && p.recall > 0.0)
+        .min_by(|a, b| a.threshold.total_cmp(&b.threshold))
+        .copied()
 }

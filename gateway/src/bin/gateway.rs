@@ -66,9 +66,14 @@ enum EmbedCommand {
     /// Train the cache-hit verifier on labelled pairs with k-fold cross-validation; prints the
     /// held-out precision/recall and writes the model with its held-out curve.
     TrainVerifier {
-        /// The pairs file (JSON lines `{"a", "b", "duplicate"}`).
+        /// A pairs file (JSON lines `{"a", "b", "duplicate"}`, optionally `"source"`; the file's
+        /// name otherwise). Repeat it to train on several: figures are reported per source, and
+        /// each source is also held out whole (fitted on the others).
+        #[arg(long, required = true)]
+        pairs: Vec<PathBuf>,
+        /// Pairs to score with the shipped model only, per source (never trained on).
         #[arg(long)]
-        pairs: PathBuf,
+        test_pairs: Vec<PathBuf>,
         /// Model directory (needs static.bin: `gateway embed distill`).
         #[arg(long, default_value = "models/all-MiniLM-L6-v2")]
         model: PathBuf,
@@ -78,11 +83,11 @@ enum EmbedCommand {
         /// Folds.
         #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u16).range(2..=50))]
         folds: u16,
-        /// Only the first N pairs.
+        /// Only the first N pairs of each file.
         #[arg(long)]
         limit: Option<usize>,
-        /// Keep the embedded texts in this file and reuse them when it matches `--pairs` (the
-        /// transformer pass takes minutes; training alone, a few).
+        /// Keep the embedded texts in this directory (one file per pairs file) and reuse them
+        /// when they match (the transformer pass takes minutes; training alone, a few).
         #[arg(long)]
         cache: Option<PathBuf>,
         /// Seed of the fold assignment (to see how much the held-out figures move with it).
@@ -344,6 +349,7 @@ async fn main() -> anyhow::Result<()> {
             command:
                 EmbedCommand::TrainVerifier {
                     pairs,
+                    test_pairs,
                     model,
                     out,
                     folds,
@@ -352,11 +358,14 @@ async fn main() -> anyhow::Result<()> {
                     seed,
                 },
         } => gateway::cache::tools::train_verifier(
-            &pairs,
+            &gateway::cache::tools::PairFiles {
+                train: pairs,
+                test: test_pairs,
+                limit,
+                cache,
+            },
             &model,
             out,
-            limit,
-            cache,
             TrainOptions {
                 folds: usize::from(folds),
                 seed,

@@ -93,9 +93,9 @@ pub struct UpstreamConfig {
     pub pool_max_idle_per_host: usize,
     /// What to do with an upstream stream whose client disconnected.
     pub on_client_disconnect: DisconnectPolicy,
-    /// How a replica is chosen: `least_loaded`, or prefix affinity (`affinity_gate`,
-    /// `affinity_weighted`) so prompts sharing a prefix reach the replica whose KV cache holds
-    /// it. Not yet measured against least-loaded, hence not the default.
+    /// How a replica is chosen: prefix affinity (`affinity_weighted`, the default, or
+    /// `affinity_gate`) so prompts sharing a prefix reach the replica whose KV cache holds it,
+    /// or `least_loaded` (docs/benchmarks.md, "Prefix affinity", has the comparison).
     pub replica_choice: ReplicaChoice,
     /// Bytes of prompt text per prefix block the affinity memory hashes.
     pub affinity_block_bytes: usize,
@@ -136,7 +136,7 @@ impl Default for UpstreamConfig {
             queue_wait_ms: 2_000,
             pool_max_idle_per_host: 256,
             on_client_disconnect: DisconnectPolicy::Drain,
-            replica_choice: ReplicaChoice::LeastLoaded,
+            replica_choice: ReplicaChoice::AffinityWeighted,
             affinity_block_bytes: 256,
             affinity_capacity_blocks: 65_536,
             scrape_interval_ms: 1_000,

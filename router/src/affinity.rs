@@ -423,6 +423,24 @@ mod tests {
     }
 
     #[test]
+    fn an_evicted_prefix_is_forgotten_like_the_server_forgets_it() {
+        // Room for one 10-block prompt per replica.
+        let mut a = Affinity::new(Policy::GATE, 2, 10);
+        let c = idle(2);
+        let old = chain(1, 10, 10, 0);
+        let home = a.choose(&old, &c).unwrap().index;
+        a.record(home, &old);
+        assert_eq!(a.matched(home, &old), 10);
+        // Another prompt sent to the same replica pushes the first out of its memory.
+        let newer = chain(2, 10, 10, 0);
+        a.record(home, &newer);
+        assert_eq!(a.matched(home, &old), 0);
+        let again = a.choose(&old, &c).unwrap();
+        assert_eq!(again.reason, Reason::Rendezvous, "no stale affinity");
+        assert_eq!(again.matched_blocks, 0);
+    }
+
+    #[test]
     fn a_prompt_shorter_than_a_block_goes_to_the_least_loaded() {
         let a = Affinity::new(Policy::GATE, 2, 10);
         let mut c = idle(2);

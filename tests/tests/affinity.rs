@@ -211,3 +211,80 @@ async fn a_server_busy_with_other_traffic_is_seen_in_its_own_metrics() {
     }
     app.stop().await;
 }
+
+/// The simulators' prefix-cache hit rate (cached prompt tokens / prompt tokens).
+async fn hit_rate(sims: &[Sim]) -> f64 {
+    let (mut queries, mut hits) = (0.0, 0.0);
+    for s in sims {
+        let v: Value = reqwest::get(format!("{}/sim/stats", s.root))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        queries += v["prefix_cache_queries"].as_f64().unwrap();
+        hits += v["prefix_cache_hits"].as_f64().unwrap();
+    }
+    hits / queries.max(1.0)
+}
+
+/// 10 system prompts x 3 conversations x 4 turns, conversation `i` through gateway `i % n`,
+/// on three fresh simulators; returns their prefix-cache hit rate.
+async fn shared_prefix_workload(choice: ReplicaChoice, gateways: usize) -> f64 {
+    let sims = [
+        Sim::zero("sim-small").await,
+        Sim::zero("sim-small").await,
+        Sim::zero("sim-small").await,
+    ];
+    let mut apps = Vec::new();
+    for _ in 0..gateways {
+        let mut c = config(
+            sims.iter()
+                .enumerate()
+                .map(|(i, s)| replica(&format!("small-{i}"), &s.url, "sim-small"))
+                .collect(),
+            vec![replica("large", &sims[0].url, "sim-small")],
+        );
+        c.upstream.replica_choice = choice;
+        apps.push(TestApp::spawn(c, StoreKind::Sqlite).await);
+    }
+    let mut conversation = 0;
+    for family in 0..10 {
+        for _ in 0..3 {
+            let app = &apps[conversation % gateways];
+            for turns in 0..4 {
+                let mut body = turn(family, turns);
+                body["messages"][1]["content"] = json!(format!("conversation {conversation}"));
+                let r = app.chat(body).await;
+                assert_eq!(r.status(), 200);
+                let _ = r.text().await;
+            }
+            conversation += 1;
+        }
+    }
+    for app in apps {
+        app.stop().await;
+    }
+    hit_rate(&sims).await
+}
+
+#[tokio::test]
+async fn three_gateways_sharing_nothing_reuse_prefixes_nearly_as_well_as_one() {
+    let default = gateway::config::UpstreamConfig::default().replica_choice;
+    assert_eq!(default, ReplicaChoice::AffinityWeighted);
+    let one = shared_prefix_workload(default, 1).await;
+    let three = shared_prefix_workload(default, 3).await;
+    let least_loaded = shared_prefix_workload(ReplicaChoice::LeastLoaded, 3).await;
+    eprintln!(
+        "prefix-cache hit rate: one gateway {one:.3}, three {three:.3}, three least-loaded \
+         {least_loaded:.3}"
+    );
+    assert!(
+        three >= one * 0.9,
+        "three gateways within 10% of one: {three:.3} vs {one:.3}"
+    );
+    assert!(
+        three > least_loaded + 0.1,
+        "affinity reuses more than least-loaded: {three:.3} vs {least_loaded:.3}"
+    );
+}

@@ -34,12 +34,8 @@ fn header(r: &reqwest::Response, name: &str) -> String {
         .unwrap_or_default()
 }
 
-async fn app(choice: ReplicaChoice) -> (TestApp, Vec<Sim>) {
-    let sims = vec![
-        Sim::zero("sim-small").await,
-        Sim::zero("sim-small").await,
-        Sim::zero("sim-small").await,
-    ];
+/// The small tier on `sims` (`small-0`, `small-1`, …), choosing replicas by `choice`.
+fn on(sims: &[Sim], choice: ReplicaChoice) -> gateway::config::Config {
     let mut c = config(
         sims.iter()
             .enumerate()
@@ -48,6 +44,20 @@ async fn app(choice: ReplicaChoice) -> (TestApp, Vec<Sim>) {
         vec![replica("large", &sims[0].url, "sim-small")],
     );
     c.upstream.replica_choice = choice;
+    c
+}
+
+async fn three_sims() -> Vec<Sim> {
+    vec![
+        Sim::zero("sim-small").await,
+        Sim::zero("sim-small").await,
+        Sim::zero("sim-small").await,
+    ]
+}
+
+async fn app(choice: ReplicaChoice) -> (TestApp, Vec<Sim>) {
+    let sims = three_sims().await;
+    let mut c = on(&sims, choice);
     c.upstream.fallback_to_other_tier = false;
     (TestApp::spawn(c, StoreKind::Sqlite).await, sims)
 }
@@ -231,22 +241,10 @@ async fn hit_rate(sims: &[Sim]) -> f64 {
 /// 10 system prompts x 3 conversations x 4 turns, conversation `i` through gateway `i % n`,
 /// on three fresh simulators; returns their prefix-cache hit rate.
 async fn shared_prefix_workload(choice: ReplicaChoice, gateways: usize) -> f64 {
-    let sims = [
-        Sim::zero("sim-small").await,
-        Sim::zero("sim-small").await,
-        Sim::zero("sim-small").await,
-    ];
+    let sims = three_sims().await;
     let mut apps = Vec::new();
     for _ in 0..gateways {
-        let mut c = config(
-            sims.iter()
-                .enumerate()
-                .map(|(i, s)| replica(&format!("small-{i}"), &s.url, "sim-small"))
-                .collect(),
-            vec![replica("large", &sims[0].url, "sim-small")],
-        );
-        c.upstream.replica_choice = choice;
-        apps.push(TestApp::spawn(c, StoreKind::Sqlite).await);
+        apps.push(TestApp::spawn(on(&sims, choice), StoreKind::Sqlite).await);
     }
     let mut conversation = 0;
     for family in 0..10 {

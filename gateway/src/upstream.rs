@@ -65,6 +65,8 @@ pub struct TierPool {
     pub replica_ids: Vec<u64>,
     /// The latest scrape of each replica's own metrics (empty when never scraped).
     pub observed: Vec<std::sync::Arc<crate::scrape::Observed>>,
+    /// Turn counter of `replica_choice = "round_robin"`.
+    pub turn: std::sync::atomic::AtomicUsize,
 }
 
 impl TierPool {
@@ -92,7 +94,9 @@ impl TierPool {
 /// The affinity policy `upstream.replica_choice` names (`None`: least loaded).
 fn affinity_policy(up: &UpstreamConfig) -> Option<router::AffinityPolicy> {
     match up.replica_choice {
-        crate::config::ReplicaChoice::LeastLoaded => None,
+        crate::config::ReplicaChoice::LeastLoaded | crate::config::ReplicaChoice::RoundRobin => {
+            None
+        }
         crate::config::ReplicaChoice::AffinityGate => Some(router::AffinityPolicy::GATE),
         crate::config::ReplicaChoice::AffinityWeighted => Some(router::AffinityPolicy::WEIGHTED),
     }
@@ -265,6 +269,7 @@ impl Upstreams {
                         .iter()
                         .map(|_| std::sync::Arc::default())
                         .collect(),
+                    turn: std::sync::atomic::AtomicUsize::new(0),
                 },
             );
         }

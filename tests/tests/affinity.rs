@@ -286,3 +286,23 @@ async fn three_gateways_sharing_nothing_reuse_prefixes_nearly_as_well_as_one() {
         "affinity reuses more than least-loaded: {three:.3} vs {least_loaded:.3}"
     );
 }
+
+#[tokio::test]
+async fn round_robin_takes_each_replica_in_turn() {
+    let (app, _sims) = app(ReplicaChoice::RoundRobin).await;
+    let mut seen = Vec::new();
+    for _ in 0..6 {
+        let r = app.chat(turn(0, 0)).await;
+        assert_eq!(
+            header(&r, "x-gateway-replica-choice"),
+            "",
+            "no affinity said"
+        );
+        seen.push(header(&r, "x-gateway-replica"));
+        let _ = r.text().await;
+    }
+    assert_eq!(seen[..3], seen[3..], "a fixed rotation: {seen:?}");
+    let distinct: std::collections::BTreeSet<&String> = seen.iter().collect();
+    assert_eq!(distinct.len(), 3, "every replica in turn: {seen:?}");
+    app.stop().await;
+}

@@ -24,6 +24,8 @@ pub enum ReplicaChoice {
     AffinityGate,
     /// Prefix affinity with llm-d's weighted score.
     AffinityWeighted,
+    /// Each replica in turn, whatever its load (a baseline for comparisons).
+    RoundRobin,
 }
 
 /// Timeouts, retries and passive health for upstream calls.

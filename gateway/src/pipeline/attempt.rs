@@ -55,7 +55,10 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
     let limit = up.max_response_bytes;
     let mut tried: Vec<(Tier, usize)> = Vec::new();
     // The prompt's prefix blocks, for tiers that choose replicas by prefix affinity.
-    let chain: Vec<u64> = if up.replica_choice == crate::config::ReplicaChoice::LeastLoaded {
+    let chain: Vec<u64> = if matches!(
+        up.replica_choice,
+        crate::config::ReplicaChoice::LeastLoaded | crate::config::ReplicaChoice::RoundRobin
+    ) {
         Vec::new()
     } else {
         router::prefix_byte_hashes(&call.req.prefix_bytes(), up.affinity_block_bytes)
@@ -152,6 +155,20 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
                         let c = lock(aff).choose(&chain, candidates)?;
                         chose = Some(c);
                         Some(c.index)
+                    },
+                )
+            }
+            None if up.replica_choice == crate::config::ReplicaChoice::RoundRobin => {
+                pool.set.choose_by(
+                    Instant::now(),
+                    &exclude,
+                    |_, _| {},
+                    |candidates| {
+                        let n = candidates.len();
+                        let start = pool.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        (0..n)
+                            .map(|k| (start + k) % n)
+                            .find(|&i| candidates[i].eligible)
                     },
                 )
             }

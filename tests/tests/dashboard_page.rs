@@ -474,6 +474,13 @@ async fn the_dashboard_renders_the_weekly_report_in_headless_chromium() {
             "{id} = {micros}: {sw}"
         );
     }
+    assert!(
+        sw.contains(&format!(
+            "id=\"fallbacks\" data-value=\"{}\" data-cost-micros=\"{}\"",
+            expected.total.this.fallback_requests, expected.total.this.fallback_cost
+        )),
+        "{sw}"
+    );
     // The budget set above, with what it has used.
     let budget_rows = tags(section(&dom, "budgets"), "tr");
     assert!(

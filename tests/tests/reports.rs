@@ -521,3 +521,54 @@ async fn the_reports_show_the_large_call_share_by_tenant_and_what_the_router_sav
         assert!(out.contains("Tier router (model: auto)"), "{out}");
     }
 }
+
+#[tokio::test]
+async fn the_weekly_report_counts_fallbacks_to_the_other_tier() {
+    // Of routed_fortnight's alpha rows, the last three of the second week were answered by the
+    // other tier because the chosen one could not.
+    let mut rows = routed_fortnight();
+    let mut fallback_cost = 0;
+    let mut marked = 0;
+    for e in rows.iter_mut().rev() {
+        if e.tenant_name == "alpha" && e.started_at >= W2.start() && marked < 3 {
+            e.route_reason = Some("unhealthy".into());
+            fallback_cost += e.cost_micros;
+            marked += 1;
+        }
+    }
+    for kind in BOTH {
+        let store = TestStore::new(kind).await.unwrap();
+        let ledger = gateway::ledger::open(&store.url).await.unwrap();
+        ledger.insert(&rows).await.unwrap();
+        let r = report::weekly(ledger.as_ref(), W2, None).await.unwrap();
+        assert_eq!(r.total.this.fallback_requests, 3, "{kind:?}");
+        assert_eq!(r.total.this.fallback_cost, fallback_cost, "{kind:?}");
+        assert_eq!(r.total.previous.fallback_requests, 0, "{kind:?}");
+        let beta = r.by["tenant"].iter().find(|l| l.key == "beta").unwrap();
+        assert_eq!(beta.this.fallback_requests, 0);
+        // The raw rows say the same as the daily rollup.
+        let raw = ledger
+            .aggregate(W2.start(), W2.end() - Duration::seconds(1), None, &[])
+            .await
+            .unwrap();
+        assert_eq!(raw[0].1.fallback_requests, 3, "{kind:?}");
+    }
+    let store = TestStore::new(StoreKind::Sqlite).await.unwrap();
+    gateway::ledger::open(&store.url)
+        .await
+        .unwrap()
+        .insert(&rows)
+        .await
+        .unwrap();
+    let (app, _sim, _dir) = ledger_app(store, 200).await;
+    let (ok, out) = app.ctl(&["report", "weekly", "--week", "2026-W47"]).await;
+    assert!(ok, "{out}");
+    assert!(out.contains("Fallback to the other tier"), "{out}");
+    let line = out
+        .lines()
+        .skip_while(|l| !l.contains("Fallback to the other tier"))
+        .find(|l| l.contains(" alpha "))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(line.contains(" 3 "), "{line}");
+    app.stop().await;
+}

@@ -98,6 +98,10 @@ impl ReportCommand {
                     });
                 }
                 sections.extend(detected_sections(&r.loops.total, &r.loops.top));
+                sections.push(fallback_section(
+                    r.by.get("tenant").map_or(&[][..], Vec::as_slice),
+                    &r.total,
+                ));
                 sections.push(routing_section(
                     &format!(
                         "Tier router (model: auto), {} vs {}",
@@ -256,6 +260,36 @@ fn weekly_row(l: &ReportLine) -> Vec<String> {
 
 /// The tier router's lines: routed requests, large-call share and its change, and what it saved
 /// against everything on large.
+/// Requests the other tier answered because the chosen one could not, by tenant (those with
+/// any in either week) and in total.
+fn fallback_section(tenants: &[ReportLine], total: &ReportLine) -> Section {
+    let rows = tenants
+        .iter()
+        .filter(|l| l.this.fallback_requests > 0 || l.previous.fallback_requests > 0)
+        .chain(std::iter::once(total))
+        .map(|l| {
+            vec![
+                l.key.clone(),
+                l.this.fallback_requests.to_string(),
+                Usd(l.this.fallback_cost).to_string(),
+                l.previous.fallback_requests.to_string(),
+                Usd(l.previous.fallback_cost).to_string(),
+            ]
+        })
+        .collect();
+    Section {
+        title: "Fallback to the other tier (the chosen tier could not answer)".into(),
+        header: &[
+            "TENANT",
+            "FALLBACKS",
+            "COST $",
+            "WEEK BEFORE",
+            "COST BEFORE $",
+        ],
+        rows,
+    }
+}
+
 fn routing_section(title: &str, lines: &[RoutingChange]) -> Section {
     let share = |s: Option<f64>| s.map_or("-".to_owned(), |s| format!("{:.1}%", s * 100.0));
     let rows = lines

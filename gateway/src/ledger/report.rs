@@ -103,6 +103,13 @@ pub struct Aggregate {
     /// Rows of the demo's labelled synthetic history (`usage_source = 'synthetic'`).
     #[serde(default)]
     pub synthetic_requests: i64,
+    /// Requests the other tier answered because the chosen one could not
+    /// (`route_reason = 'unhealthy'`: the gateway's fallback).
+    #[serde(default)]
+    pub fallback_requests: i64,
+    /// What those cost.
+    #[serde(default)]
+    pub fallback_cost: i64,
 }
 
 impl Aggregate {
@@ -136,6 +143,7 @@ impl Aggregate {
 const WASTE: &str = "(loop_flag OR retry_storm_flag OR status >= 400)";
 const HIT: &str = "cache_status IN ('hit_exact', 'hit_semantic')";
 const ROUTED: &str = "all_large_micros IS NOT NULL";
+const FALLBACK: &str = "route_reason = 'unhealthy'";
 
 /// Every measure of [`Aggregate`] as (column name, SQL over raw ledger rows). The one place
 /// these definitions live: the raw aggregate and the daily rollup both use them.
@@ -187,6 +195,8 @@ fn measures() -> Vec<(&'static str, String)> {
             "synthetic_requests",
             when("usage_source = 'synthetic'", "1"),
         ),
+        ("fallback_requests", when(FALLBACK, "1")),
+        ("fallback_cost", when(FALLBACK, "cost_micros")),
     ]
 }
 
@@ -321,6 +331,8 @@ macro_rules! decode_aggregate {
                 routed_cost: r.try_get("routed_cost")?,
                 routed_all_large: r.try_get("routed_all_large")?,
                 synthetic_requests: r.try_get("synthetic_requests")?,
+                fallback_requests: r.try_get("fallback_requests")?,
+                fallback_cost: r.try_get("fallback_cost")?,
             },
         ))
     }};
@@ -847,6 +859,8 @@ fn add(a: Aggregate, b: &Aggregate) -> Aggregate {
         routed_cost: a.routed_cost + b.routed_cost,
         routed_all_large: a.routed_all_large + b.routed_all_large,
         synthetic_requests: a.synthetic_requests + b.synthetic_requests,
+        fallback_requests: a.fallback_requests + b.fallback_requests,
+        fallback_cost: a.fallback_cost + b.fallback_cost,
     }
 }
 

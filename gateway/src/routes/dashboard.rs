@@ -594,6 +594,14 @@ fn savings_and_waste(total: &ReportLine) -> String {
         a.waste_errors,
         b.waste_errors,
     ));
+    out.push_str(&format!(
+        r#"<div class="card" id="fallbacks" data-value="{n}" data-cost-micros="{cost}"><div class="label">Fallbacks to the other tier</div><div class="value">{n}</div><div class="change">{usd}; {before} the week before</div></div>
+"#,
+        n = a.fallback_requests,
+        cost = a.fallback_cost,
+        usd = usd(a.fallback_cost),
+        before = b.fallback_requests,
+    ));
     out.push_str("</div>\n</section>\n");
     out
 }

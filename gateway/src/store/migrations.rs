@@ -61,6 +61,11 @@ const SQLITE: Embedded = &[
         "replica choice in the ledger",
         include_str!("../../../migrations/sqlite/0010_replica_choice.sql"),
     ),
+    (
+        11,
+        "fallbacks in the rollup",
+        include_str!("../../../migrations/sqlite/0011_fallbacks.sql"),
+    ),
 ];
 
 const POSTGRES: Embedded = &[
@@ -113,6 +118,11 @@ const POSTGRES: Embedded = &[
         10,
         "replica choice in the ledger",
         include_str!("../../../migrations/postgres/0010_replica_choice.sql"),
+    ),
+    (
+        11,
+        "fallbacks in the rollup",
+        include_str!("../../../migrations/postgres/0011_fallbacks.sql"),
     ),
 ];
 

@@ -59,17 +59,55 @@ pub struct TierPool {
     pub throttle: Throttle,
     /// Requests waiting for a slot on this tier's replicas.
     pub queued: std::sync::atomic::AtomicU32,
-    /// Prefix-affinity memory, when `upstream.replica_choice` asks for it.
+    /// How a replica is chosen (`upstream.replica_choice`).
+    pub choice: crate::config::ReplicaChoice,
+    /// Prefix-affinity memory, when `upstream.replica_choice` asks for it and the tier has more
+    /// than one replica (with one there is nothing to choose, so no prompt is hashed).
     pub affinity: Option<std::sync::Mutex<router::Affinity>>,
     /// Stable identities of the replicas (hashes of their names) for rendezvous hashing.
     pub replica_ids: Vec<u64>,
     /// The latest scrape of each replica's own metrics (empty when never scraped).
     pub observed: Vec<std::sync::Arc<crate::scrape::Observed>>,
-    /// Turn counter of `replica_choice = "round_robin"`.
-    pub turn: std::sync::atomic::AtomicUsize,
 }
 
 impl TierPool {
+    /// Lease a replica not in `exclude` as `upstream.replica_choice` says. `chain` is the
+    /// prompt's prefix-block chain (asked for only when this tier chooses by affinity); the
+    /// affinity choice made, if any, comes back beside the lease. Scrapes older than `max_age`
+    /// do not count.
+    pub fn choose<'c>(
+        &self,
+        now: Instant,
+        exclude: &[usize],
+        chain: impl FnOnce() -> &'c [u64],
+        max_age: Duration,
+    ) -> (Option<Lease>, Option<router::Choice>) {
+        let Some(aff) = &self.affinity else {
+            let lease = if self.choice == crate::config::ReplicaChoice::RoundRobin {
+                self.set.choose_in_turn(now, exclude)
+            } else {
+                self.set.choose(now, exclude)
+            };
+            return (lease, None);
+        };
+        let chain = chain();
+        if chain.is_empty() {
+            return (self.set.choose(now, exclude), None);
+        }
+        let mut chose = None;
+        let lease = self.set.choose_by(
+            now,
+            exclude,
+            |i, c| self.describe(i, c, max_age),
+            |candidates| {
+                let c = lock(aff).choose(chain, candidates)?;
+                chose = Some(c);
+                Some(c.index)
+            },
+        );
+        (lease, chose)
+    }
+
     /// What affinity choice weighs of replica `index`: its stable id, and the server's own load
     /// and KV-cache use from a fresh scrape (the load never below this gateway's in-flight count).
     pub fn describe(&self, index: usize, c: &mut router::Candidate, max_age: Duration) {
@@ -89,6 +127,14 @@ impl TierPool {
     pub fn target(&self, lease: &Lease) -> &Target {
         &self.targets[lease.index()]
     }
+}
+
+/// The prefix-affinity memory, through a poisoned lock too (it holds nothing a panic can break).
+pub fn lock(
+    aff: &std::sync::Mutex<router::Affinity>,
+) -> std::sync::MutexGuard<'_, router::Affinity> {
+    aff.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The affinity policy `upstream.replica_choice` names (`None`: least loaded).
@@ -246,13 +292,16 @@ impl Upstreams {
                         Instant::now(),
                     ),
                     queued: std::sync::atomic::AtomicU32::new(0),
-                    affinity: affinity_policy(up).map(|p| {
-                        std::sync::Mutex::new(router::Affinity::new(
-                            p,
-                            tier.replicas.len(),
-                            up.affinity_capacity_blocks,
-                        ))
-                    }),
+                    choice: up.replica_choice,
+                    affinity: affinity_policy(up)
+                        .filter(|_| tier.replicas.len() > 1)
+                        .map(|p| {
+                            std::sync::Mutex::new(router::Affinity::new(
+                                p,
+                                tier.replicas.len(),
+                                up.affinity_capacity_blocks,
+                            ))
+                        }),
                     replica_ids: tier
                         .replicas
                         .iter()
@@ -269,7 +318,6 @@ impl Upstreams {
                         .iter()
                         .map(|_| std::sync::Arc::default())
                         .collect(),
-                    turn: std::sync::atomic::AtomicUsize::new(0),
                 },
             );
         }

@@ -355,19 +355,38 @@ impl ReplicaSet {
     /// limit, and half-open replicas whose one probe is already in flight. Ties go round-robin.
     /// `None` when no replica can take the request.
     pub fn choose(&self, now: Instant, exclude: &[usize]) -> Option<Lease> {
+        self.scan(now, exclude, |eligible| {
+            eligible.min_by_key(|&index| self.replicas[index].in_flight())
+        })
+    }
+
+    /// Lease the next eligible replica in turn, whatever its load (a baseline for comparisons;
+    /// the same eligibility as [`ReplicaSet::choose`]).
+    pub fn choose_in_turn(&self, now: Instant, exclude: &[usize]) -> Option<Lease> {
+        self.scan(now, exclude, |eligible| eligible.next())
+    }
+
+    /// Lease the replica `pick` takes from the eligible ones, listed from a starting point that
+    /// rotates with every call.
+    fn scan(
+        &self,
+        now: Instant,
+        exclude: &[usize],
+        pick: impl Fn(&mut dyn Iterator<Item = usize>) -> Option<usize>,
+    ) -> Option<Lease> {
         let n = self.replicas.len();
         if n == 0 {
             return None;
         }
         let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
-        // A concurrent request may fill the best candidate between the scan and the acquire;
+        // A concurrent request may fill the picked replica between the scan and the acquire;
         // rescan a bounded number of times instead of failing the request.
         for _ in 0..n {
-            let best = (0..n)
+            let mut eligible = (0..n)
                 .map(|offset| (start + offset) % n)
-                .filter(|&index| self.eligible(index, now, exclude))
-                .min_by_key(|&index| self.replicas[index].in_flight())?;
-            if let Some(lease) = self.lease(best, now) {
+                .filter(|&index| self.eligible(index, now, exclude));
+            let index = pick(&mut eligible)?;
+            if let Some(lease) = self.lease(index, now) {
                 return Some(lease);
             }
         }

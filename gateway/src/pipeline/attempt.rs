@@ -54,15 +54,8 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
     let mut first_byte_left = up.first_byte_budget();
     let limit = up.max_response_bytes;
     let mut tried: Vec<(Tier, usize)> = Vec::new();
-    // The prompt's prefix blocks, for tiers that choose replicas by prefix affinity.
-    let chain: Vec<u64> = if matches!(
-        up.replica_choice,
-        crate::config::ReplicaChoice::LeastLoaded | crate::config::ReplicaChoice::RoundRobin
-    ) {
-        Vec::new()
-    } else {
-        router::prefix_byte_hashes(&call.req.prefix_bytes(), up.affinity_block_bytes)
-    };
+    // The prompt's prefix blocks, hashed the first time a tier choosing by affinity asks.
+    let chain: std::cell::OnceCell<Vec<u64>> = std::cell::OnceCell::new();
     let mut last_error: Option<ApiError> = None;
     let mut attempts = 0u32;
     // Active on its first tier until answered: the base of that tier's retry budget.
@@ -142,38 +135,15 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
             .filter(|(t, _)| *t == tier)
             .map(|(_, i)| *i)
             .collect();
-        let affinity = pool.affinity.as_ref().filter(|_| !chain.is_empty());
-        let mut chose: Option<router::Choice> = None;
-        let picked = match affinity {
-            Some(aff) => {
-                let max_age = up.scrape_interval() * 3;
-                pool.set.choose_by(
-                    Instant::now(),
-                    &exclude,
-                    |i, c| pool.describe(i, c, max_age),
-                    |candidates| {
-                        let c = lock(aff).choose(&chain, candidates)?;
-                        chose = Some(c);
-                        Some(c.index)
-                    },
-                )
-            }
-            None if up.replica_choice == crate::config::ReplicaChoice::RoundRobin => {
-                pool.set.choose_by(
-                    Instant::now(),
-                    &exclude,
-                    |_, _| {},
-                    |candidates| {
-                        let n = candidates.len();
-                        let start = pool.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        (0..n)
-                            .map(|k| (start + k) % n)
-                            .find(|&i| candidates[i].eligible)
-                    },
-                )
-            }
-            None => pool.set.choose(Instant::now(), &exclude),
+        let hashed = || {
+            chain
+                .get_or_init(|| {
+                    router::prefix_byte_hashes(&call.req.prefix_bytes(), up.affinity_block_bytes)
+                })
+                .as_slice()
         };
+        let (picked, chose) =
+            pool.choose(Instant::now(), &exclude, hashed, up.scrape_interval() * 3);
         let lease = match picked {
             Some(lease) => Some(lease),
             None if pool.set.at_capacity(Instant::now(), &exclude) => {
@@ -195,8 +165,10 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
         let Some(lease) = lease else {
             continue;
         };
-        if let Some(aff) = affinity {
-            note_choice(&state, &mut call.event, pool, &lease, aff, &chain, chose);
+        if let (Some(aff), Some(chain)) = (&pool.affinity, chain.get()) {
+            if !chain.is_empty() {
+                note_choice(&state, &mut call.event, pool, &lease, aff, chain, chose);
+            }
         }
         tried.push((tier, lease.index()));
         attempts += 1;
@@ -410,11 +382,6 @@ fn attempt_error(e: &AttemptError) -> ApiError {
     }
 }
 
-fn lock(aff: &std::sync::Mutex<router::Affinity>) -> std::sync::MutexGuard<'_, router::Affinity> {
-    aff.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 /// Remember that `chain` went to the leased replica, and say how it was chosen (the event's
 /// `replica_choice` and `matched_blocks`, the metrics). A lease on another replica than the
 /// affinity choice (it filled up meanwhile, or the request queued) counts as least-loaded.
@@ -428,7 +395,7 @@ fn note_choice(
     chose: Option<router::Choice>,
 ) {
     let index = lease.index();
-    let mut memory = lock(aff);
+    let mut memory = upstream::lock(aff);
     let (reason, matched) = match chose.filter(|c| c.index == index) {
         Some(c) => (c.reason, c.matched_blocks),
         None => (

@@ -30,33 +30,9 @@ start_tier() {
   for i in $(seq 0 $(($1 - 1))); do wait_port "${SIM_PORTS[$i]}"; done
 }
 
-# start_gateway CHOICE N: a gateway in front of the first N simulators.
-start_gateway() {
-  cat >"$WORK/gw.toml" <<TOML
-[server]
-listen = "127.0.0.1:$P_GW"
-[store]
-url = "sqlite://$WORK/gw-$1-$RANDOM.db"
-[admin]
-token = "$ADMIN"
-[tiers.small]
-replicas = [
-$(for i in $(seq 0 $(($2 - 1))); do p=${SIM_PORTS[$i]}; echo "  { name = \"s$i\", url = \"http://127.0.0.1:$p/v1\", model = \"sim-small\", metrics_url = \"http://127.0.0.1:$p/metrics\" },"; done)
-]
-[tiers.large]
-replicas = [{ name = "l", url = "http://127.0.0.1:${SIM_PORTS[0]}/v1", model = "sim-small" }]
-[models]
-fast = "small"
-[ledger]
-enabled = false
-[cache]
-mode = "off"
-[guard]
-enabled = false
-[upstream]
-replica_choice = "$1"
-scrape_interval_ms = 250
-TOML
+# start_tier_gateway CHOICE N: a gateway in front of the first N simulators.
+start_tier_gateway() {
+  affinity_toml "$P_GW" "$WORK/gw-$1-$RANDOM.db" "$1" "${SIM_PORTS[@]:0:$2}" >"$WORK/gw.toml"
   RUST_LOG=error "$BIN/gateway" serve --config "$WORK/gw.toml" >"$WORK/gw.log" 2>&1 &
   GW=$!
   PIDS+=($GW)
@@ -148,26 +124,26 @@ stop() { kill "$GW" "${SIMS[@]}" 2>/dev/null || true; wait "$GW" "${SIMS[@]}" 2>
 
 # Capacity: 48 closed-loop clients on least-loaded.
 start_tier 4 "$CACHE_BLOCKS" 8
-start_gateway least_loaded 4
+start_tier_gateway least_loaded 4
 cap=$(load closed 48 "capacity (closed loop, least_loaded)" 4 | tee /dev/stderr | sed -n 's/^CAPACITY //p')
 stop
 for share in 0.5 0.8; do
   rate=$(python3 -c "print(round($cap * $share, 2))")
   for choice in least_loaded round_robin affinity_gate affinity_weighted; do
     start_tier 4 "$CACHE_BLOCKS" 8
-    start_gateway "$choice" 4
+    start_tier_gateway "$choice" 4
     load open "$rate" "$choice at ${share} (${rate} req/s)" 4
     stop
   done
   start_tier 1 100000000 1000000
-  start_gateway least_loaded 1
+  start_tier_gateway least_loaded 1
   load open "$rate" "one infinite replica at ${share}" 1
   stop
 done
 rate=$(python3 -c "print(round($cap * 0.5, 2))")
 for choice in least_loaded affinity_weighted; do
   start_tier 4 "$CACHE_BLOCKS" 8
-  start_gateway "$choice" 4
+  start_tier_gateway "$choice" 4
   load unique "$rate" "no shared prefixes: $choice" 4
   stop
 done

@@ -36,31 +36,7 @@ run() {
   local gws=() ports=()
   for g in $(seq 1 "$GATEWAYS"); do
     local port=$((GW_BASE + g))
-    cat >"$WORK/gw-$g.toml" <<TOML
-[server]
-listen = "127.0.0.1:$port"
-[store]
-url = "sqlite://$WORK/gw-$choice.db"
-[admin]
-token = "$ADMIN"
-[tiers.small]
-replicas = [
-$(for i in 0 1 2; do p=${SIM_PORTS[$i]}; echo "  { name = \"s$i\", url = \"http://127.0.0.1:$p/v1\", model = \"sim-small\", metrics_url = \"http://127.0.0.1:$p/metrics\" },"; done)
-]
-[tiers.large]
-replicas = [{ name = "l", url = "http://127.0.0.1:${SIM_PORTS[0]}/v1", model = "sim-small" }]
-[models]
-fast = "small"
-[ledger]
-enabled = false
-[cache]
-mode = "off"
-[guard]
-enabled = false
-[upstream]
-replica_choice = "$choice"
-scrape_interval_ms = 250
-TOML
+    affinity_toml "$port" "$WORK/gw-$choice.db" "$choice" "${SIM_PORTS[@]}" >"$WORK/gw-$g.toml"
     RUST_LOG=error "$BIN/gateway" serve --config "$WORK/gw-$g.toml" >"$WORK/gw-$g.log" 2>&1 &
     gws+=($!)
     PIDS+=($!)

@@ -46,6 +46,41 @@ $4
 EOF
 }
 
+# affinity_toml PORT DB CHOICE SIM_PORT...: a gateway whose small tier is the simulators at
+# SIM_PORTs (each scraped at /metrics), choosing replicas by CHOICE (upstream.replica_choice);
+# ledger, cache and guard off, so only replica choice differs between runs.
+affinity_toml() {
+  local port=$1 db=$2 choice=$3
+  shift 3
+  echo "[server]
+listen = \"127.0.0.1:$port\"
+[store]
+url = \"sqlite://$db\"
+[admin]
+token = \"$ADMIN\"
+[tiers.small]
+replicas = ["
+  local i=0
+  for p in "$@"; do
+    echo "  { name = \"s$i\", url = \"http://127.0.0.1:$p/v1\", model = \"sim-small\", metrics_url = \"http://127.0.0.1:$p/metrics\" },"
+    i=$((i + 1))
+  done
+  echo "]
+[tiers.large]
+replicas = [{ name = \"l\", url = \"http://127.0.0.1:$1/v1\", model = \"sim-small\" }]
+[models]
+fast = \"small\"
+[ledger]
+enabled = false
+[cache]
+mode = \"off\"
+[guard]
+enabled = false
+[upstream]
+replica_choice = \"$choice\"
+scrape_interval_ms = 250"
+}
+
 # bench_key URL [BIN_DIR]: create tenant `bench` on the gateway at URL and print a key of it,
 # with BIN_DIR's gatewayctl (default: this checkout's).
 bench_key() {

@@ -186,17 +186,27 @@ async fn read_banner(demo: &mut tokio::process::Child) -> Banner {
     b
 }
 
-/// `GET /admin/v1/<path>` of the demo, as JSON.
+/// `GET /admin/v1/<path>` of the demo, as JSON. A connection the demo resets is tried again for
+/// a few seconds (seen once under a loaded CI run, not explained); any answer is returned as is.
 async fn admin_get(port: u16, admin: &str, path: &str) -> serde_json::Value {
-    reqwest::Client::new()
-        .get(format!("http://127.0.0.1:{port}/admin/v1/{path}"))
-        .bearer_auth(admin)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    let url = format!("http://127.0.0.1:{port}/admin/v1/{path}");
+    let mut tries = 0;
+    loop {
+        match reqwest::Client::new()
+            .get(&url)
+            .bearer_auth(admin)
+            .send()
+            .await
+        {
+            Ok(r) => return r.json().await.unwrap(),
+            Err(e) if tries < 10 => {
+                eprintln!("{url}: {e}; trying again");
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("{url}: {e}"),
+        }
+    }
 }
 
 async fn explain(port: u16, admin: &str, (from, to): &(String, String)) -> serde_json::Value {

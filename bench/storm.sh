@@ -55,7 +55,7 @@ TOML
   wait_port $P_GW
   local key
   key=$(bench_key "http://127.0.0.1:$P_GW")
-  python3 - "$key" "$P_GW" "$DURATION" "$CLIENTS" "$name" "$MAX_RETRIES" $P_A $P_B $P_L <<'PY'
+  ADMIN="$ADMIN" python3 - "$key" "$P_GW" "$DURATION" "$CLIENTS" "$name" "$MAX_RETRIES" $P_A $P_B $P_L <<'PY'
 import json, sys, threading, time, urllib.request
 from openai import OpenAI
 key, port, duration, clients, name = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
@@ -64,6 +64,27 @@ sims = sys.argv[7:]
 start = time.time()
 lock = threading.Lock()
 count = {"requests": 0, "ok": 0, "failed": 0}
+outcomes = []  # (seconds since start at completion, answered)
+opened = []    # (replica, seconds since start) each time its breaker was seen to leave "closed"
+def watch():
+    # The admin API's replica view, every 100 ms: when each replica's breaker opens.
+    state = {}
+    while time.time() - start < duration:
+        try:
+            r = urllib.request.Request(f"http://127.0.0.1:{port}/admin/v1/replicas",
+                                       headers={"Authorization": f"Bearer {admin}"})
+            with urllib.request.urlopen(r) as resp:
+                for tier in json.load(resp)["data"]:
+                    for rep in tier["replicas"]:
+                        was = state.get(rep["name"], "closed")
+                        if rep["breaker"] != "closed" and was == "closed":
+                            opened.append((rep["name"], time.time() - start))
+                        state[rep["name"]] = rep["breaker"]
+        except Exception:
+            pass
+        time.sleep(0.1)
+import os
+admin = os.environ["ADMIN"]
 def worker(i):
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, timeout=2.0,
                     max_retries=max_retries)
@@ -79,9 +100,13 @@ def worker(i):
         with lock:
             count["requests"] += 1
             count["ok" if ok else "failed"] += 1
+            outcomes.append((time.time() - start, ok))
 threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+watcher = threading.Thread(target=watch)
+watcher.start()
 for t in threads: t.start()
 for t in threads: t.join()
+watcher.join()
 time.sleep(6)  # late answers of the slow phase reach the simulators' counters
 upstream = 0
 for p in sims:
@@ -90,6 +115,28 @@ for p in sims:
 amp = upstream / max(count["requests"], 1)
 print(f"{name:>12}: {count['requests']} client requests ({count['ok']} answered, {count['failed']} failed "
       f"after the SDK's retries), {upstream} upstream requests, amplification {amp:.2f}")
+# Answered share per half second, and how long after each phase ended it was back at 95%.
+step = 0.5
+buckets = {}
+for t, ok in outcomes:
+    b = buckets.setdefault(int(t / step), [0, 0])
+    b[0] += 1
+    b[1] += ok
+share = {k: v[1] / v[0] for k, v in buckets.items()}
+print(" " * 14 + "answered share per second: " + " ".join(
+    f"{share.get(2 * s, 1.0) * 0.5 + share.get(2 * s + 1, 1.0) * 0.5:.2f}" for s in range(int(duration))))
+for label, fault_start, fault_end in (("replica a 503", 3, 11), ("tier 503", 13, 21), ("tier slow", 23, 33)):
+    recovered = next((k * step - fault_end for k in sorted(share)
+                      if k * step >= fault_end and all(share.get(j, 1.0) >= 0.95 for j in (k, k + 1))), None)
+    rec = f"{recovered:.1f} s" if recovered is not None else "not within the run"
+    print(f"{'':>14}{label} ({fault_start}-{fault_end} s): answered share back at 95% {rec} after it ended")
+for label, fault_start, _ in (("replica a 503", 3, 11), ("tier 503", 13, 21), ("tier slow", 23, 33)):
+    first = {}
+    for rep, t in opened:
+        if t >= fault_start and rep not in first:
+            first[rep] = t - fault_start
+    seen = ", ".join(f"{rep} {t:.1f} s" for rep, t in sorted(first.items())) or "none"
+    print(f"{'':>14}{label}: breakers seen opening after the fault began: {seen}")
 PY
   kill $gw $a $b $l 2>/dev/null || true
   wait $gw $a $b $l 2>/dev/null || true

@@ -26,8 +26,13 @@ pub mod names {
     pub const IN_FLIGHT: &str = "gateway_replica_in_flight";
     /// 1 when the replica is in rotation, 0 while cooling down.
     pub const HEALTHY: &str = "gateway_replica_healthy";
+    /// Requests a replica may have in flight now: its adaptive limit (falling as its time to
+    /// first token grows), or its `max_concurrency`.
+    pub const CONCURRENCY_LIMIT: &str = "gateway_replica_concurrency_limit";
     /// Requests shed because a tier was at capacity, by tier and reason (`queue_full`: too many
-    /// already waiting; `queue_timeout`: no slot freed within `upstream.queue_wait_ms`).
+    /// already waiting; `expected_wait`: those waiting would take longer than
+    /// `upstream.queue_wait_ms` at the rate the tier frees slots; `queue_timeout`: no slot
+    /// freed within `upstream.queue_wait_ms`).
     pub const SHED: &str = "gateway_shed_requests_total";
     /// Requests that fell back to the other tier, by tenant, the tier fallen back to and outcome
     /// (`answered`, or `over_share` when the tenant's share of fallback was spent).
@@ -106,6 +111,7 @@ pub mod names {
         UPSTREAM_ERRORS,
         IN_FLIGHT,
         HEALTHY,
+        CONCURRENCY_LIMIT,
         BREAKER_TRIPS,
         REPLICA_CHOICES,
         PREFIX_BLOCKS,
@@ -153,6 +159,8 @@ pub struct Metrics {
     pub upstream_errors: IntCounterVec,
     /// See [`names::IN_FLIGHT`].
     pub in_flight: IntGaugeVec,
+    /// See [`names::CONCURRENCY_LIMIT`].
+    pub concurrency_limit: IntGaugeVec,
     /// See [`names::HEALTHY`].
     pub healthy: IntGaugeVec,
     /// See [`names::BREAKER_TRIPS`].
@@ -255,6 +263,13 @@ impl Metrics {
         )?;
         let healthy = IntGaugeVec::new(
             Opts::new(names::HEALTHY, "1 when the replica is in rotation."),
+            &["tier", "replica"],
+        )?;
+        let concurrency_limit = IntGaugeVec::new(
+            Opts::new(
+                names::CONCURRENCY_LIMIT,
+                "Requests a replica may have in flight now (adaptive, at most max_concurrency).",
+            ),
             &["tier", "replica"],
         )?;
         let rejected = IntCounterVec::new(
@@ -411,6 +426,7 @@ impl Metrics {
         registry.register(Box::new(upstream_errors.clone()))?;
         registry.register(Box::new(in_flight.clone()))?;
         registry.register(Box::new(healthy.clone()))?;
+        registry.register(Box::new(concurrency_limit.clone()))?;
         let breaker_trips = IntCounterVec::new(
             Opts::new(
                 names::BREAKER_TRIPS,
@@ -488,6 +504,7 @@ impl Metrics {
             upstream_errors,
             in_flight,
             healthy,
+            concurrency_limit,
             breaker_trips,
             replica_choices,
             prefix_blocks,
@@ -552,7 +569,7 @@ impl Metrics {
     pub fn render(&self, replicas: &[(String, Vec<ReplicaSnapshot>)]) -> String {
         for (tier, snapshot) in replicas {
             self.upstream_throttled.with_label_values(&[tier.as_str()]);
-            for reason in ["queue_full", "queue_timeout"] {
+            for reason in ["queue_full", "queue_timeout", "expected_wait"] {
                 self.shed.with_label_values(&[tier.as_str(), reason]);
             }
             for outcome in ["sent", "budget_exhausted"] {
@@ -565,6 +582,9 @@ impl Metrics {
                 self.healthy
                     .with_label_values(&[tier.as_str(), r.name.as_str()])
                     .set(i64::from(r.healthy));
+                self.concurrency_limit
+                    .with_label_values(&[tier.as_str(), r.name.as_str()])
+                    .set(i64::from(r.limit));
                 // Every replica's trip counters exist from the start (at 0), so a rate over them
                 // is defined before the first trip.
                 for trip in router::Trip::ALL {

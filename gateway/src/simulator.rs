@@ -7,8 +7,8 @@
 //! `prompt_tokens_details.cached_tokens`. Faults (5xx, latency spikes) can be injected at random,
 //! on demand through `POST /sim/faults`, or on a schedule ([`FaultWindow`]: from a time after the
 //! start, for a while, answer a status, answer slowly, or hang), so a storm can be reproduced;
-//! `GET /sim/stats` reports the requests received, those a fault answered, and the last request
-//! body.
+//! `GET /sim/stats` reports the requests received, those a fault answered, the batch's running
+//! and waiting requests (and the deepest its queue got), and the last request body.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -271,6 +271,8 @@ pub struct Simulator {
     running: Arc<AtomicU64>,
     /// Requests waiting for a batch slot.
     waiting: AtomicU64,
+    /// The most requests that waited at once (how deep the server's queue got).
+    peak_waiting: AtomicU64,
     /// Prompt tokens looked up in the prefix cache, and those found there.
     prefix_queries: AtomicU64,
     prefix_hits: AtomicU64,
@@ -338,6 +340,7 @@ impl Simulator {
             slots: Arc::new(tokio::sync::Semaphore::new(options_slots)),
             running: Arc::new(AtomicU64::new(0)),
             waiting: AtomicU64::new(0),
+            peak_waiting: AtomicU64::new(0),
             prefix_queries: AtomicU64::new(0),
             prefix_hits: AtomicU64::new(0),
         })
@@ -383,7 +386,8 @@ impl Simulator {
 
     /// Wait for a batch slot (counted as waiting meanwhile), then hold it while generating.
     async fn run(&self) -> Running {
-        self.waiting.fetch_add(1, Ordering::AcqRel);
+        let waiting = self.waiting.fetch_add(1, Ordering::AcqRel) + 1;
+        self.peak_waiting.fetch_max(waiting, Ordering::AcqRel);
         let permit = Arc::clone(&self.slots).acquire_owned().await;
         self.waiting.fetch_sub(1, Ordering::AcqRel);
         self.running.fetch_add(1, Ordering::AcqRel);
@@ -612,6 +616,7 @@ async fn stats(State(sim): State<Arc<Simulator>>) -> Json<Value> {
         "faulted": faulted,
         "running": sim.running.load(Ordering::Acquire),
         "waiting": sim.waiting.load(Ordering::Acquire),
+        "peak_waiting": sim.peak_waiting.load(Ordering::Acquire),
         "prefix_cache_queries": sim.prefix_queries.load(Ordering::Relaxed),
         "prefix_cache_hits": sim.prefix_hits.load(Ordering::Relaxed),
         "profile": sim.options.profile.name,

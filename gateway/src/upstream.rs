@@ -59,6 +59,8 @@ pub struct TierPool {
     pub throttle: Throttle,
     /// Requests waiting for a slot on this tier's replicas.
     pub queued: std::sync::atomic::AtomicU32,
+    /// How fast its replicas free slots while it is at capacity (read by the queue).
+    pub drain: router::Drain,
     /// How a replica is chosen (`upstream.replica_choice`).
     pub choice: crate::config::ReplicaChoice,
     /// Prefix-affinity memory, when `upstream.replica_choice` asks for it and the tier has more
@@ -126,6 +128,21 @@ impl TierPool {
     /// The target a lease points at.
     pub fn target(&self, lease: &Lease) -> &Target {
         &self.targets[lease.index()]
+    }
+
+    /// The request on `lease` got its first token, its whole answer, or timed out waiting for
+    /// either, now: feed the replica's adaptive concurrency limit.
+    pub fn record_latency(&self, lease: &Lease, signal: router::Signal) {
+        if let Some(c) = self.set.record_latency(lease, Instant::now(), signal) {
+            tracing::debug!(
+                tier = %self.tier,
+                replica = %self.target(lease).name,
+                from = c.from,
+                to = c.to,
+                ratio = c.ratio,
+                "adaptive concurrency limit moved"
+            );
+        }
     }
 }
 
@@ -265,12 +282,19 @@ impl Upstreams {
                     uris,
                 });
             }
-            let set = ReplicaSet::new(
+            let mut set = ReplicaSet::new(
                 tier.replicas
                     .iter()
                     .map(|r| (r.name.clone(), r.max_concurrency)),
                 policy,
             );
+            if up.adaptive_concurrency {
+                set = set.with_adaptive_limits(|max| router::LimitPolicy {
+                    min: up.adaptive_min_concurrency,
+                    tolerance: up.adaptive_tolerance,
+                    ..router::LimitPolicy::new(max)
+                });
+            }
             let tokenizer = Tokenizer::of(tier.tokenizer.unwrap_or_default());
             tiers.insert(
                 *name,
@@ -292,6 +316,7 @@ impl Upstreams {
                         Instant::now(),
                     ),
                     queued: std::sync::atomic::AtomicU32::new(0),
+                    drain: router::Drain::default(),
                     choice: up.replica_choice,
                     affinity: affinity_policy(up)
                         .filter(|_| tier.replicas.len() > 1)

@@ -10,6 +10,8 @@
 //!   threshold read off its held-out curve for the tenant's policy, moved by budget pressure).
 //! - [`replica`]: replica choice (least in flight, under max concurrency) and passive health
 //!   (a circuit breaker per replica).
+//! - [`limit`]: an adaptive concurrency limit per replica, driven by its time to first token
+//!   (a gradient limiter: the limit falls as the server's queue makes TTFT grow).
 //! - [`overload`]: a tier's retry budget, adaptive throttling when its servers reject, and a
 //!   per-tenant share budget (for fallback to the other tier).
 //! - [`prefix`]: prefix block hashing. The gateway cannot see a model server's KV cache, but it
@@ -21,6 +23,7 @@
 //!   llm-d's weighted score), with rendezvous hashing so independent gateways agree.
 
 pub mod affinity;
+pub mod limit;
 pub mod overload;
 pub mod prefix;
 pub mod replica;
@@ -30,6 +33,7 @@ pub mod window;
 pub use affinity::{
     Affinity, Candidate, Choice, Policy as AffinityPolicy, Reason as AffinityReason,
 };
-pub use overload::{RetryBudget, ShareBudget, Throttle};
+pub use limit::{AdaptiveLimit, LimitPolicy, Signal};
+pub use overload::{Drain, RetryBudget, ShareBudget, Throttle};
 pub use prefix::{prefix_block_hashes, prefix_byte_hashes, PrefixLru};
 pub use replica::{Breaker, HealthPolicy, Lease, Replica, ReplicaSet, ReplicaSnapshot, Trip};

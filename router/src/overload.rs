@@ -2,7 +2,8 @@
 //! in): a retry budget (Envoy's `retry_budget`: retries in flight at most a share of the active
 //! requests, never fewer than a floor) and adaptive client-side throttling (the SRE book's: once
 //! the backends reject, reject locally with probability `max(0, (requests − K·accepts) /
-//! (requests + 1))` over a sliding window).
+//! (requests + 1))` over a sliding window), and [`Drain`], the rate at which a tier frees slots,
+//! so a request that would wait longer than it may is refused at once instead of after the wait.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -158,6 +159,52 @@ impl Throttle {
     }
 }
 
+/// How fast a tier's replicas free slots: completions per second over roughly the last
+/// [`Drain::WINDOW`], from the replicas' running completion count read at times passed in.
+/// With it, a request arriving at a full tier behind `queued` others can be told at once that
+/// it would wait about `queued / rate`, and be refused then rather than after the whole wait.
+#[derive(Debug, Default)]
+pub struct Drain {
+    /// (time, completed count) readings, oldest first, at least [`Drain::STEP`] apart.
+    readings: Mutex<std::collections::VecDeque<(Instant, u64)>>,
+}
+
+impl Drain {
+    /// The span the rate is measured over.
+    pub const WINDOW: Duration = Duration::from_secs(3);
+    /// The least time between two readings kept.
+    pub const STEP: Duration = Duration::from_millis(100);
+
+    /// Note that `completed` requests had completed by `now`; returns the completion rate per
+    /// second over the readings kept (`None` until they span [`Drain::STEP`]).
+    pub fn observe(&self, now: Instant, completed: u64) -> Option<f64> {
+        let mut r = self.readings.lock().unwrap_or_else(|p| p.into_inner());
+        if r.back()
+            .is_none_or(|(at, _)| now.saturating_duration_since(*at) >= Self::STEP)
+        {
+            r.push_back((now, completed));
+        }
+        // Readings older than the window go (all of them after a quiet spell: the last
+        // saturation's rate says nothing about this one).
+        while r.len() > 1
+            && r.front()
+                .is_some_and(|(at, _)| now.saturating_duration_since(*at) > Self::WINDOW)
+        {
+            r.pop_front();
+        }
+        let (at, then) = *r.front()?;
+        let span = now.saturating_duration_since(at).as_secs_f64();
+        (span >= Self::STEP.as_secs_f64()).then(|| completed.saturating_sub(then) as f64 / span)
+    }
+
+    /// How long a request behind `ahead` others would wait at `rate` completions per second
+    /// (`None` for no rate: nothing completed lately, which tells nothing).
+    pub fn expected_wait(ahead: u32, rate: Option<f64>) -> Option<Duration> {
+        let rate = rate.filter(|r| *r > 0.0)?;
+        Some(Duration::from_secs_f64(f64::from(ahead) / rate))
+    }
+}
+
 /// A share of each key's requests (a tenant's) that may take a costlier path (falling back to
 /// the large tier), never fewer than a floor, over a sliding window.
 #[derive(Debug)]
@@ -241,6 +288,35 @@ mod tests {
         let none = RetryBudget::new(0.0, 0);
         let _a = none.request();
         assert!(none.try_retry().is_none(), "a zero budget never retries");
+    }
+
+    #[test]
+    fn the_drain_rate_is_completions_per_second_over_the_recent_window() {
+        let d = Drain::default();
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        assert_eq!(d.observe(t0, 0), None, "one reading is no rate");
+        assert_eq!(d.observe(at(50), 5), None, "under one step");
+        // 40 per second for a second.
+        let rate = d.observe(at(1_000), 40).unwrap();
+        assert!((rate - 40.0).abs() < 1e-9, "{rate}");
+        for ms in (1_100..=6_000).step_by(100) {
+            d.observe(at(ms), 40 + (ms - 1_000) / 100);
+        }
+        // Then 10 per second: the old readings are gone after the window.
+        let rate = d.observe(at(6_000), 90).unwrap();
+        assert!((rate - 10.0).abs() < 0.5, "{rate}");
+        // A minute of quiet: the old readings say nothing about the next saturation.
+        assert_eq!(d.observe(at(66_000), 95), None);
+        assert!(d
+            .observe(at(66_500), 100)
+            .is_some_and(|r| (r - 10.0).abs() < 1e-9));
+        assert_eq!(
+            Drain::expected_wait(20, Some(10.0)),
+            Some(Duration::from_secs(2))
+        );
+        assert_eq!(Drain::expected_wait(20, Some(0.0)), None);
+        assert_eq!(Drain::expected_wait(20, None), None);
     }
 
     #[test]

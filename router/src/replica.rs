@@ -3,12 +3,14 @@
 //! on consecutive failures or on an error ratio over a sliding window (the two breakers of
 //! linkerd2-proxy), cools down, then is half-open and exactly one request probes it (success
 //! closes the breaker, failure trips another cooldown) while every other request keeps going
-//! elsewhere.
+//! elsewhere. Each replica's concurrency limit is fixed (`max_concurrency`) or adaptive
+//! ([`crate::limit`]: it falls as the replica's time to first token grows).
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::limit::{AdaptiveLimit, Change, LimitPolicy, Signal};
 use crate::window::{Buckets, SlidingCounts};
 
 /// How passive health checking reacts to failures.
@@ -107,7 +109,11 @@ impl Outcomes {
 pub struct Replica {
     name: String,
     max_concurrency: u32,
+    /// Adaptive limit under `max_concurrency`, when enabled.
+    adaptive: Option<AdaptiveLimit>,
     in_flight: AtomicU32,
+    /// Leases ended so far (the tier's drain rate is read from it).
+    completed: AtomicU64,
     consecutive_failures: AtomicU32,
     /// Nanoseconds after the set's epoch until which the replica is out; 0 = not tripped.
     down_until_ns: AtomicU64,
@@ -130,11 +136,19 @@ impl Replica {
         self.in_flight.load(Ordering::Relaxed)
     }
 
+    /// Requests it may have in flight now: its adaptive limit, or `max_concurrency`.
+    pub fn limit(&self) -> u32 {
+        self.adaptive
+            .as_ref()
+            .map_or(self.max_concurrency, AdaptiveLimit::current)
+    }
+
     /// Reserve one concurrency slot unless the replica is full.
     fn try_acquire(&self) -> bool {
+        let limit = self.limit();
         self.in_flight
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.max_concurrency).then_some(n + 1)
+                (n < limit).then_some(n + 1)
             })
             .is_ok()
     }
@@ -179,6 +193,12 @@ pub struct ReplicaSnapshot {
     pub tripped_by: Option<Trip>,
     /// Requests and failures in the error-ratio window.
     pub window: (u32, u32),
+    /// Requests it may have in flight now (its adaptive limit, or `max_concurrency`).
+    pub limit: u32,
+    /// Its configured `max_concurrency`.
+    pub max_concurrency: u32,
+    /// Whether its limit adapts to its latency.
+    pub adaptive: bool,
 }
 
 /// The replicas of one tier.
@@ -201,6 +221,8 @@ pub struct ReplicaSet {
 pub struct Lease {
     replica: Arc<Replica>,
     index: usize,
+    /// When the slot was taken (the start of the latency the adaptive limit measures).
+    acquired: Instant,
     /// Non-zero when this lease is the probe of a half-open replica.
     probe: u64,
 }
@@ -240,6 +262,7 @@ impl Drop for Lease {
         // the next one.
         self.end_probe();
         self.replica.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.replica.completed.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -252,7 +275,9 @@ impl ReplicaSet {
                 Arc::new(Replica {
                     name,
                     max_concurrency: max_concurrency.max(1),
+                    adaptive: None,
                     in_flight: AtomicU32::new(0),
+                    completed: AtomicU64::new(0),
                     consecutive_failures: AtomicU32::new(0),
                     down_until_ns: AtomicU64::new(0),
                     probe: AtomicU64::new(0),
@@ -270,6 +295,25 @@ impl ReplicaSet {
             next: AtomicUsize::new(0),
             probes: AtomicU64::new(1),
         }
+    }
+
+    /// Give every replica an adaptive concurrency limit under its `max_concurrency`, its policy
+    /// made from that maximum by `policy`. Call before the set is shared.
+    pub fn with_adaptive_limits(mut self, policy: impl Fn(u32) -> LimitPolicy) -> Self {
+        for replica in &mut self.replicas {
+            if let Some(r) = Arc::get_mut(replica) {
+                r.adaptive = Some(AdaptiveLimit::new(policy(r.max_concurrency)));
+            }
+        }
+        self
+    }
+
+    /// Leases ended so far on all its replicas (requests that freed a slot).
+    pub fn completed(&self) -> u64 {
+        self.replicas
+            .iter()
+            .map(|r| r.completed.load(Ordering::Relaxed))
+            .sum()
     }
 
     /// Number of replicas in the set.
@@ -318,7 +362,7 @@ impl ReplicaSet {
             Breaker::Open => true,
             Breaker::HalfOpen => replica.probe.load(Ordering::Acquire) != 0,
         };
-        !open && replica.in_flight() < replica.max_concurrency
+        !open && replica.in_flight() < replica.limit()
     }
 
     /// Take a slot on replica `index` (and its probe, when half-open); `None` when another
@@ -339,6 +383,7 @@ impl ReplicaSet {
             return Some(Lease {
                 replica: Arc::clone(replica),
                 index,
+                acquired: now,
                 probe,
             });
         }
@@ -433,8 +478,20 @@ impl ReplicaSet {
         self.replicas.iter().enumerate().any(|(i, r)| {
             !exclude.contains(&i)
                 && self.state(r, now) != Breaker::Open
-                && r.in_flight() >= r.max_concurrency
+                && r.in_flight() >= r.limit()
         })
+    }
+
+    /// The request on `lease` got its first token (a stream) or its whole answer at `now`
+    /// (or timed out then: the wait is a lower bound of its latency, which is what an
+    /// overloaded server's queue makes it). Feeds the replica's adaptive limit, if it has one;
+    /// the change when the limit moved.
+    pub fn record_latency(&self, lease: &Lease, now: Instant, signal: Signal) -> Option<Change> {
+        let replica = &self.replicas[lease.index];
+        replica
+            .adaptive
+            .as_ref()?
+            .record(signal, lease.acquired, now, replica.in_flight())
     }
 
     /// The request on `lease` succeeded: the replica is healthy again.
@@ -498,6 +555,9 @@ impl ReplicaSet {
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .totals(self.slot(now)),
+                limit: r.limit(),
+                max_concurrency: r.max_concurrency,
+                adaptive: r.adaptive.is_some(),
             })
             .collect()
     }
@@ -549,8 +609,11 @@ mod tests {
         let a = s.choose(now, &[]).unwrap();
         let _b = s.choose(now, &[]).unwrap();
         assert!(s.choose(now, &[]).is_none(), "replica at max concurrency");
+        assert_eq!(s.completed(), 0);
         drop(a);
+        assert_eq!(s.completed(), 1);
         assert!(s.choose(now, &[]).is_some());
+        assert_eq!(s.completed(), 2, "the lease above was dropped at once");
     }
 
     #[test]
@@ -720,6 +783,48 @@ mod tests {
         drop(probe);
         assert!(s.choose(later, &[]).is_none(), "open for another cooldown");
         assert!(s.choose(later + Duration::from_secs(6), &[]).is_some());
+    }
+
+    #[test]
+    fn an_adaptive_limit_takes_a_slow_replica_below_its_maximum_and_choice_follows_it() {
+        let s = set(2, 32).with_adaptive_limits(|max| LimitPolicy {
+            min: 2,
+            ..LimitPolicy::new(max)
+        });
+        let t0 = Instant::now();
+        // Both answer their first tokens in 50 ms, each with 32 in flight.
+        let mut held: Vec<Lease> = (0..64).map(|_| s.choose(t0, &[]).unwrap()).collect();
+        assert!(s.choose(t0, &[]).is_none(), "both full at 32");
+        for lease in &held {
+            s.record_latency(lease, t0 + Duration::from_millis(50), Signal::FirstToken);
+        }
+        // Replica 0's queue grows: its first tokens take 400 ms.
+        let t1 = t0 + Duration::from_secs(1);
+        for _ in 0..20 {
+            let lease = held.iter().find(|l| l.index() == 0).unwrap();
+            s.record_latency(
+                lease,
+                lease.acquired + Duration::from_millis(400),
+                Signal::FirstToken,
+            );
+        }
+        let snap = s.snapshot(t1);
+        assert!(snap[0].adaptive && snap[0].limit < 32, "{snap:?}");
+        assert_eq!((snap[1].limit, snap[1].max_concurrency), (32, 32));
+        // Free a slot on each: only replica 1 takes new work (replica 0 is over its limit).
+        for index in [0, 1] {
+            let at = held.iter().position(|l| l.index() == index).unwrap();
+            held.swap_remove(at);
+        }
+        let taken = s.choose(t1, &[]).unwrap();
+        assert_eq!(taken.index(), 1);
+        assert!(s.choose(t1, &[]).is_none());
+        assert!(s.at_capacity(t1, &[]), "worth waiting for a slot");
+        // A fixed set ignores latency.
+        let fixed = set(1, 4);
+        let lease = fixed.choose(t0, &[]).unwrap();
+        assert_eq!(fixed.record_latency(&lease, t1, Signal::Whole), None);
+        assert!(!fixed.snapshot(t1)[0].adaptive);
     }
 
     #[test]

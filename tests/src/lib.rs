@@ -419,6 +419,31 @@ impl TestApp {
         req.send().await.expect("admin request sent")
     }
 
+    /// `GET /admin/v1/{path}`, its JSON body.
+    pub async fn admin_json(&self, path: &str) -> Value {
+        self.admin(reqwest::Method::GET, path, None)
+            .await
+            .json()
+            .await
+            .expect("admin answer is JSON")
+    }
+
+    /// Wait (up to 5 s) until every budget of `tenant` has nothing reserved; its usage rows.
+    pub async fn wait_reserved_zero(&self, tenant: &str) -> Vec<Value> {
+        eventually(
+            "every reservation is released",
+            Duration::from_secs(5),
+            || async {
+                let v = self.admin_json(&format!("usage?tenant={tenant}")).await;
+                let rows = v["data"].as_array().cloned().unwrap_or_default();
+                rows.iter()
+                    .all(|r| r["state"]["reserved_tokens"] == 0)
+                    .then_some(rows)
+            },
+        )
+        .await
+    }
+
     /// Run the real `gatewayctl` against this gateway: (success, stdout + stderr).
     pub async fn ctl(&self, args: &[&str]) -> (bool, String) {
         // Async process I/O: the gateway under test runs on this same runtime.

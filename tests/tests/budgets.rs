@@ -25,14 +25,7 @@ struct Setup {
 
 fn priced(c: &mut gateway::Config) {
     for model in ["sim-small", "sim-large"] {
-        c.prices.insert(
-            model.into(),
-            PriceConfig {
-                input: 1.0,
-                output: 2.0,
-                cached_input: None,
-            },
-        );
+        e2e::price(c, model, 1.0, 2.0);
     }
 }
 
@@ -58,12 +51,7 @@ async fn set_budget(app: &TestApp, body: Value) -> Value {
 }
 
 async fn usage(app: &TestApp) -> Vec<Value> {
-    let v: Value = app
-        .admin(Method::GET, "usage?tenant=acme", None)
-        .await
-        .json()
-        .await
-        .unwrap();
+    let v = app.admin_json("usage?tenant=acme").await;
     v["data"].as_array().cloned().unwrap_or_default()
 }
 
@@ -94,17 +82,7 @@ async fn events(app: &mut TestApp, n: usize) -> Vec<gateway::usage::UsageEvent> 
 }
 
 async fn wait_reserved_zero(app: &TestApp) -> Vec<Value> {
-    e2e::eventually(
-        "every reservation is released",
-        Duration::from_secs(5),
-        || async {
-            let u = usage(app).await;
-            u.iter()
-                .all(|r| r["state"]["reserved_tokens"] == 0)
-                .then_some(u)
-        },
-    )
-    .await
+    app.wait_reserved_zero("acme").await
 }
 
 async fn five_hundred_concurrent_requests_hold_the_budget(kind: BudgetKind) {

@@ -45,14 +45,7 @@ async fn exact_app(kind: StoreKind) -> (TestApp, Sim) {
         vec![replica("l1", &large.url, "sim-large")],
     );
     c.cache.semantic.model_dir = "/nonexistent/model".into();
-    c.prices.insert(
-        "sim-small".into(),
-        gateway::config::PriceConfig {
-            input: 1.0,
-            output: 2.0,
-            cached_input: None,
-        },
-    );
+    e2e::price(&mut c, "sim-small", 1.0, 2.0);
     std::mem::forget(large);
     (TestApp::spawn(c, kind).await, sim)
 }

@@ -558,3 +558,218 @@ async fn a_tier_at_capacity_queues_a_few_requests_briefly_and_sheds_the_rest_at_
     );
     app.stop().await;
 }
+
+/// A `sim-small` server that generates `max_running` sequences at once (more wait in its queue),
+/// each `base_ms` to its first token, then `decode_ms` per token.
+async fn batching(max_running: usize, base_ms: f64, decode_ms: f64) -> Sim {
+    let mut p = SimProfile::zero();
+    p.model = "sim-small".into();
+    p.max_running = max_running;
+    p.base_ms = base_ms;
+    p.decode_ms_per_token = decode_ms;
+    Sim::start(SimOptions::new(p)).await
+}
+
+/// Two waves of 40 streaming clients against one replica that batches 4 sequences (more wait in
+/// its queue): the deepest queue the server had in the second wave, the lowest concurrency
+/// limit the admin API showed, and whether every request was answered.
+async fn overload_waves(adaptive: bool) -> (u64, u64, bool) {
+    let sim = batching(4, 5.0, 10.0).await;
+    let large = Sim::zero("sim-large").await;
+    let mut c = config(
+        vec![replica("s1", &sim.url, "sim-small")],
+        vec![replica("l1", &large.url, "sim-large")],
+    );
+    c.upstream.fallback_to_other_tier = false;
+    c.upstream.adaptive_concurrency = adaptive;
+    c.upstream.adaptive_min_concurrency = 2;
+    c.upstream.queue_wait_ms = 30_000;
+    c.upstream.first_byte_budget_ms = 30_000;
+    c.upstream.stream_first_byte_timeout_ms = 30_000;
+    let app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    let send = |i: usize| {
+        let (http, base, key) = (app.http.clone(), app.base.clone(), app.api_key.clone());
+        async move {
+            let mut body = chat_body("fast", &format!("question {i}"));
+            body["stream"] = json!(true);
+            body["max_tokens"] = json!(4);
+            let r = http
+                .post(format!("{base}/v1/chat/completions"))
+                .bearer_auth(key)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            let ok = r.status() == 200;
+            ok && r.text().await.unwrap().contains("[DONE]")
+        }
+    };
+    // Warm: the server's own pace, four at a time (what it batches).
+    for round in 0..12 {
+        let all = futures_util::future::join_all((0..4).map(|i| send(round * 4 + i))).await;
+        assert!(all.iter().all(|ok| *ok));
+    }
+    let limit = || async {
+        let v = app.admin_json("replicas").await;
+        v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["tier"] == "small")
+            .unwrap()["replicas"][0]["concurrency_limit"]
+            .as_u64()
+            .unwrap()
+    };
+    let mut all_ok = true;
+    let mut min_limit = u64::MAX;
+    let mut deepest = 0;
+    for wave in 0..2 {
+        let clients = futures_util::future::join_all((0..40).map(|c| async move {
+            let mut ok = true;
+            for n in 0..5 {
+                ok &= send(1_000 * (wave + 1) + c * 10 + n).await;
+            }
+            ok
+        }));
+        let watch = async {
+            loop {
+                tokio::time::sleep(std::time::Duration::from_millis(40)).await;
+                min_limit = min_limit.min(limit().await);
+                if wave == 1 {
+                    deepest = deepest.max(stats(&sim).await["waiting"].as_u64().unwrap());
+                }
+            }
+        };
+        tokio::select! {
+            done = clients => all_ok &= done.iter().all(|ok| *ok),
+            () = watch => unreachable!(),
+        }
+    }
+    app.stop().await;
+    (deepest, min_limit, all_ok)
+}
+
+#[tokio::test]
+async fn a_replica_whose_ttft_grows_gets_fewer_requests_and_the_rest_wait_at_the_gateway() {
+    let (deepest, min_limit, all_ok) = overload_waves(true).await;
+    assert!(all_ok, "every request answered (queued at the gateway)");
+    assert!(
+        min_limit <= 12,
+        "the limit fell from 64 towards the 4 the server batches: {min_limit}"
+    );
+    assert!(
+        deepest <= 12,
+        "the server's queue stayed short in the second wave: {deepest}"
+    );
+    // The same load with a fixed limit piles up at the server.
+    let (deepest, min_limit, all_ok) = overload_waves(false).await;
+    assert!(all_ok);
+    assert_eq!(min_limit, 64, "fixed at max_concurrency");
+    assert!(deepest >= 24, "without it the server queues: {deepest}");
+}
+
+#[tokio::test]
+async fn ten_times_a_tiers_capacity_is_answered_within_a_bound_or_refused_at_once_for_nothing() {
+    // A server batching 2 sequences of about 100 ms: some 20 answers a second.
+    let sim = batching(2, 20.0, 20.0).await;
+    let large = Sim::zero("sim-large").await;
+    let mut s1 = replica("s1", &sim.url, "sim-small");
+    s1.max_concurrency = 2;
+    let mut c = config(vec![s1], vec![replica("l1", &large.url, "sim-large")]);
+    c.upstream.fallback_to_other_tier = false;
+    c.upstream.queue_wait_ms = 500;
+    c.budgets = e2e::BudgetKind::Memory.config();
+    e2e::price(&mut c, "sim-small", 1.0, 2.0);
+    let mut app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    let r = app
+        .admin(
+            Method::POST,
+            "budgets",
+            Some(json!({"tenant": "acme", "window": "day", "limit_tokens": 100_000_000})),
+        )
+        .await;
+    assert_eq!(r.status(), 201);
+    // Offered at 200 a second, open loop, for 3 s: ten times what the server answers.
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(5));
+    let mut sends = Vec::new();
+    for i in 0..600 {
+        tick.tick().await;
+        let (http, base, key) = (app.http.clone(), app.base.clone(), app.api_key.clone());
+        sends.push(tokio::spawn(async move {
+            let mut body = chat_body("fast", &format!("offered {i}"));
+            body["max_tokens"] = json!(4);
+            let started = std::time::Instant::now();
+            let r = http
+                .post(format!("{base}/v1/chat/completions"))
+                .bearer_auth(key)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            let retry_after = r.headers().contains_key("retry-after");
+            let _ = r.bytes().await;
+            (status, started.elapsed(), retry_after)
+        }));
+    }
+    let results: Vec<_> = futures_util::future::join_all(sends)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let admitted: Vec<_> = results.iter().filter(|r| r.0 == 200).collect();
+    let refused: Vec<_> = results.iter().filter(|r| r.0 == 503).collect();
+    assert_eq!(
+        admitted.len() + refused.len(),
+        600,
+        "answered or refused as overloaded, nothing else"
+    );
+    assert!(
+        admitted.len() >= 30,
+        "the server's pace: {}",
+        admitted.len()
+    );
+    assert!(refused.len() >= 400, "the rest: {}", refused.len());
+    assert!(
+        refused.iter().all(|r| r.2),
+        "every refusal says when to retry"
+    );
+    // An admitted request waited at most the queue's 500 ms, then was served (slack for a
+    // loaded test machine).
+    let slowest = admitted.iter().map(|r| r.1).max().unwrap();
+    assert!(
+        slowest < std::time::Duration::from_millis(2_500),
+        "admitted requests' wait is bounded: {slowest:?}"
+    );
+    // Most refusals come at once (a full queue, or a wait it could not sit out), not after it.
+    let metrics = app.metrics().await;
+    let shed = |reason: &str| -> u64 {
+        let line = format!("gateway_shed_requests_total{{reason=\"{reason}\",tier=\"small\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(line.as_str()))
+            .unwrap_or_else(|| panic!("{reason}: {metrics}"))
+            .parse()
+            .unwrap()
+    };
+    let (at_once, after_wait) = (
+        shed("expected_wait") + shed("queue_full"),
+        shed("queue_timeout"),
+    );
+    assert_eq!(at_once + after_wait, refused.len() as u64);
+    assert!(
+        at_once >= 9 * after_wait,
+        "refused at once: {at_once}, after the wait: {after_wait}"
+    );
+    // Nothing is charged for a refusal, and no reservation is left behind.
+    for _ in 0..600 {
+        let e = app.next_event().await;
+        if e.status == 503 {
+            assert_eq!((e.cost_micros, e.prompt_tokens), (0, 0), "{e:?}");
+        } else {
+            assert!(e.cost_micros > 0, "{e:?}");
+        }
+    }
+    app.wait_reserved_zero("acme").await;
+    app.stop().await;
+}

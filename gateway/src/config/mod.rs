@@ -219,6 +219,18 @@ impl Config {
                 "must be 0 (off) or between 1 and 100",
             ));
         }
+        if u.adaptive_min_concurrency == 0 {
+            return Err(invalid(
+                "upstream.adaptive_min_concurrency",
+                "must be at least 1",
+            ));
+        }
+        if !(1.0..=100.0).contains(&u.adaptive_tolerance) {
+            return Err(invalid(
+                "upstream.adaptive_tolerance",
+                "must be between 1 and 100 (times the baseline latency)",
+            ));
+        }
         if u.throttle_window_ms < 100 {
             return Err(invalid(
                 "upstream.throttle_window_ms",

@@ -91,6 +91,15 @@ pub struct UpstreamConfig {
     pub queue_depth: u32,
     /// Longest wait in that queue, ms (then 503).
     pub queue_wait_ms: u64,
+    /// Adapt each replica's concurrency limit (at most its `max_concurrency`) to its measured
+    /// time to first token: the limit falls while the server's queue makes TTFT grow past
+    /// `adaptive_tolerance` × its baseline, and climbs back once it answers in time (a gradient
+    /// limiter, `router::limit`). Off: the limit is `max_concurrency`.
+    pub adaptive_concurrency: bool,
+    /// The adaptive limit never falls below this (nor above a replica's `max_concurrency`).
+    pub adaptive_min_concurrency: u32,
+    /// How much slower than its baseline a replica may answer before its limit falls.
+    pub adaptive_tolerance: f64,
     /// Idle pooled connections kept per upstream host.
     pub pool_max_idle_per_host: usize,
     /// What to do with an upstream stream whose client disconnected.
@@ -136,6 +145,9 @@ impl Default for UpstreamConfig {
             fallback_window_ms: 60_000,
             queue_depth: 256,
             queue_wait_ms: 2_000,
+            adaptive_concurrency: true,
+            adaptive_min_concurrency: 4,
+            adaptive_tolerance: 2.0,
             pool_max_idle_per_host: 256,
             on_client_disconnect: DisconnectPolicy::Drain,
             replica_choice: ReplicaChoice::AffinityWeighted,

@@ -46,7 +46,8 @@ fn row(r: &UsageRow) -> Vec<String> {
     ]
 }
 
-/// `gatewayctl replicas`: every replica's routing state, its breaker and why it opened.
+/// `gatewayctl replicas`: every replica's routing state, its concurrency limit (adaptive or
+/// fixed), its breaker and why it opened.
 pub(super) async fn replicas(admin: &Admin) -> anyhow::Result<Reply> {
     let a: Answer<serde_json::Value> = admin.call(Method::GET, "replicas", None).await?;
     let text = |v: &serde_json::Value| match v {
@@ -61,6 +62,16 @@ pub(super) async fn replicas(admin: &Admin) -> anyhow::Result<Reply> {
                 text(&tier["tier"]),
                 text(&r["name"]),
                 text(&r["in_flight"]),
+                format!(
+                    "{}/{}{}",
+                    text(&r["concurrency_limit"]),
+                    text(&r["max_concurrency"]),
+                    if r["adaptive_limit"] == true {
+                        " (adaptive)"
+                    } else {
+                        ""
+                    }
+                ),
                 text(&r["breaker"]),
                 text(&r["tripped_by"]),
                 text(&r["consecutive_failures"]),
@@ -77,6 +88,7 @@ pub(super) async fn replicas(admin: &Admin) -> anyhow::Result<Reply> {
             "TIER",
             "REPLICA",
             "IN FLIGHT",
+            "LIMIT/MAX",
             "BREAKER",
             "TRIPPED BY",
             "FAILURES IN A ROW",

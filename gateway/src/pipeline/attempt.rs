@@ -191,7 +191,9 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
             Err(e) => matches!(e, upstream::AttemptError::Connect(_)),
         };
         pool.throttle.record(Instant::now(), !rejected);
-        let failure: Result<(), (String, &'static str, ApiError)> = match outcome {
+        // A failure: what happened, its metric label, what the client gets, and whether it was
+        // a timeout (the replica may be queueing).
+        let failure: Result<(), (String, &'static str, ApiError, bool)> = match outcome {
             Ok(resp) if resp.status().is_server_error() => {
                 let status = resp.status();
                 // Read (and discard) the error body so the connection can be reused.
@@ -202,6 +204,7 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
                     ApiError::BadGateway {
                         message: format!("the model server answered {status}"),
                     },
+                    false,
                 ))
             }
             Ok(resp) if call.req.stream && resp.status().is_success() => {
@@ -215,6 +218,7 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
             Ok(resp) => match read_all(resp, deadline, limit).await {
                 Buffered::Done(status, headers, body) => {
                     pool.set.record_success(&lease, Instant::now());
+                    pool.record_latency(&lease, router::Signal::Whole);
                     answered_by(&mut call, tier, attempts);
                     let response = respond::buffered(call, pool, &lease, status, &headers, body);
                     return (response, Some(tier));
@@ -231,11 +235,20 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
                     last_error = Some(attempt_error(&e));
                     break;
                 }
-                Buffered::Failed(e) => Err((e.to_string(), e.kind(), attempt_error(&e))),
+                Buffered::Failed(e) => Err(failed(&e)),
             },
-            Err(e) => Err((e.to_string(), e.kind(), attempt_error(&e))),
+            Err(e) => Err(failed(&e)),
         };
-        if let Err((detail, kind, api_error)) = failure {
+        if let Err((detail, kind, api_error, timed_out)) = failure {
+            if timed_out {
+                // No answer within the wait: at least that slow, which the limit should know.
+                let signal = if call.req.stream {
+                    router::Signal::FirstToken
+                } else {
+                    router::Signal::Whole
+                };
+                pool.record_latency(&lease, signal);
+            }
             let tripped = pool.set.record_failure(&lease, Instant::now());
             state
                 .metrics
@@ -286,7 +299,8 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
 
 /// Wait up to `wait` for a slot on `pool`'s replicas (all at their concurrency limit), among at
 /// most `depth` waiting requests: `Ok(None)` when none freed in time, `Err` when the queue is
-/// full (the request is shed at once).
+/// full or, at the rate the tier has been freeing slots, the requests already waiting would
+/// take longer than `wait` (the request is shed at once, not after the wait).
 async fn queued(
     state: &AppState,
     pool: &crate::upstream::TierPool,
@@ -296,6 +310,23 @@ async fn queued(
 ) -> Result<Option<router::Lease>, ApiError> {
     use std::sync::atomic::Ordering;
     let tier = pool.tier.as_str();
+    let rate = pool.drain.observe(Instant::now(), pool.set.completed());
+    let ahead = pool.queued.load(Ordering::Acquire);
+    if let Some(expected) = router::Drain::expected_wait(ahead + 1, rate).filter(|e| *e > wait) {
+        return Err(shed(
+            state,
+            tier,
+            "expected_wait",
+            format!(
+                "the {tier} tier is at capacity: {ahead} requests already wait and it frees \
+                 about {:.0} slots a second, so this one would wait about {} ms, longer than \
+                 the {} ms a request may (upstream.queue_wait_ms); try again shortly",
+                rate.unwrap_or_default(),
+                expected.as_millis(),
+                wait.as_millis()
+            ),
+        ));
+    }
     let full = pool
         .queued
         .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
@@ -303,18 +334,15 @@ async fn queued(
         })
         .is_err();
     if full {
-        state
-            .metrics
-            .shed
-            .with_label_values(&[tier, "queue_full"])
-            .inc();
-        return Err(ApiError::Unavailable {
-            message: format!(
+        return Err(shed(
+            state,
+            tier,
+            "queue_full",
+            format!(
                 "the {tier} tier is at capacity and {depth} requests already wait for it \
                  (upstream.queue_depth); try again shortly"
             ),
-            retry_after: 1,
-        });
+        ));
     }
     let until = Instant::now() + wait;
     let mut pause = Duration::from_millis(1);
@@ -326,26 +354,33 @@ async fn queued(
         if now >= until {
             break None;
         }
+        pool.drain.observe(now, pool.set.completed());
         tokio::time::sleep(pause.min(until - now)).await;
         pause = (pause * 2).min(Duration::from_millis(20));
     };
     pool.queued.fetch_sub(1, Ordering::AcqRel);
     if lease.is_none() {
-        state
-            .metrics
-            .shed
-            .with_label_values(&[tier, "queue_timeout"])
-            .inc();
-        return Err(ApiError::Unavailable {
-            message: format!(
+        return Err(shed(
+            state,
+            tier,
+            "queue_timeout",
+            format!(
                 "the {tier} tier stayed at capacity for the {} ms a request may wait \
                  (upstream.queue_wait_ms); try again shortly",
                 wait.as_millis()
             ),
-            retry_after: 1,
-        });
+        ));
     }
     Ok(lease)
+}
+
+/// A request shed from `tier` for `reason` (counted): a 503 saying `message`, retry in 1 s.
+fn shed(state: &AppState, tier: &str, reason: &str, message: String) -> ApiError {
+    state.metrics.shed.with_label_values(&[tier, reason]).inc();
+    ApiError::Unavailable {
+        message,
+        retry_after: 1,
+    }
 }
 
 /// Record that `tier` answered after `attempts` attempts: a tier other than the chosen one means
@@ -360,6 +395,16 @@ fn answered_by(call: &mut Call, tier: Tier, attempts: u32) {
             .with_label_values(&[call.ctx.key.tenant_name.as_str(), tier.as_str(), "answered"])
             .inc();
     }
+}
+
+/// An attempt's failure as the attempt loop handles it.
+fn failed(e: &AttemptError) -> (String, &'static str, ApiError, bool) {
+    (
+        e.to_string(),
+        e.kind(),
+        attempt_error(e),
+        matches!(e, AttemptError::Timeout),
+    )
 }
 
 fn attempt_error(e: &AttemptError) -> ApiError {

@@ -339,6 +339,7 @@ pub(super) fn streamed(
             };
             if event.ttft_ms.is_none() && rewriter.events > 0 {
                 event.ttft_ms = Some(ms_since(ctx.started));
+                pool.record_latency(&lease, router::Signal::FirstToken);
             }
             if client_gone || out.is_empty() {
                 continue;

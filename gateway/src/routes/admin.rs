@@ -207,7 +207,9 @@ pub async fn replicas(State(state): State<AppState>) -> Json<Value> {
                            "consecutive_failures": r.consecutive_failures,
                            "breaker": r.breaker.as_str(),
                            "tripped_by": r.tripped_by.map(router::Trip::as_str),
-                           "window_requests": r.window.0, "window_failures": r.window.1})
+                           "window_requests": r.window.0, "window_failures": r.window.1,
+                           "concurrency_limit": r.limit, "max_concurrency": r.max_concurrency,
+                           "adaptive_limit": r.adaptive})
                 })
                 .collect();
             json!({"tier": tier, "replicas": rs})

@@ -21,17 +21,25 @@ trap cleanup EXIT
 
 wait_port() { for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 never opened" >&2; exit 1; }
 
-# gateway_toml PORT UPSTREAM_PORT DB LEDGER_BODY: the benchmark gateway's configuration on stdout
-# (embedded SQLite store at DB, both tiers on the simulator at UPSTREAM_PORT serving `sim-small`,
-# model `fast`, priced; LEDGER_BODY is the body of its [ledger] section).
-gateway_toml() {
+# toml_head PORT DB: the [server], [store] and [admin] sections of a benchmark gateway listening
+# on PORT with its embedded SQLite store at DB.
+toml_head() {
   cat <<EOF
 [server]
 listen = "127.0.0.1:$1"
 [store]
-url = "sqlite://$3"
+url = "sqlite://$2"
 [admin]
 token = "$ADMIN"
+EOF
+}
+
+# gateway_toml PORT UPSTREAM_PORT DB LEDGER_BODY: the benchmark gateway's configuration on stdout
+# (embedded SQLite store at DB, both tiers on the simulator at UPSTREAM_PORT serving `sim-small`,
+# model `fast`, priced; LEDGER_BODY is the body of its [ledger] section).
+gateway_toml() {
+  toml_head "$1" "$3"
+  cat <<EOF
 [tiers.small]
 replicas = [{ name = "sim", url = "http://127.0.0.1:$2/v1", model = "sim-small", max_concurrency = 4096 }]
 [tiers.large]

@@ -57,8 +57,8 @@ pub struct TierPool {
     pub retry_budget: RetryBudget,
     /// Local rejection while the tier's servers reject as overloaded.
     pub throttle: Throttle,
-    /// Requests waiting for a slot on this tier's replicas.
-    pub queued: std::sync::atomic::AtomicU32,
+    /// Requests waiting for a slot on this tier's replicas, served in order.
+    pub queue: TierQueue,
     /// How fast its replicas free slots while it is at capacity (read by the queue).
     pub drain: router::Drain,
     /// How a replica is chosen (`upstream.replica_choice`).
@@ -139,9 +139,82 @@ impl TierPool {
                 replica = %self.target(lease).name,
                 from = c.from,
                 to = c.to,
+                why = ?c.why,
                 ratio = c.ratio,
                 "adaptive concurrency limit moved"
             );
+        }
+    }
+}
+
+/// The requests waiting for a slot on a tier whose replicas are all at their limit, first come
+/// first served: only the one at the head tries for a slot (so the wait a newcomer is told it
+/// would have, from its place and the rate slots free, is the wait it gets), the others sleep
+/// until the head changes.
+#[derive(Debug, Default)]
+pub struct TierQueue {
+    waiting: std::sync::Mutex<std::collections::VecDeque<u64>>,
+    next_id: std::sync::atomic::AtomicU64,
+    /// Woken whenever the head changes.
+    turn: tokio::sync::Notify,
+}
+
+impl TierQueue {
+    fn waiting(&self) -> std::sync::MutexGuard<'_, std::collections::VecDeque<u64>> {
+        self.waiting.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Requests waiting now.
+    pub fn len(&self) -> usize {
+        self.waiting().len()
+    }
+
+    /// Whether nobody waits.
+    pub fn is_empty(&self) -> bool {
+        self.waiting().is_empty()
+    }
+
+    /// A place at the back, unless `depth` already wait.
+    pub fn join(&self, depth: usize) -> Option<Place<'_>> {
+        let mut waiting = self.waiting();
+        if waiting.len() >= depth {
+            return None;
+        }
+        let id = self
+            .next_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        waiting.push_back(id);
+        Some(Place { queue: self, id })
+    }
+
+    /// A future that completes when the head next changes (enable it before checking).
+    pub fn turn(&self) -> tokio::sync::futures::Notified<'_> {
+        self.turn.notified()
+    }
+}
+
+/// A request's place in a [`TierQueue`]; leaving it (dropped) lets the next one on.
+#[derive(Debug)]
+pub struct Place<'q> {
+    queue: &'q TierQueue,
+    id: u64,
+}
+
+impl Place<'_> {
+    /// Whether it is this request's turn to try for a slot.
+    pub fn is_head(&self) -> bool {
+        self.queue.waiting().front() == Some(&self.id)
+    }
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        let mut waiting = self.queue.waiting();
+        let was_head = waiting.front() == Some(&self.id);
+        waiting.retain(|id| *id != self.id);
+        drop(waiting);
+        if was_head {
+            self.queue.turn.notify_waiters();
         }
     }
 }
@@ -292,6 +365,8 @@ impl Upstreams {
                 set = set.with_adaptive_limits(|max| router::LimitPolicy {
                     min: up.adaptive_min_concurrency,
                     tolerance: up.adaptive_tolerance,
+                    slack: Duration::from_millis(up.adaptive_slack_ms),
+                    probe_interval: Duration::from_millis(up.adaptive_probe_interval_ms),
                     ..router::LimitPolicy::new(max)
                 });
             }
@@ -315,7 +390,7 @@ impl Upstreams {
                         up.throttle_min_requests,
                         Instant::now(),
                     ),
-                    queued: std::sync::atomic::AtomicU32::new(0),
+                    queue: TierQueue::default(),
                     drain: router::Drain::default(),
                     choice: up.replica_choice,
                     affinity: affinity_policy(up)

@@ -1,24 +1,27 @@
 //! An adaptive concurrency limit per replica, driven by its measured time to first token: a
-//! gradient limiter in the spirit of Netflix's `Gradient2Limit` and Envoy's adaptive
-//! concurrency filter, as pure logic with time passed in.
+//! gradient limiter in the spirit of Envoy's adaptive concurrency filter and Netflix's
+//! `Gradient2Limit`, as pure logic with time passed in.
 //!
 //! A GPU model server batches up to a fixed number of sequences and queues the rest, so once the
 //! gateway sends it more than it can batch, every extra request only waits in the server's queue
 //! and its time to first token (TTFT) climbs. The limiter compares each replica's recent latency
 //! with its unloaded baseline:
 //!
-//! - **baseline**: per [`Signal`] (a stream's TTFT and a whole non-streamed answer are
-//!   different quantities), the lowest median of [`RECENT`] consecutive answers seen over the
-//!   last [`LimitPolicy::baseline_window`], as Envoy's filter takes its minimum RTT: the limiter
-//!   itself keeps bringing the queue down, so some batch in the window saw it short, and an
-//!   overload, however long, does not creep into the baseline (an EWMA of every answer, as in
-//!   Gradient2, learns the overload as normal within a few hundred answers). A server that
-//!   really got slower is learnt once the window has passed.
-//! - **recent**: the median of up to [`RECENT`] answers' ratios to their baseline (a median,
-//!   so one long answer among short ones does not move it; a queue at the server delays every
-//!   request, so it moves all of them);
-//! - **gradient** = `clamp(tolerance / recent, 0.5, 1)`: 1 while the server answers within
-//!   `tolerance` × its baseline, down to 0.5 as its queue grows;
+//! - **baseline**: measured, as Envoy measures its minimum RTT, by a *probe*: on the first answer
+//!   and then every [`LimitPolicy::probe_interval`], the limit drops to [`LimitPolicy::min`]
+//!   until [`RECENT`]/2 requests sent since have been answered; their median is the baseline
+//!   (one per [`Signal`]: a stream's TTFT and a whole non-streamed answer are different
+//!   quantities), lowered between probes by any faster median of [`RECENT`] answers. Inferred
+//!   from loaded answers alone (an EWMA of every answer, as in Gradient2) the baseline of a
+//!   server that has been queueing since it was first seen is the queue itself, and a long
+//!   overload creeps into it within a few hundred answers.
+//! - **recent**: the median of up to [`RECENT`] answers' ratios to what their baseline allows:
+//!   `tolerance` × it, but never less than [`LimitPolicy::slack`] over it (a fast upstream's
+//!   answers vary by more than twice with the host's own load; a model server's queue adds at
+//!   least a generation). A median, so one long answer among short ones does not move it; a
+//!   queue at the server delays every request, so it moves all of them;
+//! - **gradient** = `clamp(1 / recent, 0.5, 1)`: 1 while the server answers within what its
+//!   baseline allows, down to 0.5 as its queue grows;
 //! - **limit**, between [`LimitPolicy::min`] and [`LimitPolicy::max`] (the replica's configured
 //!   `max_concurrency`), moves at most once per round, like TCP's window: a decrease to
 //!   `limit · gradient` once [`RECENT`]/2 answers came since the last move (from what is in
@@ -28,13 +31,16 @@
 //!   nothing about more load). Only answers to requests sent after the last move count towards
 //!   the next (an answer reports the queue as it was when it was sent), and the limit moves
 //!   once per such round, not per answer: that is what keeps it from overshooting.
+//!
+//! The probe sees an empty queue only if this gateway is the server's only client: with several
+//! gateways in front of one server, each probes alone and sees the others' load (Envoy's filter
+//! has the same blind spot).
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// Answers whose median is a recent latency (and one batch of the baseline).
+/// Answers whose median is a recent latency (half of them end a probe).
 pub const RECENT: usize = 16;
 
 /// What a latency sample measures.
@@ -65,8 +71,12 @@ pub struct LimitPolicy {
     /// How much slower than its baseline a replica may answer before the limit falls (2.0:
     /// twice the baseline TTFT).
     pub tolerance: f64,
-    /// How long a batch's median may stand as the baseline.
-    pub baseline_window: Duration,
+    /// How often the baseline is measured afresh by a probe at the floor.
+    pub probe_interval: Duration,
+    /// Latency over the baseline that never counts as a queue, however small the baseline
+    /// (a fast upstream's answers vary by more than `tolerance` × with the host's own load; a
+    /// model server's queue adds at least one generation's time).
+    pub slack: Duration,
 }
 
 impl LimitPolicy {
@@ -76,9 +86,23 @@ impl LimitPolicy {
             min: 4.min(max.max(1)),
             max: max.max(1),
             tolerance: 2.0,
-            baseline_window: Duration::from_secs(60),
+            probe_interval: Duration::from_secs(60),
+            slack: Duration::from_millis(50),
         }
     }
+}
+
+/// Why the limit moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Why {
+    /// The replica is queueing: down.
+    Queue,
+    /// It answers in time while busy: up.
+    Headroom,
+    /// A probe of the baseline began: down to the floor.
+    Probe,
+    /// The probe measured the baseline: back.
+    Probed,
 }
 
 /// A change of the limit, for metrics and logs.
@@ -88,7 +112,10 @@ pub struct Change {
     pub from: u32,
     /// The limit now.
     pub to: u32,
-    /// The recent latency over its baseline that moved it.
+    /// Why.
+    pub why: Why,
+    /// The recent latency over what its baseline allows (`tolerance` × it, or the slack over
+    /// it) that moved it.
     pub ratio: f64,
 }
 
@@ -133,39 +160,45 @@ impl Batch {
     }
 }
 
-/// One [`Signal`]'s baseline: batches of raw answers, and the lowest batch median of each
-/// tenth of the window (bounded memory at any answer rate).
-#[derive(Debug)]
+/// One [`Signal`]'s baseline: the latest probe's median, lowered by any faster batch since.
+#[derive(Debug, Clone, Copy)]
 struct Baseline {
     batch: Batch,
-    /// (start of a tenth of the window, lowest batch median completed in it), oldest first.
-    lows: VecDeque<(Instant, f64)>,
+    low: Option<f64>,
 }
 
 impl Baseline {
-    /// Add an answer at `now`; the baseline then, `None` until a first batch is complete.
-    fn add(&mut self, sample: f64, now: Instant, window: Duration) -> Option<f64> {
+    const EMPTY: Self = Self {
+        batch: Batch::EMPTY,
+        low: None,
+    };
+
+    /// Add an answer; the baseline then (the first batch's median before any probe).
+    fn add(&mut self, sample: f64) -> Option<f64> {
         self.batch.push(sample);
         if self.batch.is_full() {
             let median = self.batch.median();
-            match self.lows.back_mut() {
-                Some((start, low)) if now.saturating_duration_since(*start) < window / 10 => {
-                    *low = low.min(median);
-                }
-                _ => self.lows.push_back((now, median)),
-            }
+            self.low = Some(self.low.map_or(median, |low| low.min(median)));
         }
-        // Tenths older than the window go, but the latest always stands.
-        while self.lows.len() > 1
-            && self
-                .lows
-                .front()
-                .is_some_and(|(at, _)| now.saturating_duration_since(*at) > window)
-        {
-            self.lows.pop_front();
-        }
-        self.lows.iter().map(|(_, m)| *m).reduce(f64::min)
+        self.low
     }
+
+    /// A probe measured `median`: the baseline starts over from it.
+    fn probed(&mut self, median: f64) {
+        *self = Self {
+            batch: Batch::EMPTY,
+            low: Some(median),
+        };
+    }
+}
+
+/// A probe of the baseline in progress.
+#[derive(Debug, Clone, Copy)]
+struct Probe {
+    /// When it began: only requests sent since see the floor's short queue.
+    since: Instant,
+    /// Their answers, per [`Signal`].
+    answers: [Batch; 2],
 }
 
 #[derive(Debug)]
@@ -173,13 +206,16 @@ struct State {
     limit: f64,
     /// Per [`Signal`].
     baseline: [Baseline; 2],
-    /// Ratios to the baseline of the latest answers to requests sent since the limit last
-    /// moved.
+    /// Ratios to what the baseline allows of the latest answers to requests sent since the
+    /// limit last moved.
     recent: Batch,
     /// Those answers (not capped at [`RECENT`]).
     since_change: u32,
     /// When the limit last moved.
     changed_at: Option<Instant>,
+    probe: Option<Probe>,
+    /// When the next probe is due (`None`: at the first answer).
+    next_probe: Option<Instant>,
 }
 
 /// One replica's adaptive concurrency limit. The current limit is an atomic read on the hot
@@ -198,20 +234,19 @@ impl AdaptiveLimit {
             min: policy.min.clamp(1, policy.max.max(1)),
             max: policy.max.max(1),
             tolerance: policy.tolerance.max(1.0),
-            baseline_window: policy.baseline_window,
-        };
-        let baseline = || Baseline {
-            batch: Batch::EMPTY,
-            lows: VecDeque::new(),
+            probe_interval: policy.probe_interval,
+            slack: policy.slack,
         };
         Self {
             limit: AtomicU32::new(policy.max),
             state: Mutex::new(State {
                 limit: f64::from(policy.max),
-                baseline: [baseline(), baseline()],
+                baseline: [Baseline::EMPTY; 2],
                 recent: Batch::EMPTY,
                 since_change: 0,
                 changed_at: None,
+                probe: None,
+                next_probe: None,
             }),
             policy,
         }
@@ -240,12 +275,17 @@ impl AdaptiveLimit {
         let sample = now.saturating_duration_since(sent).as_secs_f64().max(1e-6);
         let p = self.policy;
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let base = s.baseline[signal.index()].add(sample, now, p.baseline_window)?;
+        if let Some(change) = self.probe(&mut s, signal, sent, now, sample) {
+            return change;
+        }
+        let base = s.baseline[signal.index()].add(sample)?;
         if s.changed_at.is_some_and(|at| sent < at) {
             // Sent before the limit last moved: it reports the queue of the old limit.
             return None;
         }
-        s.recent.push_ring(sample / base);
+        // Over 1 means queued: beyond both `tolerance` × the baseline and the slack over it.
+        let allowed = (p.tolerance * base).max(base + p.slack.as_secs_f64());
+        s.recent.push_ring(sample / allowed);
         s.since_change = s.since_change.saturating_add(1);
         let round = (RECENT / 2) as u32;
         if s.since_change < round {
@@ -253,7 +293,7 @@ impl AdaptiveLimit {
             return None;
         }
         let recent = s.recent.median();
-        let gradient = (p.tolerance / recent).clamp(0.5, 1.0);
+        let gradient = (1.0 / recent).clamp(0.5, 1.0);
         let limit = s.limit;
         let load = f64::from(in_flight.max(1));
         let next = if gradient < 1.0 {
@@ -271,6 +311,73 @@ impl AdaptiveLimit {
             return None;
         }
         s.limit = limit;
+        let why = if gradient < 1.0 {
+            Why::Queue
+        } else {
+            Why::Headroom
+        };
+        self.moved(&mut s, now, limit, why, recent)
+    }
+
+    /// Start, feed or end a probe of the baseline; `Some` (with the change, if any) while one
+    /// runs or as it starts or ends, `None` when the answer is for the limit to weigh.
+    #[allow(clippy::option_option, reason = "probing, and whether the limit moved")]
+    fn probe(
+        &self,
+        s: &mut State,
+        signal: Signal,
+        sent: Instant,
+        now: Instant,
+        sample: f64,
+    ) -> Option<Option<Change>> {
+        let Some(probe) = &mut s.probe else {
+            if s.next_probe.is_some_and(|due| now < due) {
+                return None;
+            }
+            s.probe = Some(Probe {
+                since: now,
+                answers: [Batch::EMPTY; 2],
+            });
+            let from = self.current();
+            self.limit.store(self.policy.min, Ordering::Release);
+            return Some((from != self.policy.min).then_some(Change {
+                from,
+                to: self.policy.min,
+                why: Why::Probe,
+                ratio: 0.0,
+            }));
+        };
+        // A probe that gets no answers (a hung server) gives up after an interval.
+        let expired = now.saturating_duration_since(probe.since) > self.policy.probe_interval;
+        if sent >= probe.since {
+            probe.answers[signal.index()].push(sample);
+        }
+        let done = probe.answers.iter().any(|b| b.len >= RECENT / 2);
+        if !done && !expired {
+            return Some(None);
+        }
+        let answers = probe.answers;
+        for (baseline, batch) in s.baseline.iter_mut().zip(answers) {
+            if batch.len >= RECENT / 2 {
+                baseline.probed(batch.median());
+            }
+        }
+        s.probe = None;
+        s.next_probe = Some(now + self.policy.probe_interval);
+        let limit = s.limit;
+        Some(self.moved(s, now, limit, Why::Probed, 0.0))
+    }
+
+    /// The limit is now `limit` (a new round starts): store it, and say so if its whole
+    /// number changed.
+    fn moved(
+        &self,
+        s: &mut State,
+        now: Instant,
+        limit: f64,
+        why: Why,
+        ratio: f64,
+    ) -> Option<Change> {
         s.since_change = 0;
         s.recent = Batch::EMPTY;
         s.changed_at = Some(now);
@@ -282,7 +389,8 @@ impl AdaptiveLimit {
         Some(Change {
             from,
             to,
-            ratio: recent,
+            why,
+            ratio,
         })
     }
 }
@@ -305,7 +413,6 @@ fn median(values: &[f64]) -> f64 {
 mod tests {
     use super::*;
     use std::cell::Cell;
-    use std::time::Duration;
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
@@ -341,22 +448,58 @@ mod tests {
         last
     }
 
+    fn probing(l: &AdaptiveLimit) -> bool {
+        l.state.lock().unwrap().probe.is_some()
+    }
+
+    /// A fresh limit's first probe, at the floor's short queue answering in `latency`.
+    fn probed(policy: LimitPolicy, latency: Duration) -> AdaptiveLimit {
+        let l = AdaptiveLimit::new(policy);
+        let c = answer(&l, Signal::FirstToken, latency, 1).unwrap();
+        assert_eq!((c.why, c.to), (Why::Probe, policy.min.clamp(1, policy.max)));
+        for _ in 0..RECENT {
+            answer(&l, Signal::FirstToken, latency, policy.min);
+        }
+        assert!(!probing(&l));
+        l
+    }
+
     #[test]
-    fn the_limit_holds_while_the_replica_answers_at_its_baseline() {
+    fn the_first_answer_starts_a_probe_at_the_floor_and_its_median_is_the_baseline() {
         let l = AdaptiveLimit::new(LimitPolicy::new(64));
         assert_eq!(l.current(), 64);
+        let c = answer(&l, Signal::FirstToken, ms(900), 64).unwrap();
+        assert_eq!((c.from, c.to, c.why), (64, 4, Why::Probe));
+        // Answers to requests sent before the probe (the queue of 64) do not count...
+        assert_eq!(feed(&l, 63, ms(900), 64), None);
+        assert!(probing(&l));
+        // ...those sent since, at four in flight, do: the limit is back, the baseline 100 ms.
+        let c = feed(&l, 8, ms(100), 4).unwrap();
+        assert_eq!((c.from, c.to, c.why), (4, 64, Why::Probed));
+        assert!(!probing(&l));
+        let base = l.state.lock().unwrap().baseline[0].low.unwrap();
+        assert!((base - 0.1).abs() < 1e-9, "{base}");
+        // So 900 ms with 64 in flight reads as the queue it is (once answers to requests sent
+        // after the probe come).
+        let c = feed(&l, 80, ms(900), 64).unwrap();
+        assert_eq!((c.to, c.why), (32, Why::Queue));
+    }
+
+    #[test]
+    fn the_limit_holds_while_the_replica_answers_at_its_baseline() {
+        let l = probed(LimitPolicy::new(64), ms(100));
         assert_eq!(feed(&l, 200, ms(100), 64), None);
         assert_eq!(l.current(), 64, "already at max");
     }
 
     #[test]
     fn a_growing_ttft_brings_the_limit_down_to_near_what_the_server_batches() {
-        let l = AdaptiveLimit::new(LimitPolicy::new(256));
-        feed(&l, 100, ms(100), 8);
-        assert_eq!(l.current(), 256, "a lightly used replica's limit stays");
         // A server that batches 8: TTFT 100 ms up to 8 in flight, then growing with its queue.
-        // Demand is unbounded: the replica always has as many in flight as its limit allows.
         let ttft = |n: u32| ms(100 * u64::from(n.max(8)) / 8);
+        let l = probed(LimitPolicy::new(256), ttft(4));
+        feed(&l, 100, ttft(8), 8);
+        assert_eq!(l.current(), 256, "a lightly used replica's limit stays");
+        // Demand is unbounded: the replica always has as many in flight as its limit allows.
         let mut seen = Vec::new();
         for _ in 0..2_000 {
             let n = l.current();
@@ -373,8 +516,7 @@ mod tests {
 
     #[test]
     fn one_slow_answer_among_fast_ones_does_not_move_the_limit() {
-        let l = AdaptiveLimit::new(LimitPolicy::new(32));
-        feed(&l, 50, ms(100), 32);
+        let l = probed(LimitPolicy::new(32), ms(100));
         for i in 0..200 {
             let latency = if i % 5 == 0 { ms(900) } else { ms(100) };
             assert_eq!(
@@ -388,8 +530,7 @@ mod tests {
 
     #[test]
     fn the_limit_climbs_back_once_latency_recovers_while_the_replica_is_busy() {
-        let l = AdaptiveLimit::new(LimitPolicy::new(64));
-        feed(&l, 40, ms(100), 64);
+        let l = probed(LimitPolicy::new(64), ms(100));
         feed(&l, 300, ms(600), 64);
         let low = l.current();
         assert!(low < 20, "{low}");
@@ -400,8 +541,7 @@ mod tests {
         }
         assert_eq!(l.current(), 64);
         // A lightly used replica does not grow its limit.
-        let l = AdaptiveLimit::new(LimitPolicy::new(64));
-        feed(&l, 40, ms(100), 64);
+        let l = probed(LimitPolicy::new(64), ms(100));
         feed(&l, 300, ms(600), 64);
         feed(&l, 20, ms(100), 1);
         let low = l.current();
@@ -412,11 +552,11 @@ mod tests {
 
     #[test]
     fn the_limit_stays_within_its_floor_and_ceiling() {
-        let l = AdaptiveLimit::new(LimitPolicy {
+        let policy = LimitPolicy {
             min: 6,
             ..LimitPolicy::new(16)
-        });
-        feed(&l, 40, ms(10), 16);
+        };
+        let l = probed(policy, ms(10));
         feed(&l, 200, ms(1_000), 16);
         assert_eq!(l.current(), 6, "the floor");
         let one = AdaptiveLimit::new(LimitPolicy::new(1));
@@ -424,9 +564,22 @@ mod tests {
     }
 
     #[test]
+    fn a_fast_upstream_whose_answers_vary_with_the_hosts_load_keeps_its_limit() {
+        let l = probed(LimitPolicy::new(64), ms(1));
+        // Ten to forty times the 1 ms baseline, but within the 50 ms slack: no queue.
+        for i in 0..500u64 {
+            answer(&l, Signal::FirstToken, ms(10 + i % 30), 64);
+        }
+        assert_eq!(l.current(), 64);
+        feed(&l, 100, ms(200), 64);
+        assert!(l.current() < 64, "200 ms over 1 ms is a queue");
+    }
+
+    #[test]
     fn streams_and_whole_answers_keep_their_own_baselines() {
-        let l = AdaptiveLimit::new(LimitPolicy::new(32));
-        // Short TTFTs and long whole answers, interleaved: each is at its own baseline.
+        let l = probed(LimitPolicy::new(32), ms(50));
+        // Short TTFTs and long whole answers, interleaved: each is at its own baseline (the
+        // whole answers' from their first batch, the probe having measured only streams).
         for _ in 0..200 {
             assert_eq!(answer(&l, Signal::FirstToken, ms(50), 32), None);
             assert_eq!(answer(&l, Signal::Whole, ms(2_000), 32), None);
@@ -435,32 +588,19 @@ mod tests {
     }
 
     #[test]
-    fn a_baseline_learnt_during_an_overload_is_forgotten_when_the_server_recovers() {
-        let l = AdaptiveLimit::new(LimitPolicy::new(64));
-        // The first answers come from an overloaded server (baseline 1 s).
-        feed(&l, 50, ms(1_000), 64);
-        assert_eq!(l.current(), 64);
-        // It recovers to 100 ms: the baseline falls with the first batch, so a later return
-        // to 1 s reads as the overload it is.
-        feed(&l, 32, ms(100), 64);
-        feed(&l, 30, ms(1_000), 64);
-        assert!(l.current() < 64, "limit {}", l.current());
-    }
-
-    #[test]
-    fn a_long_overload_does_not_creep_into_the_baseline_but_a_slower_server_is_learnt() {
-        let l = AdaptiveLimit::new(LimitPolicy {
+    fn a_long_overload_does_not_creep_into_the_baseline_and_the_next_probe_measures_anew() {
+        let policy = LimitPolicy {
             min: 1,
             ..LimitPolicy::new(64)
-        });
-        feed(&l, 32, ms(100), 64);
-        // Five thousand answers at four times the baseline (half a minute of them): the
-        // limit stays at its floor.
+        };
+        let l = probed(policy, ms(100));
+        // Five thousand answers at four times the baseline (half a minute of them): the limit
+        // stays at its floor.
         feed(&l, 5_000, ms(400), 64);
         assert_eq!(l.current(), 1);
-        // Past the baseline window (a minute) with nothing faster, 400 ms is the new normal:
-        // a busy replica's limit climbs again.
-        for _ in 0..2_000 {
+        // A minute on, a probe: the server answers in 400 ms even at the floor, so that is its
+        // baseline now, and a busy replica's limit climbs again.
+        for _ in 0..3_000 {
             let n = l.current();
             answer(&l, Signal::FirstToken, ms(400), n);
         }
@@ -469,8 +609,7 @@ mod tests {
 
     #[test]
     fn answers_to_requests_sent_before_the_limit_moved_do_not_move_it_again() {
-        let l = AdaptiveLimit::new(LimitPolicy::new(64));
-        feed(&l, 40, ms(100), 64);
+        let l = probed(LimitPolicy::new(64), ms(100));
         let t = CLOCK.get();
         // 64 requests sent at t, all answered late: the first 8 move the limit once.
         let mut changes = 0;
@@ -485,6 +624,18 @@ mod tests {
             l.record(Signal::FirstToken, later, later + ms(800 + i), 32);
         }
         assert_eq!(l.current(), 16);
+    }
+
+    #[test]
+    fn a_probe_that_gets_no_answers_gives_up_after_an_interval() {
+        let l = AdaptiveLimit::new(LimitPolicy::new(64));
+        let t = CLOCK.get();
+        l.record(Signal::Whole, t, t, 64);
+        assert_eq!(l.current(), 4);
+        // Only answers sent before it, for longer than the interval: the limit comes back.
+        let late = t + Duration::from_secs(61);
+        let c = l.record(Signal::Whole, t, late, 64).unwrap();
+        assert_eq!((c.to, c.why), (64, Why::Probed));
     }
 
     #[test]

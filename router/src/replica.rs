@@ -482,6 +482,14 @@ impl ReplicaSet {
         })
     }
 
+    /// Whether a replica not in `exclude` is in rotation (its breaker not open), full or not.
+    pub fn in_rotation(&self, now: Instant, exclude: &[usize]) -> bool {
+        self.replicas
+            .iter()
+            .enumerate()
+            .any(|(i, r)| !exclude.contains(&i) && self.state(r, now) != Breaker::Open)
+    }
+
     /// The request on `lease` got its first token (a stream) or its whole answer at `now`
     /// (or timed out then: the wait is a lower bound of its latency, which is what an
     /// overloaded server's queue makes it). Feeds the replica's adaptive limit, if it has one;
@@ -792,24 +800,31 @@ mod tests {
             ..LimitPolicy::new(max)
         });
         let t0 = Instant::now();
-        // Both answer their first tokens in 50 ms, each with 32 in flight.
-        let mut held: Vec<Lease> = (0..64).map(|_| s.choose(t0, &[]).unwrap()).collect();
-        assert!(s.choose(t0, &[]).is_none(), "both full at 32");
-        for lease in &held {
-            s.record_latency(lease, t0 + Duration::from_millis(50), Signal::FirstToken);
+        let ms = Duration::from_millis;
+        // Each replica's first answer starts a probe at the floor (2); eight answers sent since,
+        // in 50 ms each, measure its baseline and end it.
+        for index in [0, 1] {
+            let other = [1 - index];
+            let first = s.choose(t0, &other).unwrap();
+            s.record_latency(&first, t0 + ms(50), Signal::FirstToken);
+            drop(first);
+            assert_eq!(s.snapshot(t0)[index].limit, 2, "probing");
+            for i in 0..8 {
+                let at = t0 + ms(100 * (i + 1));
+                let lease = s.choose(at, &other).unwrap();
+                s.record_latency(&lease, at + ms(50), Signal::FirstToken);
+            }
+            assert_eq!(s.snapshot(t0)[index].limit, 32, "probed");
         }
-        // Replica 0's queue grows: its first tokens take 400 ms.
-        let t1 = t0 + Duration::from_secs(1);
-        for _ in 0..20 {
-            let lease = held.iter().find(|l| l.index() == 0).unwrap();
-            s.record_latency(
-                lease,
-                lease.acquired + Duration::from_millis(400),
-                Signal::FirstToken,
-            );
+        // Both busy at 32; replica 0's queue grows: its first tokens take 400 ms.
+        let t1 = t0 + Duration::from_secs(2);
+        let mut held: Vec<Lease> = (0..64).map(|_| s.choose(t1, &[]).unwrap()).collect();
+        assert!(s.choose(t1, &[]).is_none(), "both full at 32");
+        for lease in held.iter().filter(|l| l.index() == 0).take(8) {
+            s.record_latency(lease, t1 + ms(400), Signal::FirstToken);
         }
         let snap = s.snapshot(t1);
-        assert!(snap[0].adaptive && snap[0].limit < 32, "{snap:?}");
+        assert!(snap[0].adaptive && snap[0].limit == 16, "{snap:?}");
         assert_eq!((snap[1].limit, snap[1].max_concurrency), (32, 32));
         // Free a slot on each: only replica 1 takes new work (replica 0 is over its limit).
         for index in [0, 1] {
@@ -824,6 +839,7 @@ mod tests {
         let fixed = set(1, 4);
         let lease = fixed.choose(t0, &[]).unwrap();
         assert_eq!(fixed.record_latency(&lease, t1, Signal::Whole), None);
+        assert_eq!(fixed.snapshot(t1)[0].limit, 4);
         assert!(!fixed.snapshot(t1)[0].adaptive);
     }
 

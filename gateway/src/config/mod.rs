@@ -225,6 +225,12 @@ impl Config {
                 "must be at least 1",
             ));
         }
+        if u.adaptive_probe_interval_ms < 1_000 {
+            return Err(invalid(
+                "upstream.adaptive_probe_interval_ms",
+                "must be at least 1000 (ms)",
+            ));
+        }
         if !(1.0..=100.0).contains(&u.adaptive_tolerance) {
             return Err(invalid(
                 "upstream.adaptive_tolerance",

@@ -100,6 +100,13 @@ pub struct UpstreamConfig {
     pub adaptive_min_concurrency: u32,
     /// How much slower than its baseline a replica may answer before its limit falls.
     pub adaptive_tolerance: f64,
+    /// Latency over the baseline that never counts as a queue, ms (a fast upstream's answers
+    /// vary by more than `adaptive_tolerance` × with the gateway host's own load).
+    pub adaptive_slack_ms: u64,
+    /// How often each replica's unloaded latency is measured afresh, ms: its limit drops to
+    /// `adaptive_min_concurrency` until 8 requests sent since are answered (the first answer
+    /// a replica gives starts one too).
+    pub adaptive_probe_interval_ms: u64,
     /// Idle pooled connections kept per upstream host.
     pub pool_max_idle_per_host: usize,
     /// What to do with an upstream stream whose client disconnected.
@@ -148,6 +155,8 @@ impl Default for UpstreamConfig {
             adaptive_concurrency: true,
             adaptive_min_concurrency: 4,
             adaptive_tolerance: 2.0,
+            adaptive_slack_ms: 50,
+            adaptive_probe_interval_ms: 60_000,
             pool_max_idle_per_host: 256,
             on_client_disconnect: DisconnectPolicy::Drain,
             replica_choice: ReplicaChoice::AffinityWeighted,

@@ -142,11 +142,16 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
                 })
                 .as_slice()
         };
-        let (picked, chose) =
-            pool.choose(Instant::now(), &exclude, hashed, up.scrape_interval() * 3);
+        // Requests already waiting for this tier go first: a newcomer queues behind them.
+        let behind = !pool.queue.is_empty() && pool.set.in_rotation(Instant::now(), &exclude);
+        let (picked, chose) = if behind {
+            (None, None)
+        } else {
+            pool.choose(Instant::now(), &exclude, hashed, up.scrape_interval() * 3)
+        };
         let lease = match picked {
             Some(lease) => Some(lease),
-            None if pool.set.at_capacity(Instant::now(), &exclude) => {
+            None if behind || pool.set.at_capacity(Instant::now(), &exclude) => {
                 let wait = Duration::from_millis(up.queue_wait_ms)
                     .min(first_byte_left)
                     .min(deadline.saturating_duration_since(Instant::now()));
@@ -297,10 +302,10 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
     (error.into_response(), None)
 }
 
-/// Wait up to `wait` for a slot on `pool`'s replicas (all at their concurrency limit), among at
-/// most `depth` waiting requests: `Ok(None)` when none freed in time, `Err` when the queue is
-/// full or, at the rate the tier has been freeing slots, the requests already waiting would
-/// take longer than `wait` (the request is shed at once, not after the wait).
+/// Wait up to `wait` for a slot on `pool`'s replicas (all at their concurrency limit), in turn
+/// behind at most `depth` waiting requests: `Ok(None)` when none freed in time, `Err` when the
+/// queue is full or, at the rate the tier has been freeing slots, the requests already waiting
+/// would take longer than `wait` (the request is shed at once, not after the wait).
 async fn queued(
     state: &AppState,
     pool: &crate::upstream::TierPool,
@@ -308,11 +313,13 @@ async fn queued(
     depth: u32,
     wait: Duration,
 ) -> Result<Option<router::Lease>, ApiError> {
-    use std::sync::atomic::Ordering;
     let tier = pool.tier.as_str();
     let rate = pool.drain.observe(Instant::now(), pool.set.completed());
-    let ahead = pool.queued.load(Ordering::Acquire);
-    if let Some(expected) = router::Drain::expected_wait(ahead + 1, rate).filter(|e| *e > wait) {
+    let ahead = u32::try_from(pool.queue.len()).unwrap_or(u32::MAX);
+    // A quarter of the wait is kept as a margin for the rate's error: a request told to wait is
+    // then rarely refused after all (a refusal after the wait costs the client the wait).
+    let expected = router::Drain::expected_wait(ahead + 1, rate);
+    if let Some(expected) = expected.filter(|e| *e > wait.mul_f64(0.75)) {
         return Err(shed(
             state,
             tier,
@@ -327,13 +334,7 @@ async fn queued(
             ),
         ));
     }
-    let full = pool
-        .queued
-        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-            (n < depth).then_some(n + 1)
-        })
-        .is_err();
-    if full {
+    let Some(place) = pool.queue.join(depth as usize) else {
         return Err(shed(
             state,
             tier,
@@ -343,22 +344,32 @@ async fn queued(
                  (upstream.queue_depth); try again shortly"
             ),
         ));
-    }
+    };
     let until = Instant::now() + wait;
-    let mut pause = Duration::from_millis(1);
     let lease = loop {
-        if let Some(lease) = pool.set.choose(Instant::now(), exclude) {
-            break Some(lease);
+        let turn = pool.queue.turn();
+        tokio::pin!(turn);
+        turn.as_mut().enable();
+        let head = place.is_head();
+        if head {
+            if let Some(lease) = pool.set.choose(Instant::now(), exclude) {
+                break Some(lease);
+            }
         }
         let now = Instant::now();
         if now >= until {
             break None;
         }
         pool.drain.observe(now, pool.set.completed());
-        tokio::time::sleep(pause.min(until - now)).await;
-        pause = (pause * 2).min(Duration::from_millis(20));
+        // The head looks for a freed slot every millisecond; the others wait for their turn
+        // (or, in case a wake-up is missed, look again after 50 ms).
+        let pause = if head { 1 } else { 50 };
+        tokio::select! {
+            () = &mut turn, if !head => {}
+            () = tokio::time::sleep(Duration::from_millis(pause).min(until - now)) => {}
+        }
     };
-    pool.queued.fetch_sub(1, Ordering::AcqRel);
+    drop(place);
     if lease.is_none() {
         return Err(shed(
             state,

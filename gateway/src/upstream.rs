@@ -154,6 +154,8 @@ impl TierPool {
 #[derive(Debug, Default)]
 pub struct TierQueue {
     waiting: std::sync::Mutex<std::collections::VecDeque<u64>>,
+    /// Its length, read without the lock on every attempt.
+    len: std::sync::atomic::AtomicUsize,
     next_id: std::sync::atomic::AtomicU64,
     /// Woken whenever the head changes.
     turn: tokio::sync::Notify,
@@ -166,12 +168,12 @@ impl TierQueue {
 
     /// Requests waiting now.
     pub fn len(&self) -> usize {
-        self.waiting().len()
+        self.len.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Whether nobody waits.
     pub fn is_empty(&self) -> bool {
-        self.waiting().is_empty()
+        self.len() == 0
     }
 
     /// A place at the back, unless `depth` already wait.
@@ -184,6 +186,8 @@ impl TierQueue {
             .next_id
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         waiting.push_back(id);
+        self.len
+            .store(waiting.len(), std::sync::atomic::Ordering::Release);
         Some(Place { queue: self, id })
     }
 
@@ -212,6 +216,9 @@ impl Drop for Place<'_> {
         let mut waiting = self.queue.waiting();
         let was_head = waiting.front() == Some(&self.id);
         waiting.retain(|id| *id != self.id);
+        self.queue
+            .len
+            .store(waiting.len(), std::sync::atomic::Ordering::Release);
         drop(waiting);
         if was_head {
             self.queue.turn.notify_waiters();

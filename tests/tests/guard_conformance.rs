@@ -11,7 +11,7 @@ use e2e::BudgetKind;
 use gateway::guard::memory::MemoryGuard;
 use gateway::guard::near::{Sketch, SKETCH_DIM};
 use gateway::guard::redis::RedisGuard;
-use gateway::guard::store::{GuardStore, Limits, LoopNote, Mark, SessionKey, Turn};
+use gateway::guard::store::{GuardStore, Known, Limits, LoopNote, Mark, SessionKey, Turn};
 
 /// A store of `kind` keeping at most `max` sessions in memory, blocks lasting `block_ttl`.
 fn store(kind: BudgetKind, max: u64, block_ttl: Duration) -> Arc<dyn GuardStore> {
@@ -318,27 +318,88 @@ async fn idempotency_keys_and_retry_counts_are_kept_alike() {
         );
 
         // Buckets 100..=109 are one window; 110 drops bucket 100.
+        let counts = |tenant: String, retry: bool, slot: u64| {
+            let s = &s;
+            async move {
+                let known = if retry { Known::Retry } else { not_failed(now) };
+                let c = s.retry_counts(&tenant, known, slot, 60_000).await.unwrap();
+                (c.requests, c.retries)
+            }
+        };
         let mut last = (0, 0);
         for (slot, retry) in [(100, false), (100, true), (105, true), (109, false)] {
-            last = s.retry_counts(&tenant, retry, slot, 60_000).await.unwrap();
+            last = counts(tenant.clone(), retry, slot).await;
         }
         assert_eq!(last, (4, 2), "{kind:?}");
         assert_eq!(
-            s.retry_counts(&tenant, false, 110, 60_000).await.unwrap(),
+            counts(tenant.clone(), false, 110).await,
             (3, 1),
             "{kind:?}: bucket 100 left the window"
         );
         assert_eq!(
-            s.retry_counts(&tenant, true, 130, 60_000).await.unwrap(),
+            counts(tenant.clone(), true, 130).await,
             (1, 1),
             "{kind:?}: a new window"
         );
         assert_eq!(
-            s.retry_counts(&fresh_tenant(), false, 130, 60_000)
-                .await
-                .unwrap(),
+            counts(fresh_tenant(), false, 130).await,
             (1, 0),
             "{kind:?}: per tenant"
         );
+    }
+}
+
+/// A request that is no retry by the client's word, checked against error answers to "fp-x".
+fn not_failed(now_ms: i64) -> Known<'static> {
+    Known::IfFailed {
+        key_id: "key_a",
+        fingerprint: "fp-x",
+        now_ms,
+        ttl_ms: 400,
+    }
+}
+
+#[tokio::test]
+async fn a_repeat_of_a_request_that_got_an_error_answer_is_counted_as_a_retry_for_a_while() {
+    for kind in e2e::BUDGET_STORES {
+        let s = store(kind, 100, Duration::from_secs(60));
+        let tenant = fresh_tenant();
+        let now = chrono::Utc::now().timestamp_millis();
+        let ask = |key_id: &'static str, fingerprint: &'static str| Known::IfFailed {
+            key_id,
+            fingerprint,
+            now_ms: chrono::Utc::now().timestamp_millis(),
+            ttl_ms: 400,
+        };
+        let first = s
+            .retry_counts(&tenant, ask("key_a", "fp-1"), 1, 60_000)
+            .await
+            .unwrap();
+        assert!(!first.after_error, "{kind:?}: nothing failed yet");
+        s.mark_failed(&tenant, "key_a", "fp-1", now, 400)
+            .await
+            .unwrap();
+        let again = s
+            .retry_counts(&tenant, ask("key_a", "fp-1"), 1, 60_000)
+            .await
+            .unwrap();
+        assert!(
+            again.after_error,
+            "{kind:?}: the same request after its error"
+        );
+        assert_eq!((again.requests, again.retries), (2, 1), "{kind:?}");
+        for (key, fp) in [("key_b", "fp-1"), ("key_a", "fp-2")] {
+            let other = s
+                .retry_counts(&tenant, ask(key, fp), 1, 60_000)
+                .await
+                .unwrap();
+            assert!(!other.after_error, "{kind:?}: {key} {fp}");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let later = s
+            .retry_counts(&tenant, ask("key_a", "fp-1"), 1, 60_000)
+            .await
+            .unwrap();
+        assert!(!later.after_error, "{kind:?}: forgotten after its ttl");
     }
 }

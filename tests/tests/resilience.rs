@@ -336,6 +336,56 @@ async fn client_retries_beyond_the_tenants_retry_budget_are_refused_at_once_and_
 }
 
 #[tokio::test]
+async fn the_same_request_again_soon_after_an_error_answer_is_a_retry_without_any_header() {
+    let large = Sim::zero("sim-large").await;
+    let sim = Sim::start(zero("sim-small", &["0s+60s=503"])).await;
+    let mut app = small_tier_on(&sim, &large, |c| {
+        c.upstream.retries_same_tier = 0;
+        c.upstream.throttle_k = 0.0;
+        c.guard.retry_budget_share = 0.0;
+        c.guard.retry_budget_floor = 1;
+    })
+    .await;
+    // An agent's own retry loop around the SDK: every attempt a first one to the SDK.
+    let body = chat_body("fast", "deploy the release");
+    let first_attempt = [("x-stainless-retry-count", "0")];
+    let r = chat_with(&app, &body, &first_attempt).await;
+    assert_eq!(r.status(), 502);
+    app.next_event().await;
+    let r = chat_with(&app, &body, &first_attempt).await;
+    assert_eq!(r.status(), 502, "a retry within the floor of 1");
+    assert!(!app.next_event().await.retry_storm_flag);
+    let r = chat_with(&app, &body, &[]).await;
+    assert_eq!(r.status(), 429, "the second retry is beyond the budget");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "retry_budget_exceeded", "{v}");
+    let e = app.next_event().await;
+    assert!(e.retry_storm_flag);
+    assert_eq!((e.status, e.cost_micros), (429, 0));
+    // Another request is no retry; nor is a repeat of one that was answered.
+    let r = chat_with(&app, &chat_body("fast", "something else"), &[]).await;
+    assert_eq!(r.status(), 502);
+    app.next_event().await;
+    let metrics = app.metrics().await;
+    assert!(
+        metrics.contains("gateway_client_retries_total{signal=\"after_error\",tenant=\"acme\"} 2"),
+        "{metrics}"
+    );
+    sim.faults(json!({"schedule": []})).await;
+    let answered = chat_body("fast", "all good now");
+    for _ in 0..3 {
+        assert_eq!(chat_with(&app, &answered, &[]).await.status(), 200);
+        assert!(!app.next_event().await.retry_storm_flag);
+    }
+    let metrics = app.metrics().await;
+    assert!(
+        metrics.contains("gateway_client_retries_total{signal=\"after_error\",tenant=\"acme\"} 2"),
+        "repeats of an answered request are no retries: {metrics}"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
 async fn flag_mode_answers_a_retry_beyond_the_budget_flagged_and_duplicates_are_not_retries() {
     let large = Sim::zero("sim-large").await;
     let sim = Sim::start(zero("sim-small", &[])).await;

@@ -67,7 +67,7 @@ pub struct GuardConfig {
     /// similarity 0.99-0.93, docs/benchmarks.md).
     pub near_duplicates: bool,
     /// Client retries (the SDK's `x-stainless-retry-count`, a repeated `Idempotency-Key`, the
-    /// same request after an unanswered one) allowed per tenant, as a share of its requests in
+    /// same request after an error answer to it) allowed per tenant, as a share of its requests in
     /// `retry_window_secs`...
     pub retry_budget_share: f64,
     /// ...and never fewer than this many in the window.
@@ -76,6 +76,9 @@ pub struct GuardConfig {
     pub retry_window_secs: u64,
     /// What happens to a retry beyond the budget.
     pub retry_action: RetryAction,
+    /// How long after an error answer (5xx, 429, 408) the same request from the same key is a
+    /// client retry, s (0: never by this signal).
+    pub retry_after_error_secs: u64,
 }
 
 impl Default for GuardConfig {
@@ -99,6 +102,7 @@ impl Default for GuardConfig {
             retry_budget_floor: 10,
             retry_window_secs: 60,
             retry_action: RetryAction::Refuse,
+            retry_after_error_secs: 10,
         }
     }
 }
@@ -145,6 +149,12 @@ impl GuardConfig {
             return Err(super::invalid(
                 "guard.retry_budget_share",
                 "must be in [0, 1]",
+            ));
+        }
+        if self.retry_after_error_secs > 3_600 {
+            return Err(super::invalid(
+                "guard.retry_after_error_secs",
+                "must be at most 3600 (s; 0 turns the signal off)",
             ));
         }
         if !(1..=86_400).contains(&self.retry_window_secs) {

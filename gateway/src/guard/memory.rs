@@ -14,7 +14,8 @@ use moka::policy::EvictionPolicy;
 use moka::sync::Cache;
 
 use super::store::{
-    GuardError, GuardStore, Limits, Mark, Seen, SessionInfo, SessionKey, SessionState, Turn,
+    GuardError, GuardStore, Known, Limits, Mark, RetryCounts, Seen, SessionInfo, SessionKey,
+    SessionState, Turn,
 };
 
 #[derive(Debug, Default)]
@@ -39,10 +40,21 @@ pub struct MemoryGuard {
     blocks: AtomicU64,
     max_sessions: u64,
     hasher: Hasher,
-    /// (tenant, key, Idempotency-Key) → when first sent, ms.
+    /// (tenant, key, Idempotency-Key) → when first sent, ms; and (tenant, key, "failed " +
+    /// fingerprint) → when its error answer came.
     idempotency: Cache<(String, String, String), i64, Hasher>,
     /// Each tenant's retry-budget counts.
     retries: Mutex<HashMap<String, router::window::SlidingCounts>>,
+}
+
+/// The idempotency map's key for an error answer to a fingerprint (a space, which no
+/// `Idempotency-Key` holds, keeps the two apart).
+fn failed_key(tenant_id: &str, key_id: &str, fingerprint: &str) -> (String, String, String) {
+    (
+        tenant_id.to_owned(),
+        key_id.to_owned(),
+        format!("failed {fingerprint}"),
+    )
 }
 
 /// How long a block lasts when nobody clears it, unless set otherwise.
@@ -274,16 +286,47 @@ impl GuardStore for MemoryGuard {
         Ok(seen)
     }
 
+    async fn mark_failed(
+        &self,
+        tenant_id: &str,
+        key_id: &str,
+        fingerprint: &str,
+        now_ms: i64,
+        _ttl_ms: i64,
+    ) -> Result<(), GuardError> {
+        self.idempotency
+            .insert(failed_key(tenant_id, key_id, fingerprint), now_ms);
+        Ok(())
+    }
+
     async fn retry_counts(
         &self,
         tenant_id: &str,
-        retry: bool,
+        known: Known<'_>,
         slot: u64,
         _ttl_ms: i64,
-    ) -> Result<(u32, u32), GuardError> {
+    ) -> Result<RetryCounts, GuardError> {
+        let after_error = match known {
+            Known::Retry => false,
+            Known::IfFailed {
+                key_id,
+                fingerprint,
+                now_ms,
+                ttl_ms,
+            } => self
+                .idempotency
+                .get(&failed_key(tenant_id, key_id, fingerprint))
+                .is_some_and(|at| now_ms - at < ttl_ms),
+        };
+        let retry = after_error || known == Known::Retry;
         let mut tenants = self.retries.lock().unwrap_or_else(|p| p.into_inner());
         let counts = tenants.entry(tenant_id.to_owned()).or_default();
         counts.add(slot, 1, u32::from(retry));
-        Ok(counts.totals(slot))
+        let (requests, retries) = counts.totals(slot);
+        Ok(RetryCounts {
+            requests,
+            retries,
+            after_error,
+        })
     }
 }

@@ -237,6 +237,7 @@ impl Guard {
         &self,
         key: &crate::store::ApiKey,
         client: &retries::ClientRetry,
+        fingerprint: &str,
     ) -> RetryVerdict {
         let now = self.clock.now().timestamp_millis();
         let rule = self.config.retry_rule();
@@ -251,18 +252,28 @@ impl Guard {
                 }),
             None => false,
         };
-        let signal = retries::signal(client, repeated_key);
+        let mut signal = retries::signal(client, repeated_key);
+        let known = match signal {
+            Some(_) => store::Known::Retry,
+            // Whether it repeats a request that got an error answer is found in the same
+            // round trip as the counts.
+            None => store::Known::IfFailed {
+                key_id: &key.id,
+                fingerprint,
+                now_ms: now,
+                ttl_ms: self.after_error_ms(),
+            },
+        };
         let counts = self
             .store
-            .retry_counts(
-                &key.tenant_id,
-                signal.is_some(),
-                rule.slot(now),
-                rule.window_ms(),
-            )
+            .retry_counts(&key.tenant_id, known, rule.slot(now), rule.window_ms())
             .await;
         let over = match counts {
-            Ok((requests, retries)) => {
+            Ok(c) => {
+                if c.after_error {
+                    signal = Some(retries::Signal::AfterError);
+                }
+                let (requests, retries) = (c.requests, c.retries);
                 if requests == 1 {
                     // The tenant's first request in the window: its counters exist (at 0).
                     for s in retries::Signal::ALL {
@@ -287,6 +298,28 @@ impl Guard {
         RetryVerdict {
             signal,
             over_budget: over && self.config.retry_action != crate::config::RetryAction::Off,
+        }
+    }
+
+    fn after_error_ms(&self) -> i64 {
+        i64::try_from(self.config.retry_after_error_secs.saturating_mul(1_000)).unwrap_or(i64::MAX)
+    }
+
+    /// API key `key_id` of `tenant_id` got an error answer (one a client retries) to the request
+    /// with `fingerprint`: a repeat of it soon after is a client retry. A store that fails
+    /// forgets it (logged).
+    pub async fn failed(&self, tenant_id: &str, key_id: &str, fingerprint: &str) {
+        if self.config.retry_after_error_secs == 0 {
+            return;
+        }
+        let now = self.clock.now().timestamp_millis();
+        let ttl = self.after_error_ms();
+        if let Err(e) = self
+            .store
+            .mark_failed(tenant_id, key_id, fingerprint, now, ttl)
+            .await
+        {
+            tracing::debug!(error = %e, "guard store: an error answer was not marked");
         }
     }
 

@@ -16,8 +16,8 @@ use async_trait::async_trait;
 use redis::{Script, ScriptInvocation, Value};
 
 use super::store::{
-    GuardError, GuardStore, Limits, LoopNote, Mark, Seen, SessionInfo, SessionKey, SessionState,
-    Turn, FLAGS_AT,
+    GuardError, GuardStore, Known, Limits, LoopNote, Mark, RetryCounts, Seen, SessionInfo,
+    SessionKey, SessionState, Turn, FLAGS_AT,
 };
 use crate::redis_conn::RedisConn;
 
@@ -49,6 +49,11 @@ impl std::fmt::Debug for RedisGuard {
 
 fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// The key marking an error answer to `fingerprint` for API key `key_id`.
+fn failed_key(tenant_id: &str, key_id: &str, fingerprint: &str) -> String {
+    format!("{}:failed:{key_id}:{fingerprint}", tag(tenant_id))
 }
 
 fn tag(tenant_id: &str) -> String {
@@ -352,17 +357,50 @@ impl GuardStore for RedisGuard {
         Ok(set.is_none())
     }
 
+    async fn mark_failed(
+        &self,
+        tenant_id: &str,
+        key_id: &str,
+        fingerprint: &str,
+        _now_ms: i64,
+        ttl_ms: i64,
+    ) -> Result<(), GuardError> {
+        let key = failed_key(tenant_id, key_id, fingerprint);
+        let _: Option<String> = self
+            .query(
+                redis::cmd("SET")
+                    .arg(key)
+                    .arg(1)
+                    .arg("PX")
+                    .arg(ttl_ms.max(1)),
+            )
+            .await?;
+        Ok(())
+    }
+
     async fn retry_counts(
         &self,
         tenant_id: &str,
-        retry: bool,
+        known: Known<'_>,
         slot: u64,
         ttl_ms: i64,
-    ) -> Result<(u32, u32), GuardError> {
+    ) -> Result<RetryCounts, GuardError> {
         let mut inv = self.retries.prepare_invoke();
-        inv.key(format!("{}:rb", tag(tenant_id)))
-            .arg(slot)
-            .arg(u8::from(retry))
+        inv.key(format!("{}:rb", tag(tenant_id)));
+        let retry = match known {
+            Known::Retry => "1",
+            Known::IfFailed {
+                key_id,
+                fingerprint,
+                ..
+            } => {
+                // Same hash tag: one slot in a Cluster.
+                inv.key(failed_key(tenant_id, key_id, fingerprint));
+                "failed"
+            }
+        };
+        inv.arg(slot)
+            .arg(retry)
             .arg(router::window::SlidingCounts::BUCKETS)
             .arg(ttl_ms.max(1));
         let v = array(self.invoke(inv).await?)?;
@@ -372,6 +410,10 @@ impl GuardStore for RedisGuard {
                 "retry counts: expected an integer, got {other:?}"
             ))),
         };
-        Ok((num(0)?, num(1)?))
+        Ok(RetryCounts {
+            requests: num(0)?,
+            retries: num(1)?,
+            after_error: num(2)? == 1,
+        })
     }
 }

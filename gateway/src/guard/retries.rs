@@ -1,9 +1,11 @@
 //! Client retries: recognised on the request path and held to a per-tenant retry budget.
 //!
-//! A request is a client retry when the OpenAI SDK says so (`x-stainless-retry-count` ≥ 1) or when
-//! its `Idempotency-Key` was already sent by the same key within the window. (A byte-identical
-//! repeat of an unanswered request is not counted: the session store cannot yet tell a retry
-//! after an error from a concurrent duplicate still in flight.) Retries within the budget — a share of the tenant's recent
+//! A request is a client retry when the OpenAI SDK says so (`x-stainless-retry-count` ≥ 1), when
+//! its `Idempotency-Key` was already sent by the same key within the window, or when the same key
+//! sent the very same request (its fingerprint) and got an error answer (5xx, 429, 408) within
+//! `guard.retry_after_error_secs`: how an agent that wraps the SDK in retries of its own (each a
+//! new first attempt to the SDK) shows. A concurrent duplicate still in flight, or a repeat after
+//! an answer, is not a retry. Retries within the budget — a share of the tenant's recent
 //! requests, never fewer than a floor, so a quiet tenant can still retry — go on as usual;
 //! beyond it they are refused at once (429 `retry_budget_exceeded`, nothing charged) or, with
 //! `guard.retry_action = "flag"`, answered and flagged (`retry_storm_flag` in the ledger).
@@ -46,6 +48,8 @@ pub enum Signal {
     SdkHeader,
     /// A repeated `Idempotency-Key`.
     IdempotencyKey,
+    /// The same request again after an error answer to it.
+    AfterError,
 }
 
 impl Signal {
@@ -54,11 +58,18 @@ impl Signal {
         match self {
             Self::SdkHeader => "sdk_header",
             Self::IdempotencyKey => "idempotency_key",
+            Self::AfterError => "after_error",
         }
     }
 
     /// Every signal.
-    pub const ALL: [Signal; 2] = [Self::SdkHeader, Self::IdempotencyKey];
+    pub const ALL: [Signal; 3] = [Self::SdkHeader, Self::IdempotencyKey, Self::AfterError];
+
+    /// Whether an answer with `status` makes a repeat of its request a retry: the errors a
+    /// client retries (overload, timeouts, the server's failures), not its own mistakes.
+    pub fn retried_after(status: u16) -> bool {
+        matches!(status, 408 | 429 | 500..=599)
+    }
 }
 
 /// The retry budget's settings.

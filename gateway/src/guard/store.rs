@@ -176,6 +176,37 @@ pub struct SessionInfo {
     pub turns: usize,
 }
 
+/// What the caller knows about a request being a client retry, for
+/// [`GuardStore::retry_counts`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Known<'a> {
+    /// The client said so (or repeated an `Idempotency-Key`).
+    Retry,
+    /// A retry if API key `key_id` got an error answer to `fingerprint` within `ttl_ms`
+    /// ([`GuardStore::mark_failed`]).
+    IfFailed {
+        /// The API key.
+        key_id: &'a str,
+        /// The request's fingerprint.
+        fingerprint: &'a str,
+        /// Now, ms since the epoch.
+        now_ms: i64,
+        /// How long after an error answer a repeat counts as a retry.
+        ttl_ms: i64,
+    },
+}
+
+/// A tenant's retry-budget counts over the window, and what the count found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryCounts {
+    /// Requests in the window (this one included).
+    pub requests: u32,
+    /// Client retries in the window (this one included, if it is one).
+    pub retries: u32,
+    /// This request repeats one that got an error answer lately ([`Known::IfFailed`]).
+    pub after_error: bool,
+}
+
 /// `sessions` most recently seen first (ties by id), at most `limit`: how both stores list.
 pub fn most_recent(mut sessions: Vec<SessionInfo>, limit: usize) -> Vec<SessionInfo> {
     sessions.sort_by(|a, b| {
@@ -262,15 +293,27 @@ pub trait GuardStore: Send + Sync + 'static {
         now_ms: i64,
         ttl_ms: i64,
     ) -> Result<bool, GuardError>;
-    /// Count one request of `tenant_id` (and one retry, when `retry`) in retry-budget bucket
-    /// `slot`; the tenant's (requests, retries) over the window's
-    /// [`router::window::SlidingCounts::BUCKETS`] buckets ending at `slot`. State lives
+    /// Remember that API key `key_id` of `tenant_id` got an error answer (one worth retrying)
+    /// to the request whose fingerprint is `fingerprint`, for `ttl_ms`.
+    async fn mark_failed(
+        &self,
+        tenant_id: &str,
+        key_id: &str,
+        fingerprint: &str,
+        now_ms: i64,
+        ttl_ms: i64,
+    ) -> Result<(), GuardError>;
+    /// Count one request of `tenant_id` (and one retry, when `known` says it is one, or, for
+    /// [`Known::IfFailed`], when its key got an error answer to its fingerprint within the
+    /// ttl: one round trip either way) in retry-budget bucket `slot`; the tenant's (requests,
+    /// retries) over the window's [`router::window::SlidingCounts::BUCKETS`] buckets ending
+    /// at `slot`, and whether the request was found to follow an error answer. State lives
     /// `ttl_ms` after the tenant's latest request.
     async fn retry_counts(
         &self,
         tenant_id: &str,
-        retry: bool,
+        known: Known<'_>,
         slot: u64,
         ttl_ms: i64,
-    ) -> Result<(u32, u32), GuardError>;
+    ) -> Result<RetryCounts, GuardError>;
 }

@@ -342,7 +342,9 @@ impl Call {
     /// (`retry_storm_flag`) and, unless `guard.retry_action = "flag"`, refused at once.
     async fn client_retry(&mut self) -> Result<(), ApiError> {
         let guard = &self.state.guard;
-        let verdict = guard.client_retry(&self.ctx.key, &self.ctx.retry).await;
+        let verdict = guard
+            .client_retry(&self.ctx.key, &self.ctx.retry, &self.event.fingerprint)
+            .await;
         self.retry = verdict.signal.is_some();
         if !verdict.over_budget {
             return Ok(());

@@ -96,6 +96,19 @@ pub fn settle(state: &AppState, mut event: UsageEvent, reservation: Option<Reser
             state.tasks.spawn(observe);
         }
     }
+    if crate::guard::retries::Signal::retried_after(event.status) && !event.fingerprint.is_empty() {
+        // An error a client retries: the same request again soon after is a client retry.
+        let guard = Arc::clone(&state.guard);
+        let (tenant, key, fingerprint) = (
+            event.tenant_id.clone(),
+            event.key_id.clone(),
+            event.fingerprint.clone(),
+        );
+        let mut mark = Box::pin(async move { guard.failed(&tenant, &key, &fingerprint).await });
+        if futures_util::FutureExt::now_or_never(mark.as_mut()).is_none() {
+            state.tasks.spawn(mark);
+        }
+    }
     let m = &state.metrics;
     if event.loop_flag {
         m.guard_loop_cost

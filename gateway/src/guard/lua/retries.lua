@@ -1,11 +1,17 @@
--- Count one request of a tenant (and a retry, when ARGV[2] = 1) in bucket ARGV[1] of its
--- retry-budget hash, and answer {requests, retries} over the last ARGV[3] buckets.
+-- Count one request of a tenant (and a retry, when ARGV[2] = 1, or when ARGV[2] = failed and
+-- KEYS[2] exists: the same request got an error answer lately) in bucket ARGV[1] of its
+-- retry-budget hash, and answer {requests, retries, after_error} over the last ARGV[3] buckets.
 -- KEYS[1]: the tenant's hash ({g:t}:rb): fields n<bucket> and r<bucket>.
--- ARGV: bucket, retry (0|1), buckets in the window, ttl ms.
+-- KEYS[2] (with ARGV[2] = failed): the mark of an error answer ({g:t}:failed:<key>:<fp>).
+-- ARGV: bucket, retry (1|failed), buckets in the window, ttl ms.
 local slot = tonumber(ARGV[1])
 local buckets = tonumber(ARGV[3])
+local after_error = 0
+if ARGV[2] == 'failed' and redis.call('EXISTS', KEYS[2]) == 1 then
+  after_error = 1
+end
 redis.call('HINCRBY', KEYS[1], 'n' .. slot, 1)
-if ARGV[2] == '1' then
+if ARGV[2] == '1' or after_error == 1 then
   redis.call('HINCRBY', KEYS[1], 'r' .. slot, 1)
 end
 local n, r = 0, 0
@@ -18,4 +24,4 @@ for s = slot - 2 * buckets + 1, slot - buckets do
   redis.call('HDEL', KEYS[1], 'n' .. s, 'r' .. s)
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
-return {n, r}
+return {n, r, after_error}

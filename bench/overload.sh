@@ -63,15 +63,22 @@ TOML
 import asyncio, json, sqlite3, sys, time, urllib.request
 key, port, duration, factor, conns, admin, db = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), \
     float(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7]
-body = json.dumps({"model": "fast", "max_tokens": 16,
-                   "messages": [{"role": "user", "content": "Tell me about overload."}]}).encode()
-head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+sent = 0
+
+def request():
+    # A distinct question each time: the same request again after an error would be a retry.
+    global sent
+    sent += 1
+    body = json.dumps({"model": "fast", "max_tokens": 16, "messages": [
+        {"role": "user", "content": f"Tell me about overload, question {sent}."}]}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    return head + body
 
 async def one():
     t = time.perf_counter()
     r, w = await asyncio.open_connection("127.0.0.1", port)
-    w.write(head + body)
+    w.write(request())
     await w.drain()
     data = await r.read()
     w.close()

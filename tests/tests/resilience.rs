@@ -451,10 +451,24 @@ async fn two_gateways_sharing_redis_share_one_retry_budget() {
     }
 }
 
-#[tokio::test]
-async fn an_sdk_retry_of_a_request_still_running_joins_it_and_is_charged_nothing() {
+/// The SDK's first attempt of `body`, given up after 300 ms.
+async fn gives_up_after_300ms(app: &TestApp, body: &Value) {
+    let first = app
+        .http
+        .post(format!("{}/v1/chat/completions", app.base))
+        .bearer_auth(&app.api_key)
+        .header("x-stainless-retry-count", "0")
+        .timeout(std::time::Duration::from_millis(300))
+        .json(body)
+        .send()
+        .await;
+    assert!(first.is_err(), "the client gave up");
+}
+
+/// A gateway whose small tier answers (or starts streaming) 1.2 s late, after a client's
+/// timeout, cache off, priced: the app and its small simulator (and the large one).
+async fn answering_late() -> (TestApp, Sim, Sim) {
     let large = Sim::zero("sim-large").await;
-    // The model server answers, but after the client has given up.
     let sim = Sim::start(zero("sim-small", &["0s+60s=slow:1200ms"])).await;
     let mut c = config(
         vec![replica("s1", &sim.url, "sim-small")],
@@ -462,19 +476,15 @@ async fn an_sdk_retry_of_a_request_still_running_joins_it_and_is_charged_nothing
     );
     c.cache.mode = gateway::cache::CacheMode::Off;
     e2e::price(&mut c, "sim-small", 1.0, 2.0);
-    let mut app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    (TestApp::spawn(c, StoreKind::Sqlite).await, sim, large)
+}
+
+#[tokio::test]
+async fn an_sdk_retry_of_a_request_still_running_joins_it_and_is_charged_nothing() {
+    let (mut app, sim, _large) = answering_late().await;
     let body = chat_body("fast", "a slow question");
     // The SDK's first attempt times out after 300 ms...
-    let first = app
-        .http
-        .post(format!("{}/v1/chat/completions", app.base))
-        .bearer_auth(&app.api_key)
-        .header("x-stainless-retry-count", "0")
-        .timeout(std::time::Duration::from_millis(300))
-        .json(&body)
-        .send()
-        .await;
-    assert!(first.is_err(), "the client gave up");
+    gives_up_after_300ms(&app, &body).await;
     // ...and its retry joins the request still running upstream.
     let r = chat_with(&app, &body, &[("x-stainless-retry-count", "1")]).await;
     assert_eq!(r.status(), 200);
@@ -495,6 +505,38 @@ async fn an_sdk_retry_of_a_request_still_running_joins_it_and_is_charged_nothing
     // Not a retry: an identical request runs on its own.
     let r = app.chat(body).await;
     assert_ne!(r.headers()["x-gateway-cache"], "coalesced");
+    app.next_event().await;
+    assert_eq!(stats(&sim).await["requests"], 2);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn an_sdk_retry_of_a_stream_still_running_joins_it_from_its_first_chunk() {
+    let (mut app, sim, _large) = answering_late().await;
+    let mut body = chat_body("fast", "a slow streamed question");
+    body["stream"] = json!(true);
+    gives_up_after_300ms(&app, &body).await;
+    // The retry gets the whole stream, from its first chunk, off the one upstream request.
+    let r = chat_with(&app, &body, &[("x-stainless-retry-count", "1")]).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-gateway-cache"], "coalesced");
+    let text = r.text().await.unwrap();
+    assert!(text.contains("\"role\":\"assistant\""), "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert_eq!(stats(&sim).await["requests"], 1, "one upstream request");
+    let mut events = [app.next_event().await, app.next_event().await];
+    events.sort_by_key(|e| e.cache_status == gateway::usage::CacheStatus::Coalesced);
+    let (billed, joined) = (&events[0], &events[1]);
+    assert_eq!(joined.cache_status, gateway::usage::CacheStatus::Coalesced);
+    assert_eq!((joined.status, joined.cost_micros), (200, 0));
+    assert!(
+        billed.cost_micros > 0 && billed.completion_tokens > 0,
+        "{billed:?}"
+    );
+    // The stream ended: the same request again runs on its own.
+    let r = chat_with(&app, &body, &[("x-stainless-retry-count", "2")]).await;
+    assert_ne!(r.headers()["x-gateway-cache"], "coalesced");
+    let _ = r.text().await;
     app.next_event().await;
     assert_eq!(stats(&sim).await["requests"], 2);
     app.stop().await;

@@ -316,10 +316,11 @@ async fn queued(
     let tier = pool.tier.as_str();
     let rate = pool.drain.observe(Instant::now(), pool.set.completed());
     let ahead = u32::try_from(pool.queue.len()).unwrap_or(u32::MAX);
-    // A quarter of the wait is kept as a margin for the rate's error: a request told to wait is
-    // then rarely refused after all (a refusal after the wait costs the client the wait).
+    // Half the wait is kept as a margin for the rate's error (it falls for a while each time a
+    // replica's adaptive limit does): a request told to wait is then rarely refused after all,
+    // and a refusal after the wait costs the client the whole wait.
     let expected = router::Drain::expected_wait(ahead + 1, rate);
-    if let Some(expected) = expected.filter(|e| *e > wait.mul_f64(0.75)) {
+    if let Some(expected) = expected.filter(|e| *e > wait / 2) {
         return Err(shed(
             state,
             tier,

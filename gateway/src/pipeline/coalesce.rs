@@ -1,7 +1,13 @@
 //! Coalescing: a client retry of a request that is still running upstream (same API key, same
-//! request fingerprint, not streamed) waits for that request's answer instead of sending a
-//! second one, so an SDK that times out and retries never doubles the work, and the tenant is
-//! charged once. The retry's ledger row says `cache_status = coalesced` at cost 0.
+//! request fingerprint) waits for that request's answer instead of sending a second one, so an
+//! SDK that times out and retries never doubles the work, and the tenant is charged once. The
+//! retry's ledger row says `cache_status = coalesced` at cost 0.
+//!
+//! A non-streamed answer is shared whole. A streamed one is shared as it comes: the stream's
+//! driver writes every chunk it sends its own client into a [`StreamLog`] (whether that client
+//! is still there or not: the one that timed out usually is not), and a follower replays the
+//! log from its first chunk, then follows it live to its end. The request stays joinable until
+//! its stream ends.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -10,14 +16,101 @@ use axum::body::Body;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::Response;
 use bytes::Bytes;
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 
-/// A finished answer, shared with the requests that joined it (its fields are private).
+/// An answer, shared with the requests that joined it (its fields are private).
 #[derive(Debug)]
 pub struct Answer {
     status: StatusCode,
     headers: HeaderMap,
-    body: Bytes,
+    body: Shared,
+}
+
+/// A shared answer's body.
+#[derive(Debug)]
+enum Shared {
+    Whole(Bytes),
+    Stream(Arc<StreamLog>),
+}
+
+/// The chunks a streamed answer sent so far, for requests that join it late.
+#[derive(Debug, Default)]
+pub struct StreamLog {
+    state: Mutex<LogState>,
+    more: Notify,
+}
+
+#[derive(Debug, Default)]
+struct LogState {
+    chunks: Vec<Bytes>,
+    /// The driver attached to it: the answer is a stream (not an error before any).
+    attached: bool,
+    done: bool,
+    /// The leader, kept (joinable) until the stream ends.
+    leader: Option<Leader>,
+}
+
+impl StreamLog {
+    fn state(&self) -> std::sync::MutexGuard<'_, LogState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The stream's driver starts writing: the answer is this stream.
+    pub fn attach(&self) {
+        self.state().attached = true;
+    }
+
+    /// A chunk the leader's client was sent (or would have been, had it stayed).
+    pub fn push(&self, chunk: Bytes) {
+        self.state().chunks.push(chunk);
+        self.more.notify_waiters();
+    }
+
+    /// The stream ended: followers end too, and the request is no longer joinable.
+    pub fn finish(&self) {
+        let leader = {
+            let mut state = self.state();
+            state.done = true;
+            state.leader.take()
+        };
+        drop(leader);
+        self.more.notify_waiters();
+    }
+
+    /// The body of a follower: every chunk from the first, then each new one, to the end.
+    fn replay(self: Arc<Self>) -> Body {
+        let chunks = futures_util::stream::unfold((self, 0usize), |(log, next)| async move {
+            let waiter = Arc::clone(&log);
+            loop {
+                let more = waiter.more.notified();
+                tokio::pin!(more);
+                more.as_mut().enable();
+                {
+                    let state = log.state();
+                    if let Some(chunk) = state.chunks.get(next) {
+                        let chunk = chunk.clone();
+                        drop(state);
+                        return Some((Ok::<_, std::io::Error>(chunk), (log, next + 1)));
+                    }
+                    if state.done {
+                        return None;
+                    }
+                }
+                more.await;
+            }
+        });
+        Body::from_stream(chunks)
+    }
+}
+
+/// Ends a stream's log however its driver ends (a panic, a cancelled task included).
+#[derive(Debug)]
+pub struct LogWriter(pub Arc<StreamLog>);
+
+impl Drop for LogWriter {
+    fn drop(&mut self) {
+        self.0.finish();
+    }
 }
 
 /// Where a follower waits for the answer.
@@ -35,6 +128,8 @@ pub struct Leader {
     key: (String, String),
     tx: watch::Sender<Option<Arc<Answer>>>,
     owner: Arc<Inflight>,
+    /// Where a streamed answer's driver writes its chunks.
+    log: Arc<StreamLog>,
 }
 
 /// What a request does about an identical one in flight.
@@ -66,6 +161,7 @@ impl Inflight {
             key,
             tx,
             owner: Arc::clone(self),
+            log: Arc::default(),
         })
     }
 
@@ -81,9 +177,34 @@ impl Inflight {
 }
 
 impl Leader {
-    /// Share `response` (read whole: it is not streamed) with the followers, and return it.
+    /// Where a streamed answer's driver writes what it sends its client.
+    pub fn log(&self) -> Arc<StreamLog> {
+        Arc::clone(&self.log)
+    }
+
+    /// Share `response` with the followers, and return it: a stream (its driver attached to
+    /// the log) as it comes, the leader staying joinable until it ends; anything else read
+    /// whole.
     pub async fn publish(self, response: Response, limit: usize) -> Response {
         let (parts, body) = response.into_parts();
+        let attached = self.log.state().attached;
+        if attached {
+            let log = Arc::clone(&self.log);
+            let answer = Arc::new(Answer {
+                status: parts.status,
+                headers: parts.headers.clone(),
+                body: Shared::Stream(Arc::clone(&log)),
+            });
+            let _ = self.tx.send(Some(answer));
+            {
+                let mut state = log.state();
+                if !state.done {
+                    // Joinable until the stream ends (its log's finish drops it).
+                    state.leader = Some(self);
+                }
+            }
+            return Response::from_parts(parts, body);
+        }
         let Ok(bytes) = axum::body::to_bytes(body, limit).await else {
             // Unreadable (it cannot be: the pipeline built it whole); followers run alone.
             return Response::from_parts(parts, Body::empty());
@@ -91,7 +212,7 @@ impl Leader {
         let answer = Arc::new(Answer {
             status: parts.status,
             headers: parts.headers.clone(),
-            body: bytes.clone(),
+            body: Shared::Whole(bytes.clone()),
         });
         let _ = self.tx.send(Some(answer));
         Response::from_parts(parts, Body::from(bytes))
@@ -115,7 +236,11 @@ fn own_header(name: &str) -> bool {
 /// its own).
 pub async fn follow(mut slot: Slot) -> Option<Response> {
     let answer = slot.wait_for(Option::is_some).await.ok()?.clone()?;
-    let mut response = Response::new(Body::from(answer.body.clone()));
+    let body = match &answer.body {
+        Shared::Whole(bytes) => Body::from(bytes.clone()),
+        Shared::Stream(log) => Arc::clone(log).replay(),
+    };
+    let mut response = Response::new(body);
     *response.status_mut() = answer.status;
     for (name, value) in &answer.headers {
         if !own_header(name.as_str()) {
@@ -170,6 +295,33 @@ mod tests {
             matches!(inflight.join("key", "fp", true), Join::Lead(_)),
             "done: gone"
         );
+    }
+
+    #[tokio::test]
+    async fn a_retry_of_a_stream_replays_what_was_sent_then_follows_it_to_the_end() {
+        let inflight = Arc::new(Inflight::default());
+        let Join::Lead(leader) = inflight.join("key", "fp", false) else {
+            panic!("the first one leads")
+        };
+        let log = leader.log();
+        let writer = LogWriter(Arc::clone(&log));
+        log.attach();
+        log.push(Bytes::from_static(b"data: 1\n\n"));
+        let mine = leader.publish(Response::new(Body::empty()), 1 << 20).await;
+        drop(mine);
+        // The leader's client is gone; a retry joins while the stream runs.
+        let Join::Follow(slot) = inflight.join("key", "fp", true) else {
+            panic!("still joinable while the stream runs")
+        };
+        let theirs = follow(slot).await.unwrap();
+        assert_eq!(theirs.headers()["x-gateway-cache"], "coalesced");
+        log.push(Bytes::from_static(b"data: 2\n\n"));
+        drop(writer);
+        let body = axum::body::to_bytes(theirs.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        assert_eq!(body, "data: 1\n\ndata: 2\n\n");
+        assert!(inflight.is_empty(), "ended: no longer joinable");
     }
 
     #[tokio::test]

@@ -85,6 +85,8 @@ pub struct Call {
     pub headers: Vec<(HeaderName, HeaderValue)>,
     /// The guard step recognised the request as a client retry.
     pub retry: bool,
+    /// Where a streamed answer's chunks go for retries that join it (it leads).
+    pub stream_log: Option<Arc<coalesce::StreamLog>>,
 }
 
 /// Run one proxied request to completion and settle it.
@@ -124,14 +126,9 @@ pub async fn run(
         } = call;
         return refuse(&state, &ctx, event, e).await;
     }
-    // A client retry of a request still running joins it (not streams: their answer is not
-    // kept whole).
-    let join = if call.req.stream {
-        coalesce::Join::Alone
-    } else {
-        let inflight = Arc::clone(&call.state.inflight);
-        inflight.join(&call.ctx.key.id, &call.event.fingerprint, call.retry)
-    };
+    // A client retry of a request still running joins it (a stream from its first chunk).
+    let inflight = Arc::clone(&call.state.inflight);
+    let join = inflight.join(&call.ctx.key.id, &call.event.fingerprint, call.retry);
     let leader = match join {
         coalesce::Join::Follow(slot) => match coalesce::follow(slot).await {
             Some(response) => return call.coalesced(response),
@@ -140,6 +137,9 @@ pub async fn run(
         coalesce::Join::Lead(leader) => Some(leader),
         coalesce::Join::Alone => None,
     };
+    if call.req.stream {
+        call.stream_log = leader.as_ref().map(coalesce::Leader::log);
+    }
     let limit = call
         .state
         .config
@@ -254,6 +254,7 @@ impl Call {
             cache,
             headers: Vec::new(),
             retry: false,
+            stream_log: None,
         }
     }
 

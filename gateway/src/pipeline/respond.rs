@@ -276,8 +276,15 @@ pub(super) fn streamed(
         mut event,
         reservation,
         cache,
+        stream_log,
         ..
     } = call;
+    // Retries that join this stream replay what its client is sent (the log ends with the
+    // driver, however it ends).
+    let log = stream_log.map(|log| {
+        log.attach();
+        super::coalesce::LogWriter(log)
+    });
     let target = pool.target(&lease);
     served_by(&mut event, pool, target);
     let mut headers = HeaderMap::new();
@@ -318,6 +325,9 @@ pub(super) fn streamed(
                 }
                 Ok(None) => {
                     let tail = rewriter.finish();
+                    if let (Some(log), false) = (&log, tail.is_empty()) {
+                        log.0.push(tail.clone());
+                    }
                     if !client_gone && !tail.is_empty() {
                         let _ = tx.send(Ok(tail)).await;
                     }
@@ -341,7 +351,13 @@ pub(super) fn streamed(
                 event.ttft_ms = Some(ms_since(ctx.started));
                 pool.record_latency(&lease, router::Signal::FirstToken);
             }
-            if client_gone || out.is_empty() {
+            if out.is_empty() {
+                continue;
+            }
+            if let Some(log) = &log {
+                log.0.push(out.clone());
+            }
+            if client_gone {
                 continue;
             }
             if tx.send(Ok(out)).await.is_err() {
@@ -363,9 +379,11 @@ pub(super) fn streamed(
             let e = ApiError::BadGateway {
                 message: format!("the model server stream ended early ({kind})"),
             };
-            let _ = tx
-                .send(Ok(Bytes::from(format!("data: {}\n\n", e.body()))))
-                .await;
+            let chunk = Bytes::from(format!("data: {}\n\n", e.body()));
+            if let Some(log) = &log {
+                log.0.push(chunk.clone());
+            }
+            let _ = tx.send(Ok(chunk)).await;
             event.error_kind = Some(format!("stream_{kind}"));
             event.status = StatusCode::BAD_GATEWAY.as_u16();
         }
@@ -396,6 +414,8 @@ pub(super) fn streamed(
             event.status = CLIENT_CLOSED;
         }
         event.latency_ms = ms_since(ctx.started);
+        // Joined retries end with the stream, before its settlement.
+        drop(log);
         drop(lease);
         settle(&state, event, reservation);
     });

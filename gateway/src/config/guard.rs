@@ -76,8 +76,8 @@ pub struct GuardConfig {
     pub retry_window_secs: u64,
     /// What happens to a retry beyond the budget.
     pub retry_action: RetryAction,
-    /// How long after an error answer (5xx, 429, 408) the same request from the same key is a
-    /// client retry, s (0: never by this signal).
+    /// How long after an error answer from trouble upstream (5xx, a model server's 429) the
+    /// same request from the same key is a client retry, s (0: never by this signal).
     pub retry_after_error_secs: u64,
 }
 

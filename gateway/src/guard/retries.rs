@@ -2,7 +2,8 @@
 //!
 //! A request is a client retry when the OpenAI SDK says so (`x-stainless-retry-count` ≥ 1), when
 //! its `Idempotency-Key` was already sent by the same key within the window, or when the same key
-//! sent the very same request (its fingerprint) and got an error answer (5xx, 429, 408) within
+//! sent the very same request (its fingerprint) and got an error answer from trouble upstream
+//! ([`Signal::retried_after`]) within
 //! `guard.retry_after_error_secs`: how an agent that wraps the SDK in retries of its own (each a
 //! new first attempt to the SDK) shows. A concurrent duplicate still in flight, or a repeat after
 //! an answer, is not a retry. Retries within the budget — a share of the tenant's recent
@@ -65,10 +66,22 @@ impl Signal {
     /// Every signal.
     pub const ALL: [Signal; 3] = [Self::SdkHeader, Self::IdempotencyKey, Self::AfterError];
 
-    /// Whether an answer with `status` makes a repeat of its request a retry: the errors a
-    /// client retries (overload, timeouts, the server's failures), not its own mistakes.
-    pub fn retried_after(status: u16) -> bool {
-        matches!(status, 408 | 429 | 500..=599)
+    /// Whether an answer with `status` (and the gateway's error `kind`, if it made the
+    /// answer) makes a repeat of its request a retry: trouble upstream (the servers' failures,
+    /// timeouts, overload: 5xx, a model server's 429), not the client's own mistakes and not
+    /// the gateway's policies (a budget, a rate limit, a loop, the retry budget: a repeat gets
+    /// the same refusal, and a load test of identical requests past a budget is no storm).
+    pub fn retried_after(status: u16, kind: Option<&str>) -> bool {
+        let policy = matches!(
+            kind,
+            Some(
+                "insufficient_quota"
+                    | "rate_limit_exceeded"
+                    | "loop_detected"
+                    | "retry_budget_exceeded"
+            )
+        );
+        matches!(status, 429 | 500..=599) && !policy
     }
 }
 
@@ -132,6 +145,29 @@ mod tests {
         assert!(validate_idempotency_key(b"stainless-python-retry-1f3c").is_ok());
         for bad in [&b""[..], b"has space", &[b'a'; 257][..], b"tab\t"] {
             assert!(validate_idempotency_key(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn trouble_upstream_makes_a_repeat_a_retry_the_gateways_own_refusals_do_not() {
+        for (status, kind) in [
+            (502, Some("bad_gateway")),
+            (503, None),
+            (429, None),
+            (504, Some("timeout")),
+        ] {
+            assert!(Signal::retried_after(status, kind), "{status} {kind:?}");
+        }
+        for (status, kind) in [
+            (200, None),
+            (400, Some("invalid_request")),
+            (408, Some("request_timeout")),
+            (429, Some("insufficient_quota")),
+            (429, Some("rate_limit_exceeded")),
+            (429, Some("loop_detected")),
+            (429, Some("retry_budget_exceeded")),
+        ] {
+            assert!(!Signal::retried_after(status, kind), "{status} {kind:?}");
         }
     }
 

@@ -96,7 +96,9 @@ pub fn settle(state: &AppState, mut event: UsageEvent, reservation: Option<Reser
             state.tasks.spawn(observe);
         }
     }
-    if crate::guard::retries::Signal::retried_after(event.status) && !event.fingerprint.is_empty() {
+    let upstream_trouble =
+        crate::guard::retries::Signal::retried_after(event.status, event.error_kind.as_deref());
+    if upstream_trouble && !event.fingerprint.is_empty() {
         // An error a client retries: the same request again soon after is a client retry.
         let guard = Arc::clone(&state.guard);
         let (tenant, key, fingerprint) = (

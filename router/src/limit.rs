@@ -262,6 +262,15 @@ impl AdaptiveLimit {
         self.limit.load(Ordering::Acquire)
     }
 
+    /// Whether a probe of the baseline holds the limit at the floor now.
+    pub fn probing(&self) -> bool {
+        self.state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .probe
+            .is_some()
+    }
+
     /// Record one answer: the request was sent at `sent` and answered (its first token, or
     /// the whole of it) at `now`, with `in_flight` requests out to the replica then (this one
     /// included). Returns the change when the whole-number limit moved.
@@ -468,8 +477,10 @@ mod tests {
     fn the_first_answer_starts_a_probe_at_the_floor_and_its_median_is_the_baseline() {
         let l = AdaptiveLimit::new(LimitPolicy::new(64));
         assert_eq!(l.current(), 64);
+        assert!(!l.probing());
         let c = answer(&l, Signal::FirstToken, ms(900), 64).unwrap();
         assert_eq!((c.from, c.to, c.why), (64, 4, Why::Probe));
+        assert!(l.probing());
         // Answers to requests sent before the probe (the queue of 64) do not count...
         assert_eq!(feed(&l, 63, ms(900), 64), None);
         assert!(probing(&l));

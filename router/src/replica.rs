@@ -199,6 +199,8 @@ pub struct ReplicaSnapshot {
     pub max_concurrency: u32,
     /// Whether its limit adapts to its latency.
     pub adaptive: bool,
+    /// Whether a probe of its unloaded latency holds the limit at the floor now.
+    pub probing: bool,
 }
 
 /// The replicas of one tier.
@@ -566,6 +568,7 @@ impl ReplicaSet {
                 limit: r.limit(),
                 max_concurrency: r.max_concurrency,
                 adaptive: r.adaptive.is_some(),
+                probing: r.adaptive.as_ref().is_some_and(AdaptiveLimit::probing),
             })
             .collect()
     }

@@ -696,22 +696,35 @@ async fn overload_waves(adaptive: bool) -> (u64, u64, bool) {
             ok && r.text().await.unwrap().contains("[DONE]")
         }
     };
-    // Warm: the server's own pace, four at a time (what it batches).
-    for round in 0..12 {
-        let all = futures_util::future::join_all((0..4).map(|i| send(round * 4 + i))).await;
-        assert!(all.iter().all(|ok| *ok));
-    }
-    let limit = || async {
+    let small = || async {
         let v = app.admin_json("replicas").await;
         v["data"]
             .as_array()
             .unwrap()
             .iter()
             .find(|t| t["tier"] == "small")
-            .unwrap()["replicas"][0]["concurrency_limit"]
-            .as_u64()
-            .unwrap()
+            .unwrap()["replicas"][0]
+            .clone()
     };
+    let limit = || async { small().await["concurrency_limit"].as_u64().unwrap() };
+    // Warm: the server's own pace, four at a time (what it batches). With the adaptive limit the
+    // first answer starts a probe of the unloaded latency at the floor, which 8 answers end.
+    for round in 0..12 {
+        let all = futures_util::future::join_all((0..4).map(|i| send(round * 4 + i))).await;
+        assert!(all.iter().all(|ok| *ok));
+        if adaptive && round == 0 {
+            let r = small().await;
+            assert_eq!(
+                (
+                    r["limit_probing"].as_bool(),
+                    r["concurrency_limit"].as_u64()
+                ),
+                (Some(true), Some(2)),
+                "{r}"
+            );
+        }
+    }
+    assert_eq!(small().await["limit_probing"], false);
     let mut all_ok = true;
     let mut min_limit = u64::MAX;
     let mut deepest = 0;

@@ -66,7 +66,9 @@ pub(super) async fn replicas(admin: &Admin) -> anyhow::Result<Reply> {
                     "{}/{}{}",
                     text(&r["concurrency_limit"]),
                     text(&r["max_concurrency"]),
-                    if r["adaptive_limit"] == true {
+                    if r["limit_probing"] == true {
+                        " (probing)"
+                    } else if r["adaptive_limit"] == true {
                         " (adaptive)"
                     } else {
                         ""

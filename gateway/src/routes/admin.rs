@@ -209,7 +209,7 @@ pub async fn replicas(State(state): State<AppState>) -> Json<Value> {
                            "tripped_by": r.tripped_by.map(router::Trip::as_str),
                            "window_requests": r.window.0, "window_failures": r.window.1,
                            "concurrency_limit": r.limit, "max_concurrency": r.max_concurrency,
-                           "adaptive_limit": r.adaptive})
+                           "adaptive_limit": r.adaptive, "limit_probing": r.probing})
                 })
                 .collect();
             json!({"tier": tier, "replicas": rs})

@@ -270,17 +270,25 @@ async fn chat_with(app: &TestApp, body: &Value, headers: &[(&str, &str)]) -> req
     r.send().await.unwrap()
 }
 
-#[tokio::test]
-async fn client_retries_beyond_the_tenants_retry_budget_are_refused_at_once_and_flagged() {
+/// A gateway whose small tier's one replica answers `status` for a minute, with no same-tier
+/// retry and no throttling, and a retry budget of exactly `floor` retries: the app and its small
+/// simulator (and the large one).
+async fn failing_with_retry_floor(status: &str, floor: u32) -> (TestApp, Sim, Sim) {
     let large = Sim::zero("sim-large").await;
-    let sim = Sim::start(zero("sim-small", &["0s+60s=500"])).await;
-    let mut app = small_tier_on(&sim, &large, |c| {
+    let sim = Sim::start(zero("sim-small", &[&format!("0s+60s={status}")])).await;
+    let app = small_tier_on(&sim, &large, |c| {
         c.upstream.retries_same_tier = 0;
         c.upstream.throttle_k = 0.0;
         c.guard.retry_budget_share = 0.0;
-        c.guard.retry_budget_floor = 2;
+        c.guard.retry_budget_floor = floor;
     })
     .await;
+    (app, sim, large)
+}
+
+#[tokio::test]
+async fn client_retries_beyond_the_tenants_retry_budget_are_refused_at_once_and_flagged() {
+    let (mut app, sim, _large) = failing_with_retry_floor("500", 2).await;
     let body = chat_body("fast", "summarise the outage");
     // The SDK's first attempt and two retries reach the model server (the floor is 2)...
     for attempt in ["0", "1", "2"] {
@@ -337,15 +345,7 @@ async fn client_retries_beyond_the_tenants_retry_budget_are_refused_at_once_and_
 
 #[tokio::test]
 async fn the_same_request_again_soon_after_an_error_answer_is_a_retry_without_any_header() {
-    let large = Sim::zero("sim-large").await;
-    let sim = Sim::start(zero("sim-small", &["0s+60s=503"])).await;
-    let mut app = small_tier_on(&sim, &large, |c| {
-        c.upstream.retries_same_tier = 0;
-        c.upstream.throttle_k = 0.0;
-        c.guard.retry_budget_share = 0.0;
-        c.guard.retry_budget_floor = 1;
-    })
-    .await;
+    let (mut app, sim, _large) = failing_with_retry_floor("503", 1).await;
     // An agent's own retry loop around the SDK: every attempt a first one to the SDK.
     let body = chat_body("fast", "deploy the release");
     let first_attempt = [("x-stainless-retry-count", "0")];

@@ -128,8 +128,8 @@ pub struct Leader {
     key: (String, String),
     tx: watch::Sender<Option<Arc<Answer>>>,
     owner: Arc<Inflight>,
-    /// Where a streamed answer's driver writes its chunks.
-    log: Arc<StreamLog>,
+    /// Where a streamed answer's driver writes its chunks (made only for streams).
+    log: Option<Arc<StreamLog>>,
 }
 
 /// What a request does about an identical one in flight.
@@ -161,7 +161,7 @@ impl Inflight {
             key,
             tx,
             owner: Arc::clone(self),
-            log: Arc::default(),
+            log: None,
         })
     }
 
@@ -177,9 +177,10 @@ impl Inflight {
 }
 
 impl Leader {
-    /// Where a streamed answer's driver writes what it sends its client.
-    pub fn log(&self) -> Arc<StreamLog> {
-        Arc::clone(&self.log)
+    /// Where a streamed answer's driver writes what it sends its client (made on first ask:
+    /// a non-streamed request never needs one).
+    pub fn log(&mut self) -> Arc<StreamLog> {
+        Arc::clone(self.log.get_or_insert_with(Arc::default))
     }
 
     /// Share `response` with the followers, and return it: a stream (its driver attached to
@@ -187,9 +188,8 @@ impl Leader {
     /// whole.
     pub async fn publish(self, response: Response, limit: usize) -> Response {
         let (parts, body) = response.into_parts();
-        let attached = self.log.state().attached;
-        if attached {
-            let log = Arc::clone(&self.log);
+        let attached = self.log.clone().filter(|log| log.state().attached);
+        if let Some(log) = attached {
             let answer = Arc::new(Answer {
                 status: parts.status,
                 headers: parts.headers.clone(),
@@ -300,7 +300,7 @@ mod tests {
     #[tokio::test]
     async fn a_retry_of_a_stream_replays_what_was_sent_then_follows_it_to_the_end() {
         let inflight = Arc::new(Inflight::default());
-        let Join::Lead(leader) = inflight.join("key", "fp", false) else {
+        let Join::Lead(mut leader) = inflight.join("key", "fp", false) else {
             panic!("the first one leads")
         };
         let log = leader.log();

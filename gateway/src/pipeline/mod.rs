@@ -129,7 +129,7 @@ pub async fn run(
     // A client retry of a request still running joins it (a stream from its first chunk).
     let inflight = Arc::clone(&call.state.inflight);
     let join = inflight.join(&call.ctx.key.id, &call.event.fingerprint, call.retry);
-    let leader = match join {
+    let mut leader = match join {
         coalesce::Join::Follow(slot) => match coalesce::follow(slot).await {
             Some(response) => return call.coalesced(response),
             None => None,
@@ -138,7 +138,7 @@ pub async fn run(
         coalesce::Join::Alone => None,
     };
     if call.req.stream {
-        call.stream_log = leader.as_ref().map(coalesce::Leader::log);
+        call.stream_log = leader.as_mut().map(coalesce::Leader::log);
     }
     let limit = call
         .state

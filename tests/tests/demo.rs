@@ -183,11 +183,14 @@ async fn read_banner(demo: &mut tokio::process::Child) -> Banner {
     })
     .await;
     assert!(found.is_ok(), "the demo printed its banner:\n{}", b.text);
+    // Keep reading what the demo prints after its banner: a closed pipe would make its next
+    // print fail (a `println!` on a closed stdout panics), which is not what a terminal does.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     b
 }
 
-/// `GET /admin/v1/<path>` of the demo, as JSON. A connection the demo resets is tried again for
-/// a few seconds (seen once under a loaded CI run, not explained); any answer is returned as is.
+/// `GET /admin/v1/<path>` of the demo, as JSON. A connection that fails is tried again for a few
+/// seconds; any answer is returned as is.
 async fn admin_get(port: u16, admin: &str, path: &str) -> serde_json::Value {
     let url = format!("http://127.0.0.1:{port}/admin/v1/{path}");
     let mut tries = 0;

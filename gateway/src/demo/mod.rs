@@ -252,7 +252,7 @@ PY
   GATEWAY_URL=http://{addr} GATEWAY_ADMIN_TOKEN={admin} cargo run -q -p gateway --bin gatewayctl -- keys list
   curl -s http://{addr}/metrics | grep gateway_requests_total
 
-{history}
+{history}{traffic}
 Serving on http://{addr} until Ctrl-C.
 "#,
         store = options.store_url,
@@ -264,9 +264,15 @@ Serving on http://{addr} until Ctrl-C.
             &demo.admin_token,
             options.history
         ),
+        // Said before `Serving on`, the last line a reader of stdout has to wait for: a reader
+        // that stops there (a test, `| head`) must not make a later print fail.
+        traffic = if options.traffic {
+            "Sending background traffic (--traffic): about one request a second.\n"
+        } else {
+            ""
+        },
     );
     if options.traffic {
-        println!("Sending background traffic (--traffic): about one request a second.\n");
         traffic::spawn(format!("http://{addr}"), demo.api_key.clone());
     }
     serve(demo.listener, demo.state, shutdown_signal()).await

@@ -5,7 +5,12 @@
 //! cargo run --release -p gateway --example ledger_bench -- \
 //!     postgres://postgres@127.0.0.1:5432/postgres 1000000
 //! ```
-//! Creates (and drops) a database `gw_ledger_bench_<random>` on that server.
+//! Creates (and drops) a database `gw_ledger_bench_<random>` on that server. With `sqlite` as the
+//! first argument, the embedded default instead: a new SQLite file in a temporary directory.
+//!
+//! ```sh
+//! cargo run --release -p gateway --example ledger_bench -- sqlite 1000000
+//! ```
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -97,6 +102,11 @@ async fn main() -> anyhow::Result<()> {
         .map(|n| n.parse())
         .transpose()?
         .unwrap_or(1_000_000);
+    if server == "sqlite" {
+        let dir = tempfile::tempdir()?;
+        let url = format!("sqlite://{}", dir.path().join("ledger.db").display());
+        return run(&url, rows).await;
+    }
     let name = format!("gw_ledger_bench_{}", uuid::Uuid::new_v4().simple());
     let mut admin = sqlx::PgConnection::connect(&server).await?;
     sqlx::query(&format!("CREATE DATABASE {name}"))
@@ -112,7 +122,9 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn run(url: &str, rows: u64) -> anyhow::Result<()> {
-    gateway::store::postgres::PostgresStore::migrate(url).await?;
+    if url.starts_with("postgres") {
+        gateway::store::postgres::PostgresStore::migrate(url).await?;
+    }
     let ledger = gateway::ledger::open(url).await?;
     let this_week = IsoWeek::containing(Utc::now());
     let weeks = [this_week.previous(), this_week];
@@ -149,9 +161,11 @@ async fn run(url: &str, rows: u64) -> anyhow::Result<()> {
         rows as f64 / secs
     );
 
-    sqlx::query("ANALYZE ledger")
-        .execute(&sqlx::PgPool::connect(url).await?)
-        .await?;
+    if url.starts_with("postgres") {
+        sqlx::query("ANALYZE ledger")
+            .execute(&sqlx::PgPool::connect(url).await?)
+            .await?;
+    }
     for _ in 0..2 {
         let t = Instant::now();
         let r = report::weekly(ledger.as_ref(), this_week, None).await?;

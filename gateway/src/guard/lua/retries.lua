@@ -14,14 +14,21 @@ redis.call('HINCRBY', KEYS[1], 'n' .. slot, 1)
 if ARGV[2] == '1' or after_error == 1 then
   redis.call('HINCRBY', KEYS[1], 'r' .. slot, 1)
 end
-local n, r = 0, 0
+-- The window's buckets in one HMGET, and those that left it in one HDEL: two calls instead of
+-- three per bucket (this runs on every request of a tenant).
+local inside, outside = {}, {}
 for s = slot - buckets + 1, slot do
-  n = n + tonumber(redis.call('HGET', KEYS[1], 'n' .. s) or '0')
-  r = r + tonumber(redis.call('HGET', KEYS[1], 'r' .. s) or '0')
+  inside[#inside + 1] = 'n' .. s
+  inside[#inside + 1] = 'r' .. s
+  outside[#outside + 1] = 'n' .. (s - buckets)
+  outside[#outside + 1] = 'r' .. (s - buckets)
 end
--- Buckets that left the window.
-for s = slot - 2 * buckets + 1, slot - buckets do
-  redis.call('HDEL', KEYS[1], 'n' .. s, 'r' .. s)
+local got = redis.call('HMGET', KEYS[1], unpack(inside))
+local n, r = 0, 0
+for i = 1, #got, 2 do
+  n = n + tonumber(got[i] or '0')
+  r = r + tonumber(got[i + 1] or '0')
 end
+redis.call('HDEL', KEYS[1], unpack(outside))
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return {n, r, after_error}

@@ -21,6 +21,35 @@ trap cleanup EXIT
 
 wait_port() { for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 never opened" >&2; exit 1; }
 
+# start_nginx PORT UPSTREAM_PORT: nginx as one plain reverse-proxy hop on PORT in front of
+# UPSTREAM_PORT, with upstream keep-alive and one worker process (stopped on exit).
+start_nginx() {
+  mkdir -p "$WORK/nginx"
+  cat >"$WORK/nginx.conf" <<EOF
+worker_processes 1;
+pid $WORK/nginx.pid;
+error_log $WORK/nginx/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $WORK/nginx; proxy_temp_path $WORK/nginx;
+  fastcgi_temp_path $WORK/nginx; uwsgi_temp_path $WORK/nginx; scgi_temp_path $WORK/nginx;
+  upstream up { server 127.0.0.1:$2; keepalive 128; }
+  server {
+    listen 127.0.0.1:$1;
+    location / {
+      proxy_pass http://up;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }
+  }
+}
+EOF
+  nginx -c "$WORK/nginx.conf"
+  wait_port "$1"
+}
+
 # toml_head PORT DB: the [server], [store] and [admin] sections of a benchmark gateway listening
 # on PORT with its embedded SQLite store at DB.
 toml_head() {
@@ -111,7 +140,8 @@ start_gateway() {
 }
 
 # wrk_post KEY BODY [SESSIONS]: a wrk script on stdout that POSTs JSON BODY with bearer KEY and,
-# when done, prints one line "WRK <requests> <seconds> <errors>". With SESSIONS, each request
+# when done, prints one line "WRK <requests> <seconds> <errors>" and one line
+# "LAT <p50 ms> <p99 ms> <requests> <errors>". With SESSIONS, each request
 # is a new turn: "{n}" in BODY becomes a request counter and x-session-id cycles through
 # SESSIONS ids per wrk thread (so the guard sees many sessions, none repeating itself).
 wrk_post() {
@@ -135,8 +165,10 @@ if sessions > 0 then
   end
 end
 done = function(summary, latency, requests)
-  io.write(string.format("WRK %d %.3f %d\\n", summary.requests, summary.duration / 1e6,
-    summary.errors.status + summary.errors.connect + summary.errors.timeout))
+  local errors = summary.errors.status + summary.errors.connect + summary.errors.timeout
+  io.write(string.format("WRK %d %.3f %d\\n", summary.requests, summary.duration / 1e6, errors))
+  io.write(string.format("LAT %.4f %.4f %d %d\\n", latency:percentile(50) / 1000,
+    latency:percentile(99) / 1000, summary.requests, errors))
 end
 EOF
 }

@@ -38,30 +38,7 @@ PIDS+=($!)
 wait_port "$P_UP"
 
 # nginx: one proxy hop with upstream keep-alive.
-mkdir -p "$WORK/nginx"
-cat >"$WORK/nginx.conf" <<EOF
-worker_processes 1;
-pid $WORK/nginx.pid;
-error_log $WORK/nginx/error.log warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $WORK/nginx; proxy_temp_path $WORK/nginx;
-  fastcgi_temp_path $WORK/nginx; uwsgi_temp_path $WORK/nginx; scgi_temp_path $WORK/nginx;
-  upstream sim { server 127.0.0.1:$P_UP; keepalive 128; }
-  server {
-    listen 127.0.0.1:$P_NGINX;
-    location / {
-      proxy_pass http://sim;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_buffering off;
-    }
-  }
-}
-EOF
-nginx -c "$WORK/nginx.conf"
-wait_port "$P_NGINX"
+start_nginx "$P_NGINX" "$P_UP"
 
 # The gateway: embedded SQLite store, both tiers on the simulator, one worker thread per core.
 gateway_toml "$P_GW" "$P_UP" "$WORK/gateway.db" "spool_dir = \"$WORK/spool\"" >"$WORK/gateway.toml"

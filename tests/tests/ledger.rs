@@ -117,6 +117,32 @@ async fn a_large_batch_that_replays_part_of_an_earlier_one_stores_and_rolls_up_e
     }
 }
 
+/// A regression guard, not a benchmark: a batch of the default size must be stored within the
+/// default write timeout, or at saturation every batch times out and goes to the spool (a
+/// quadratic parameter lookup once made the SQLite writer take 2.7 s for one in release builds).
+#[tokio::test]
+async fn a_default_size_batch_is_stored_within_the_write_timeout_on_both_stores() {
+    let defaults = gateway::config::LedgerConfig::default();
+    for kind in BOTH {
+        let store = TestStore::new(kind).await.unwrap();
+        let ledger = ledger_for(&store).await;
+        let rows: Vec<UsageEvent> = (0..defaults.batch_rows)
+            .map(|i| full_event(u32::try_from(i).unwrap()))
+            .collect();
+        let started = std::time::Instant::now();
+        let stored = ledger.insert(&rows).await.unwrap();
+        let took = started.elapsed();
+        assert_eq!(stored, rows.len() as u64, "{kind:?}");
+        // In a debug build on a busy CI machine (about 0.3 s quiet): only a gross regression fails.
+        assert!(
+            took.as_millis() < u128::from(defaults.write_timeout_ms),
+            "{kind:?}: {} rows took {took:?} (write timeout {} ms)",
+            rows.len(),
+            defaults.write_timeout_ms
+        );
+    }
+}
+
 /// Today's requests of the one tenant, as the daily rollup counts them; checked to agree with
 /// the raw rows (a range that starts a microsecond into the day is read from them).
 async fn todays_requests(ledger: &dyn LedgerStore) -> i64 {

@@ -808,6 +808,32 @@ async fn a_client_hang_up_mid_stream_is_still_settled_with_the_upstream_usage() 
     assert_eq!(e.completion_tokens, 60);
 }
 
+/// A client that gives up before a non-streamed answer drops the handler's future, never the
+/// pipeline's work: the answer is still read from the upstream and settled at its usage.
+#[tokio::test]
+async fn a_client_giving_up_before_a_buffered_answer_still_gets_it_read_and_settled() {
+    let mut p = SimProfile::zero();
+    p.model = "sim-small".into();
+    p.decode_ms_per_token = 10.0;
+    let mut s = setup_with(StoreKind::Sqlite, SimOptions::new(p), |_| {}).await;
+    let mut body = chat_body("fast", "long answer");
+    body["max_tokens"] = json!(40); // ~400 ms upstream
+    let gave_up = s
+        .app
+        .http
+        .post(format!("{}/v1/chat/completions", s.app.base))
+        .bearer_auth(&s.app.api_key)
+        .timeout(std::time::Duration::from_millis(100))
+        .json(&body)
+        .send()
+        .await;
+    assert!(gave_up.is_err(), "the client timed out first");
+    let e = s.app.next_event().await;
+    assert_eq!(e.status, 200, "the upstream answer was read to its end");
+    assert_eq!(e.usage_source, UsageSource::Upstream);
+    assert_eq!(e.completion_tokens, 40);
+}
+
 #[tokio::test]
 async fn with_cancel_policy_a_hang_up_stops_the_upstream_and_counts_what_was_received() {
     let e = disconnect_mid_stream(gateway::config::DisconnectPolicy::Cancel).await;

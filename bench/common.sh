@@ -21,6 +21,17 @@ trap cleanup EXIT
 
 wait_port() { for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 never opened" >&2; exit 1; }
 
+# min_upstream: the path of the minimal upstream (gateway/examples/min_upstream.rs): BIN's when
+# BIN names a build that has it, else built here.
+min_upstream() {
+  if [ -x "$BIN/examples/min_upstream" ]; then
+    echo "$BIN/examples/min_upstream"
+  else
+    cargo build --release -q -p gateway --example min_upstream
+    echo "${CARGO_TARGET_DIR:-target}/release/examples/min_upstream"
+  fi
+}
+
 # start_nginx PORT UPSTREAM_PORT: nginx as one plain reverse-proxy hop on PORT in front of
 # UPSTREAM_PORT, with upstream keep-alive and one worker process (stopped on exit).
 start_nginx() {

@@ -20,12 +20,7 @@ for tool in perf nginx wrk; do
 done
 
 . bench/common.sh
-if [ -x "$BIN/examples/min_upstream" ]; then
-  UPSTREAM=$BIN/examples/min_upstream
-else
-  cargo build --release -q -p gateway --example min_upstream
-  UPSTREAM=${CARGO_TARGET_DIR:-target}/release/examples/min_upstream
-fi
+UPSTREAM=$(min_upstream)
 
 "$UPSTREAM" --port "$P_UP" --threads 1 >/dev/null &
 PIDS+=($!)

@@ -44,14 +44,8 @@ command -v wrk >/dev/null || { echo "needs wrk: apt-get install wrk" >&2; exit 1
 HAVE_OHA=1
 command -v oha >/dev/null || { HAVE_OHA=0; echo "oha not found (cargo install oha --locked): wrk only" >&2; }
 
-# The minimal upstream: BIN's when BIN names a build that has it, else built here.
-if [ -n "${BIN:-}" ] && [ -x "$BIN/examples/min_upstream" ]; then
-  UPSTREAM=$BIN/examples/min_upstream
-else
-  cargo build --release -q -p gateway --example min_upstream
-  UPSTREAM=${CARGO_TARGET_DIR:-target}/release/examples/min_upstream
-fi
 . bench/common.sh
+UPSTREAM=$(min_upstream)
 
 "$UPSTREAM" --port "$P_UP" --threads "$UP_THREADS" >"$WORK/upstream.log" 2>&1 &
 PIDS+=($!)

@@ -142,6 +142,19 @@ pub enum ApiError {
     Internal(#[source] anyhow::Error),
 }
 
+/// The `kind` (and `error.code`) of the gateway's own policy refusals: a budget, a rate limit,
+/// a loop, the retry budget. A repeat of such a request gets the same refusal.
+pub const POLICY_REFUSALS: [&str; 4] = [
+    INSUFFICIENT_QUOTA,
+    RATE_LIMIT_EXCEEDED,
+    LOOP_DETECTED,
+    RETRY_BUDGET_EXCEEDED,
+];
+const INSUFFICIENT_QUOTA: &str = "insufficient_quota";
+const RATE_LIMIT_EXCEEDED: &str = "rate_limit_exceeded";
+const LOOP_DETECTED: &str = "loop_detected";
+const RETRY_BUDGET_EXCEEDED: &str = "retry_budget_exceeded";
+
 impl ApiError {
     /// Shorthand for [`ApiError::InvalidRequest`] naming a field.
     pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
@@ -197,10 +210,10 @@ impl ApiError {
             Self::UnsupportedMediaType(_) => "unsupported_media_type",
             Self::BadGateway { .. } => "bad_gateway",
             Self::Unavailable { .. } => "unavailable",
-            Self::InsufficientQuota { .. } => "insufficient_quota",
-            Self::RateLimited { .. } => "rate_limit_exceeded",
-            Self::LoopDetected { .. } => "loop_detected",
-            Self::RetryBudgetExceeded { .. } => "retry_budget_exceeded",
+            Self::InsufficientQuota { .. } => INSUFFICIENT_QUOTA,
+            Self::RateLimited { .. } => RATE_LIMIT_EXCEEDED,
+            Self::LoopDetected { .. } => LOOP_DETECTED,
+            Self::RetryBudgetExceeded { .. } => RETRY_BUDGET_EXCEEDED,
             Self::GatewayTimeout(_) => "timeout",
             Self::Internal(_) => "internal",
         }
@@ -238,10 +251,10 @@ impl ApiError {
             Self::RequestTimeout { .. } => Some("request_timeout"),
             Self::HeadersTooLarge(_) => Some("request_header_fields_too_large"),
             Self::InvalidJson(_) => Some("invalid_json"),
-            Self::InsufficientQuota { .. } => Some("insufficient_quota"),
-            Self::RateLimited { .. } => Some("rate_limit_exceeded"),
-            Self::LoopDetected { .. } => Some("loop_detected"),
-            Self::RetryBudgetExceeded { .. } => Some("retry_budget_exceeded"),
+            Self::InsufficientQuota { .. } => Some(INSUFFICIENT_QUOTA),
+            Self::RateLimited { .. } => Some(RATE_LIMIT_EXCEEDED),
+            Self::LoopDetected { .. } => Some(LOOP_DETECTED),
+            Self::RetryBudgetExceeded { .. } => Some(RETRY_BUDGET_EXCEEDED),
             _ => None,
         }
     }

@@ -72,15 +72,7 @@ impl Signal {
     /// the gateway's policies (a budget, a rate limit, a loop, the retry budget: a repeat gets
     /// the same refusal, and a load test of identical requests past a budget is no storm).
     pub fn retried_after(status: u16, kind: Option<&str>) -> bool {
-        let policy = matches!(
-            kind,
-            Some(
-                "insufficient_quota"
-                    | "rate_limit_exceeded"
-                    | "loop_detected"
-                    | "retry_budget_exceeded"
-            )
-        );
+        let policy = kind.is_some_and(|k| crate::error::POLICY_REFUSALS.contains(&k));
         matches!(status, 429 | 500..=599) && !policy
     }
 }

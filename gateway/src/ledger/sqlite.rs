@@ -18,6 +18,8 @@ pub struct SqliteLedger {
     pool: SqlitePool,
     /// Adds the ledger rows above a rowid to the daily rollup.
     rollup: String,
+    /// Inserts [`ROWS_PER_INSERT`] rows: every statement of a batch but its last.
+    insert_full: String,
 }
 
 /// Rows per `INSERT` statement: one statement per 64 rows instead of one per row (64 × 38
@@ -99,7 +101,11 @@ impl SqliteLedger {
             "substr(started_at, 1, 10)",
             "ledger WHERE rowid > $1",
         );
-        Ok(Self { pool, rollup })
+        Ok(Self {
+            pool,
+            rollup,
+            insert_full: insert_sql(ROWS_PER_INSERT),
+        })
     }
 }
 
@@ -118,8 +124,14 @@ impl LedgerStore for SqliteLedger {
             .await?;
         let mut inserted = 0;
         for chunk in rows.chunks(ROWS_PER_INSERT) {
-            let sql = insert_sql(chunk.len());
-            let mut q = sqlx::query(&sql);
+            let tail;
+            let sql = if chunk.len() == ROWS_PER_INSERT {
+                &self.insert_full
+            } else {
+                tail = insert_sql(chunk.len());
+                &tail
+            };
+            let mut q = sqlx::query(sql);
             for e in chunk {
                 q = bind_row(q, e);
             }

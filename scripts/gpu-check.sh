@@ -5,8 +5,9 @@
 # then one summary table. Without an NVIDIA GPU it says so and exits 0.
 #
 # The CUDA libraries are loaded at run time (driver, NVRTC, cuBLAS): they must be findable by the
-# loader. This script adds the usual places (a CUDA toolkit under /usr/local, the pip wheels
-# nvidia-cuda-nvrtc-cu12 / nvidia-cublas-cu12) to LD_LIBRARY_PATH when the loader cache lacks them.
+# loader. This script adds the usual places (a CUDA toolkit under /usr/local, pip's CUDA wheels
+# nvidia-cuda-nvrtc / nvidia-cublas) to LD_LIBRARY_PATH when the loader cache lacks them. For a
+# GPU machine without Rust or network, build the bundle here instead: scripts/gpu-bundle.sh.
 # On a host without crates.io, set CARGO_NET_OFFLINE=true with the dependencies already fetched.
 # About 5-10 minutes on a 16-core machine (most of it the release build).
 set -euo pipefail
@@ -23,27 +24,9 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
 # Make libnvrtc and libcublas findable when the loader cache does not know them.
-candidates=(/usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-*/lib64)
-while IFS= read -r site; do
-  candidates+=("$site/nvidia/cuda_nvrtc/lib" "$site/nvidia/cublas/lib")
-done < <(python3 -c 'import site; print("\n".join(site.getsitepackages()))' 2>/dev/null || true)
-lib_dirs=()
-for lib in libnvrtc.so libcublas.so; do
-  if ldconfig -p 2>/dev/null | grep -q "$lib"; then
-    continue
-  fi
-  for dir in "${candidates[@]}"; do
-    if compgen -G "$dir/$lib*" >/dev/null; then
-      lib_dirs+=("$dir")
-      break
-    fi
-  done
-done
-if [ ${#lib_dirs[@]} -gt 0 ]; then
-  extra=$(IFS=:; echo "${lib_dirs[*]}")
-  export LD_LIBRARY_PATH="$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  echo "LD_LIBRARY_PATH += $extra"
-fi
+# shellcheck source=scripts/gpu/cuda-libs.sh
+source scripts/gpu/cuda-libs.sh
+cuda_libs_on_path
 
 scripts/fetch-model.sh
 

@@ -28,34 +28,11 @@ fn gpu_present() -> bool {
     }
 }
 
+/// The parity texts (`tests/fixtures/parity-texts.json`, shared with the GPU bundle's
+/// comparison against sentence-transformers): short, empty, code, SQL, several scripts, emoji,
+/// numbers, and two texts past the 256-token limit that differ only after it.
 fn texts() -> Vec<String> {
-    let long = "The quick brown fox jumps over the lazy dog while the committee deliberates on \
-                the quarterly budget, "
-        .repeat(30);
-    vec![
-        "What is the capital of France?".to_owned(),
-        "Which city is the capital of France?".to_owned(),
-        "How do I bake sourdough bread at home?".to_owned(),
-        "hi".to_owned(),
-        String::new(),
-        "a".to_owned(),
-        "Price of the cheapest flight to Lisbon in May".to_owned(),
-        "fn main() { println!(\"hello, world\"); }".to_owned(),
-        "SELECT id, name FROM users WHERE created_at > now() - interval '7 days';".to_owned(),
-        "Ünïcödé: crème brûlée, naïve café, Straße, Øresund".to_owned(),
-        "日本語のテキストも埋め込めますか？東京の天気はどうですか".to_owned(),
-        "Emoji test 🚀🔥 — does the tokenizer keep them? 🤔".to_owned(),
-        "Κάποιο ελληνικό κείμενο και русский текст вместе".to_owned(),
-        "3.14159 2.71828 1.41421 42 1e-12 0xdeadbeef".to_owned(),
-        "Summarise the following meeting notes and list the action items for each team member, \
-         with deadlines and owners."
-            .to_owned(),
-        "   leading and trailing spaces   ".to_owned(),
-        "UPPER CASE SHOUTING TEXT WITH NO PUNCTUATION".to_owned(),
-        "Translate to German: the weather is nice today, let us go for a walk.".to_owned(),
-        long.clone(),
-        format!("{long} and a different ending to the very long text"),
-    ]
+    serde_json::from_str(include_str!("fixtures/parity-texts.json")).unwrap()
 }
 
 #[test]

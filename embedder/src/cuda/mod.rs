@@ -84,6 +84,10 @@ pub use self::static_table::GpuStatic;
 
 use crate::bert::EmbedError;
 
+/// The CUDA version of cudarc's bindings (the workspace's `cudarc` feature `cuda-13000`): the
+/// libraries are looked for as `libX.so.13` first (then `.so.12`, `.so.11`, unversioned).
+pub const CUDA_BINDINGS: &str = "13.0";
+
 /// Largest forward pass of [`GpuEmbedder`], in (padded) tokens; a larger call runs as several
 /// passes. Bounds the workspace (about 25 KB of activations per token).
 pub const MAX_PASS_TOKENS: usize = 65_536;
@@ -99,29 +103,46 @@ pub fn available() -> Result<usize, EmbedError> {
     let probes = unsafe {
         [
             (
-                "the CUDA driver (libcuda.so)",
+                "the CUDA driver",
+                "cuda",
+                "the NVIDIA driver's libcuda.so.1",
                 cudarc::driver::sys::is_culib_present(),
             ),
             (
-                "NVRTC (libnvrtc.so)",
+                "NVRTC",
+                "nvrtc",
+                "a CUDA toolkit's lib64, or pip's nvidia-cuda-nvrtc package's lib folder",
                 cudarc::nvrtc::sys::is_culib_present(),
             ),
             (
-                "cuBLAS (libcublas.so)",
+                "cuBLAS",
+                "cublas",
+                "a CUDA toolkit's lib64, or pip's nvidia-cublas package's lib folder",
                 cudarc::cublas::sys::is_culib_present(),
             ),
         ]
     };
-    let missing: Vec<&str> = probes
+    let missing: Vec<String> = probes
         .iter()
-        .filter(|(_, present)| !present)
-        .map(|(name, _)| *name)
+        .filter(|(.., present)| !present)
+        .map(|(name, lib, hint, _)| {
+            // cudarc's candidate names, as `libX.so` and its versions: "libnvrtc.so[.13|.12|…]".
+            let stem = format!("lib{lib}.so.");
+            let versions: Vec<String> = cudarc::get_lib_name_candidates(lib)
+                .into_iter()
+                .filter_map(|n| n.strip_prefix(&stem).map(str::to_owned))
+                .collect();
+            format!(
+                "{name} (lib{lib}.so[.{}], from {hint})",
+                versions.join("|.")
+            )
+        })
         .collect();
     if !missing.is_empty() {
         return Err(EmbedError::Device(format!(
-            "cannot load {} (no NVIDIA driver or CUDA libraries on this machine; the CUDA \
-             libraries must be on the loader path, e.g. LD_LIBRARY_PATH)",
-            missing.join(", ")
+            "cannot load {} on the loader path (LD_LIBRARY_PATH, then the ldconfig cache): no \
+             NVIDIA driver or CUDA {CUDA_BINDINGS} libraries here",
+            missing.join("; "),
         )));
     }
     let count = guard("counting CUDA devices", || {
@@ -131,6 +152,48 @@ pub fn available() -> Result<usize, EmbedError> {
         Ok(n) if n > 0 => Ok(n),
         _ => Err(EmbedError::Device("no CUDA device".into())),
     }
+}
+
+/// The versions of the CUDA libraries loaded: the driver's CUDA version, NVRTC's and cuBLAS's
+/// (e.g. "driver CUDA 13.0, NVRTC 13.0, cuBLAS 13.1.0"), or why they cannot be read.
+pub fn versions() -> Result<String, EmbedError> {
+    available()?;
+    guard("reading the CUDA library versions", || {
+        let mut driver = 0i32;
+        // SAFETY: each call writes plain integers through the pointers given, which are valid
+        // for the call.
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) }
+            .result()
+            .map_err(device_err("cuDriverGetVersion"))?;
+        let (mut nv_major, mut nv_minor) = (0i32, 0i32);
+        // SAFETY: as above.
+        unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut nv_major, &mut nv_minor) }
+            .result()
+            .map_err(|e| EmbedError::Device(format!("nvrtcVersion: {e:?}")))?;
+        let mut blas = [0i32; 3];
+        for (part, value) in [
+            cudarc::cublas::sys::libraryPropertyType::MAJOR_VERSION,
+            cudarc::cublas::sys::libraryPropertyType::MINOR_VERSION,
+            cudarc::cublas::sys::libraryPropertyType::PATCH_LEVEL,
+        ]
+        .into_iter()
+        .zip(&mut blas)
+        {
+            // SAFETY: as above.
+            unsafe { cudarc::cublas::sys::cublasGetProperty(part, value) }
+                .result()
+                .map_err(device_err("cublasGetProperty"))?;
+        }
+        Ok(format!(
+            "driver CUDA {}.{}, NVRTC {nv_major}.{nv_minor}, cuBLAS {}.{}.{} (built for CUDA \
+             {CUDA_BINDINGS})",
+            driver / 1000,
+            driver % 1000 / 10,
+            blas[0],
+            blas[1],
+            blas[2],
+        ))
+    })
 }
 
 /// The name of device `ordinal` (e.g. "NVIDIA H200").

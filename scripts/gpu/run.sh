@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# The GPU bundle's check, run ON the GPU machine (no Rust, no network needed): copied into
+# gpu-bundle/ by scripts/gpu-bundle.sh, which also puts there the CUDA-featured programs
+# (bin.tar.xz), the model in fp16 (model/) and the parity texts.
+#
+#   gpu-bundle/run.sh            # writes logs and the vectors under $OUT (or a temp folder)
+#
+# 1. prints the GPU and the CUDA libraries found (pip's nvidia-* wheels are added to
+#    LD_LIBRARY_PATH when the loader cache lacks them);
+# 2. the embedder's CUDA unit tests (NVRTC compiles the kernels for this device's architecture);
+# 3. GPU/CPU parity (embedder/tests/gpu_parity.rs: transformer, static table, fp16 index);
+# 4. the benchmark (embedder/examples/gpu_bench.rs): batch throughput, the 1M x 384 fp16 scan
+#    against the copy-bandwidth floor;
+# 5. our GPU and CPU vectors against sentence-transformers itself on the same texts (fp32, TF32
+#    off): st_parity.py;
+# then one summary table. Each step has its own time limit; all of it stays well under 10 min.
+#
+# Without a GPU it says so, checks that the bundle's programs start here (each says why it skips
+# the GPU), and exits 0. On a GPU machine it exits 1 if any step failed or skipped the GPU.
+set -uo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+cd "$HERE" || exit 1
+cat BUILD 2>/dev/null
+
+gpu=yes
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  gpu="no nvidia-smi on this machine"
+elif ! nvidia-smi -L >/dev/null 2>&1; then
+  gpu="nvidia-smi finds no usable NVIDIA GPU"
+fi
+if [ "$gpu" = yes ]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem \
+    --format=csv,noheader
+fi
+
+# shellcheck source=scripts/gpu/cuda-libs.sh
+source ./cuda-libs.sh
+cuda_libs_on_path
+
+BIN=$(mktemp -d)
+trap 'rm -rf "$BIN"' EXIT
+python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+  bin.tar.xz "$BIN" || { echo "cannot unpack bin.tar.xz"; exit 1; }
+export MODEL_DIR="$HERE/model"
+
+names=() results=()
+# step NAME SECONDS COMMAND...: run it under a time limit, log to $OUT/NAME.log, record how it
+# ended: ok, failed (exit code), timed out, or skipped (a program said why it did not use a GPU).
+step() {
+  local name=$1 limit=$2 rc
+  shift 2
+  echo
+  echo "== $name"
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  rc=${PIPESTATUS[0]}
+  local result=ok
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    result="timed out after ${limit} s"
+  elif [ "$rc" != 0 ]; then
+    result="failed (exit $rc)"
+  elif grep -q 'skipped: ' "$OUT/$name.log"; then
+    result="skipped: $(grep -m1 -o 'skipped: .*' "$OUT/$name.log" | cut -c10- | cut -c1-160)"
+  fi
+  names+=("$name")
+  results+=("$result")
+}
+
+if [ "$gpu" != yes ]; then
+  echo "no GPU here ($gpu): the CUDA path is not checked. Checking that the bundle's programs"
+  echo "start on this machine instead."
+  # The unit tests need no GPU; their NVRTC test compiles the kernels where NVRTC is found.
+  step unit 120 "$BIN/embedder_unit" cuda:: --test-threads=1 --nocapture
+  step parity-start 120 "$BIN/gpu_parity" --test-threads=1 --nocapture
+  step vectors-start 120 "$BIN/gpu_embed" "$MODEL_DIR" parity-texts.json "$OUT/vectors.json"
+  step bench-start 60 "$BIN/gpu_bench" "$MODEL_DIR"
+  echo
+  for i in "${!names[@]}"; do
+    echo "${names[$i]}: ${results[$i]}"
+    case "${results[$i]}" in ok | skipped*) ;; *) exit 1 ;; esac
+  done
+  echo "no GPU: nothing verified on hardware; the bundle's programs run. Exit 0."
+  exit 0
+fi
+
+# Limits add up to 570 s, inside one 600 s call; expected in all: about 3 minutes.
+step unit 60 "$BIN/embedder_unit" cuda:: --test-threads=1 --nocapture
+step parity 150 "$BIN/gpu_parity" --test-threads=1 --nocapture
+step vectors 60 "$BIN/gpu_embed" "$MODEL_DIR" parity-texts.json "$OUT/vectors.json"
+step bench 150 "$BIN/gpu_bench" "$MODEL_DIR"
+step sentence-transformers 150 python3 st_parity.py "$OUT/vectors.json" "$MODEL_DIR"
+
+echo
+echo "## GPU bundle: summary"
+echo
+echo "| check | result |"
+echo "|---|---|"
+for i in "${!names[@]}"; do
+  echo "| ${names[$i]} | ${results[$i]} |"
+done
+grep -h -E 'worst sentence cosine|searches agree|GPU vs CPU' "$OUT/parity.log" 2>/dev/null |
+  sed -e 's/^/| parity detail | /' -e 's/$/ |/'
+grep -h -E '^\| our ' "$OUT/sentence-transformers.log" 2>/dev/null
+echo
+grep -h -E '^\|' "$OUT/bench.log" 2>/dev/null
+status=0
+for r in "${results[@]}"; do
+  [ "$r" = ok ] || status=1
+done
+exit $status

@@ -84,6 +84,8 @@ pub struct Step {
     shape: u64,
     /// Hash of the tool names called (0 for a text reply).
     names: u64,
+    /// Bytes of the outcome's masked text (how much came back).
+    outcome_len: usize,
     /// What the action is, for people.
     pub what: String,
     /// The action's text (a reply's masked words, or tool names and arguments), for
@@ -93,6 +95,12 @@ pub struct Step {
     outcome_text: String,
     /// Words of a tool call's argument values (sorted hashes; empty for a text reply).
     words: Vec<u64>,
+    /// A text reply that asks something (has a `?`) and that a user message answered.
+    asks: bool,
+    /// Identifiers a text reply mentions (see [`id_tokens`]).
+    mentioned: Vec<u64>,
+    /// Identifiers the user's reply to a text reply gave.
+    given: Vec<u64>,
 }
 
 impl Step {
@@ -199,13 +207,137 @@ fn detect_steps(steps: &[Step], d: Detect<'_>) -> Option<Loop> {
             || similar_actions(x, y)
             || near(a, b)
     };
-    let (repeats, period) = repetition(steps.len(), same, d.repeats)?;
+    if let Some((repeats, period)) = repetition(steps.len(), same, d.repeats) {
+        let n = steps.len();
+        let what: Vec<&str> = (n - period..n).map(|i| steps[i].what.as_str()).collect();
+        return Some(Loop {
+            repeats,
+            period,
+            what: what.join(" / "),
+        });
+    }
+    interrupted_run(steps, d.repeats)
+        .or_else(|| reworded_lookups(steps, d.repeats))
+        .or_else(|| asked_again(steps, d.repeats))
+}
+
+/// Identifiers read from one message, at most.
+const IDS_KEPT: usize = 32;
+
+/// The identifiers in `text` (order numbers, booking codes, account ids: runs of three or more
+/// ASCII letters and digits with at least one digit), lowercased and hashed, into `ids`
+/// (sorted, deduplicated, at most [`IDS_KEPT`] read). A long text is read at its ends only.
+fn id_tokens(text: &str, ids: &mut Vec<u64>) {
+    let b = text.as_bytes();
+    let ends: [&[u8]; 2] = if b.len() > 2 * EDGE {
+        [&b[..EDGE], &b[b.len() - EDGE..]]
+    } else {
+        [b, &[]]
+    };
+    let from = ids.len();
+    for part in ends {
+        for word in part.split(|c| !c.is_ascii_alphanumeric()) {
+            if ids.len() - from >= IDS_KEPT {
+                break;
+            }
+            if word.len() >= 3 && word.iter().any(u8::is_ascii_digit) {
+                let mut h = FixedState::default().build_hasher();
+                for &c in word {
+                    h.write_u8(c.to_ascii_lowercase());
+                }
+                ids.push(h.finish());
+            }
+        }
+    }
+    ids.sort_unstable();
+    ids.dedup();
+}
+
+/// The agent keeps asking for what the user keeps giving: the last `repeats` steps (at least
+/// 3) are text replies that ask something, each answered by the user with the same identifier
+/// (an order number, a booking code), and none of the replies after the first answer mentions
+/// it — no tool looked it up, no reply used it. An agent that takes the answer in says it back
+/// or acts on it; one that asks again, in whatever words, has not.
+fn asked_again(steps: &[Step], repeats: usize) -> Option<Loop> {
+    let k = repeats.max(MIN_REPEATS);
     let n = steps.len();
-    let what: Vec<&str> = (n - period..n).map(|i| steps[i].what.as_str()).collect();
-    Some(Loop {
-        repeats,
-        period,
-        what: what.join(" / "),
+    if n < k || !steps[n - k..].iter().all(|s| s.asks) {
+        return None;
+    }
+    let first = &steps[n - k];
+    let ignored = first.given.iter().any(|id| {
+        steps[n - k + 1..]
+            .iter()
+            .all(|s| s.given.binary_search(id).is_ok() && s.mentioned.binary_search(id).is_err())
+    });
+    ignored.then(|| Loop {
+        repeats: k,
+        period: 1,
+        what: "assistant asking again for what the user already gave".to_owned(),
+    })
+}
+
+/// Whether two steps are the very same: the same action with the same outcome, or with an
+/// outcome of the same shape (counters and durations that tick).
+fn identical(x: &Step, y: &Step) -> bool {
+    x.fingerprint == y.fingerprint || (x.action == y.action && x.shape == y.shape)
+}
+
+/// A run broken once: the last step and at least `repeats - 1` identical ones among the
+/// `repeats` before it (A-A-x-A, A-x-A-A). The agent did one other thing in between (looked
+/// at the file again, ran a sed) and went back to the very same step with the very same
+/// outcome, which a step that changed nothing cannot make different. Counted from 3 repeats
+/// (A-x-A alone is a cycle's business).
+fn interrupted_run(steps: &[Step], repeats: usize) -> Option<Loop> {
+    let k = repeats.max(MIN_REPEATS);
+    let n = steps.len();
+    if n < k + 1 {
+        return None;
+    }
+    let last = &steps[n - 1];
+    let count = 1 + steps[n - 1 - k..n - 1]
+        .iter()
+        .filter(|s| identical(s, last))
+        .count();
+    (count >= k).then(|| Loop {
+        repeats: count,
+        period: 1,
+        what: format!("{} (one other step between)", last.what),
+    })
+}
+
+/// Outcomes at least this long (masked bytes) say something: an empty list, `ok` or `not
+/// found` can answer different asks alike, a page of results cannot.
+pub const SUBSTANTIAL_OUTCOME: usize = 64;
+
+/// The same lookup reworded, with only conversation between: among the last `2 × repeats - 1`
+/// steps, every tool call is to the same tools and got the very same substantial outcome, at
+/// least `repeats` of them, in at least two wordings, and the last step is one of them; the
+/// other steps are text replies. The agent keeps asking its tools for something else (the user
+/// said the answer does not fit) and keeps getting, and relaying, the same thing. The same
+/// lookup in the same words between replies is not enough: an agent may re-read a record to
+/// answer each new question about it.
+fn reworded_lookups(steps: &[Step], repeats: usize) -> Option<Loop> {
+    let k = repeats.max(2);
+    let n = steps.len();
+    let last = steps.last()?;
+    if !last.is_tool() || last.outcome_len < SUBSTANTIAL_OUTCOME || n < 2 * k - 1 {
+        return None;
+    }
+    let window = &steps[n - (2 * k - 1)..];
+    let mut count = 0;
+    let mut reworded = false;
+    for s in window.iter().filter(|s| s.is_tool()) {
+        if s.names != last.names || s.outcome != last.outcome {
+            return None;
+        }
+        count += 1;
+        reworded |= s.action != last.action;
+    }
+    (count >= k && reworded).then(|| Loop {
+        repeats: count,
+        period: 1,
+        what: format!("{} reworded between replies", last.what),
     })
 }
 
@@ -252,6 +384,7 @@ fn ask(tail: &[Value], texts: bool) -> Option<Step> {
     let mut h = FixedState::default().build_hasher();
     let mut shape = FixedState::default().build_hasher();
     let mut text = Vec::new();
+    let mut len = 0;
     for m in tail {
         let role = m.get("role").and_then(Value::as_str).unwrap_or("");
         if role == "system" || role == "developer" {
@@ -259,7 +392,7 @@ fn ask(tail: &[Value], texts: bool) -> Option<Step> {
         }
         role.hash(&mut h);
         let t = text_of(m.get("content"));
-        normalised(&t, &mut h, texts.then_some(&mut text), Some(&mut shape));
+        len += normalised(&t, &mut h, texts.then_some(&mut text), Some(&mut shape));
     }
     let fingerprint = h.finish();
     (fingerprint != FixedState::default().build_hasher().finish()).then(|| Step {
@@ -268,10 +401,14 @@ fn ask(tail: &[Value], texts: bool) -> Option<Step> {
         action: 0,
         shape: shape.finish(),
         names: 0,
+        outcome_len: len,
         what: "the same request".to_owned(),
         action_text: String::new(),
         outcome_text: bounded_text(&text),
         words: Vec::new(),
+        asks: false,
+        mentioned: Vec::new(),
+        given: Vec::new(),
     })
 }
 
@@ -291,10 +428,15 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
         action_hash: u64,
         shape: FoldHasher<'static>,
         names: u64,
+        outcome_len: usize,
         what: String,
         action: Vec<u8>,
         words: Vec<u64>,
         result: Vec<u8>,
+        asks: bool,
+        answered: bool,
+        mentioned: Vec<u64>,
+        given: Vec<u64>,
     }
     let close = |o: Open| Step {
         fingerprint: o.h.finish(),
@@ -302,10 +444,14 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
         action: o.action_hash,
         shape: o.shape.finish(),
         names: o.names,
+        outcome_len: o.outcome_len,
         what: o.what,
         action_text: bounded_text(&o.action),
         outcome_text: bounded_text(&o.result),
         words: o.words,
+        asks: o.asks && o.answered,
+        mentioned: o.mentioned,
+        given: o.given,
     };
     let mut out: Vec<Step> = Vec::new();
     let mut current: Option<Open> = None;
@@ -320,23 +466,35 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
             let mut words = Vec::new();
             let (what, names) = action_of(m, &mut h, texts.then_some(&mut action), &mut words);
             let action_hash = h.finish();
+            // A text reply: does it ask, and which identifiers does it mention.
+            let mut mentioned = Vec::new();
+            let asks = names == 0 && {
+                let t = text_of(m.get("content"));
+                id_tokens(&t, &mut mentioned);
+                t.contains('?')
+            };
             current = Some(Open {
                 h,
                 outcome: FixedState::default().build_hasher(),
                 action_hash,
                 shape: FixedState::default().build_hasher(),
                 names,
+                outcome_len: 0,
                 what,
                 action,
                 words,
                 result: Vec::new(),
+                asks,
+                answered: false,
+                mentioned,
+                given: Vec::new(),
             });
         } else if let Some(o) = current.as_mut() {
             // What came back: tool results, or the user's (or a harness's) reply.
             // Hashed once, into the step's fingerprint and its outcome alike.
             let mut part = FixedState::default().build_hasher();
             role.hash(&mut part);
-            normalised(
+            o.outcome_len += normalised(
                 &text_of(m.get("content")),
                 &mut part,
                 texts.then_some(&mut o.result),
@@ -345,6 +503,10 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
             let part = part.finish();
             o.h.write_u64(part);
             o.outcome.write_u64(part);
+            if o.asks && role == "user" {
+                o.answered = true;
+                id_tokens(&text_of(m.get("content")), &mut o.given);
+            }
         }
     }
     if let Some(o) = current {
@@ -412,10 +574,47 @@ fn action_of(
         // A JSON reply (a ReAct-style action object): its keys in order, its spacing ignored.
         // A longer one is read at its ends like any text, so the work stays bounded.
         compact(&content, h, text);
+    } else if let Some(blocks) = fenced_blocks(&content) {
+        // A reply with fenced code: the code is what it does (a text-protocol agent's
+        // command, the snippet a chat answer offers); the prose around it is commentary, and
+        // a rewording of it is the same action. The whole reply is still what near-duplicates
+        // compare.
+        normalised(&blocks, h, None, None);
+        if let Some(text) = text {
+            let mut unused = FixedState::default().build_hasher();
+            normalised(&content, &mut unused, Some(text), None);
+        }
+        return ("assistant reply (the same code block)".to_owned(), 0);
     } else {
         normalised(&content, h, text, None);
     }
     ("assistant reply".to_owned(), 0)
+}
+
+/// The contents of the fenced code blocks (```` ``` ````) of a reply, each less its fence line
+/// (the language tag), joined; `None` without a closed block. A long reply is read at its ends
+/// only, like any text.
+fn fenced_blocks(text: &str) -> Option<String> {
+    const FENCE: &str = "```";
+    let bounded: Cow<'_, str> = if text.len() > 2 * EDGE {
+        let head = floor(text, EDGE);
+        let tail = ceil(text, text.len() - EDGE);
+        Cow::Owned(format!("{}…{}", &text[..head], &text[tail..]))
+    } else {
+        Cow::Borrowed(text)
+    };
+    let mut rest: &str = &bounded;
+    let mut blocks = String::new();
+    while let Some(open) = rest.find(FENCE) {
+        let after = &rest[open + FENCE.len()..];
+        // The fence line ends the tag; the block runs to the next fence.
+        let body = after.find('\n').map_or("", |nl| &after[nl + 1..]);
+        let Some(close) = body.find(FENCE) else { break };
+        blocks.push_str(&body[..close]);
+        blocks.push('\u{1f}');
+        rest = &body[close + FENCE.len()..];
+    }
+    (!blocks.is_empty()).then_some(blocks)
 }
 
 /// Longest tool-call arguments parsed to put their keys in order; longer ones are compared as
@@ -558,7 +757,7 @@ fn normalised(
     h: &mut FoldHasher,
     kept: Option<&mut Vec<u8>>,
     shape: Option<&mut FoldHasher>,
-) {
+) -> usize {
     let mut out = Vec::with_capacity(text.len().min(2 * EDGE + 4));
     if text.len() > 2 * EDGE {
         let head = floor(text, EDGE);
@@ -579,6 +778,7 @@ fn normalised(
         kept.extend_from_slice(&out[..out.len().min(room)]);
         kept.push(b' ');
     }
+    out.len()
 }
 
 /// Words next to a number that make it a measure of progress (kept in the shape).
@@ -989,6 +1189,222 @@ mod tests {
             m.push(json!({"role": "user", "content": "Your reply was not valid JSON. Try again."}));
         }
         assert!(in_request(&m).is_some());
+    }
+
+    #[test]
+    fn a_text_protocol_agent_is_judged_by_its_command_blocks_not_its_prose() {
+        let reply = |prose: &str, blocks: &[&str]| {
+            let code: Vec<String> = blocks.iter().map(|b| format!("```\n{b}\n```")).collect();
+            json!({"role": "assistant", "content": format!("DISCUSSION\n{prose}\n\n{}", code.join("\n\n"))})
+        };
+        let said = |text: &str| json!({"role": "user", "content": text});
+        let error = "Your output was not formatted correctly. You must always include one \
+                     discussion and one command as part of your response.";
+        let two = ["open src/parse.py", "search_file \"def parse\""];
+        let mut m = vec![said("ISSUE: parse('1h30m') is wrong.")];
+        for prose in [
+            "Let me open the file and search for the function.",
+            "I'll open parse.py and jump to parse.",
+            "Opening the file and searching for the definition.",
+        ] {
+            m.push(reply(prose, &two));
+            m.push(said(error));
+        }
+        let l = in_request(&m).unwrap();
+        assert_eq!((l.repeats, l.period), (3, 1));
+        // Paging: the same command, reworded, with a new window of the file each time.
+        let mut m = vec![said("ISSUE: parse('1h30m') is wrong.")];
+        for (prose, window) in [
+            ("Let me scroll down.", "101: def tokens(text):"),
+            ("More of it.", "201: def units(spec):"),
+            ("Still not there.", "301: def parse(spec):"),
+        ] {
+            m.push(reply(prose, &["scroll_down"]));
+            m.push(said(&format!(
+                "[File: src/parse.py (900 lines total)]\n{window} ..."
+            )));
+        }
+        assert_eq!(in_request(&m), None);
+        // The same error after different commands is not one step repeated.
+        let mut m = vec![said("ISSUE: parse('1h30m') is wrong.")];
+        for cmd in ["open a.py", "open b.py", "open c.py"] {
+            m.push(reply("Next file.", &[cmd, "goto 10"]));
+            m.push(said(error));
+        }
+        assert_eq!(in_request(&m), None);
+    }
+
+    #[test]
+    fn the_same_step_three_times_with_one_other_between_is_a_loop() {
+        let write = (
+            call(
+                "bash",
+                json!({"command": "cat > fix.patch << 'EOF'\n+ raise Http404\nEOF"}),
+            ),
+            "<returncode>0</returncode><output></output>",
+        );
+        let look = (
+            call("bash", json!({"command": "sed -n '250,270p' resolvers.py"})),
+            "<returncode>0</returncode><output>def match(self, path):</output>",
+        );
+        let m = session(&[write.clone(), write.clone(), look.clone()]);
+        assert_eq!(in_request(&m), None, "twice, then something else");
+        let m = session(&[write.clone(), write.clone(), look.clone(), write.clone()]);
+        let l = in_request(&m).unwrap();
+        assert_eq!((l.repeats, l.period), (3, 1));
+        assert!(l.what.contains("one other step"), "{}", l.what);
+        // Re-running the tests after each of two different edits, the failure unchanged: the
+        // agent is trying things, not repeating one.
+        let test = (call("run_tests", json!({})), "FAILED test_parse: 1 failed");
+        let edit = |new: &str| {
+            let args = json!({"path": "parse.py", "old": "hours * 60", "new": new});
+            (
+                call("str_replace", args),
+                "The file parse.py has been edited.",
+            )
+        };
+        let m = session(&[
+            test.clone(),
+            edit("hours * 3600"),
+            test.clone(),
+            edit("int(hours) * 3600 + minutes"),
+            test.clone(),
+        ]);
+        assert_eq!(in_request(&m), None);
+        // Two others between is not one interruption.
+        let m = session(&[write.clone(), look, edit("x"), write.clone(), write]);
+        assert_eq!(in_request(&m), None);
+    }
+
+    #[test]
+    fn a_lookup_reworded_between_replies_with_the_same_result_is_a_loop() {
+        let article = r#"{"results": [{"id": "kb-118", "title": "Cancel your membership", "body": "Go to Account > Membership > Cancel membership on the website."}]}"#;
+        let search = |q: &str| call("search_kb", json!({ "query": q }));
+        let answer = |text: &str| json!({"role": "assistant", "content": text});
+        let user = |text: &str| json!({"role": "user", "content": text});
+        let conversation = |steps: &[(Value, &str, &str, &str)]| {
+            let mut m = vec![user("How do I cancel my membership?")];
+            for (action, found, reply, objection) in steps {
+                m.push(action.clone());
+                m.push(result(found));
+                m.push(answer(reply));
+                m.push(user(objection));
+            }
+            m
+        };
+        let mut m = conversation(&[
+            (
+                search("cancel membership"),
+                article,
+                "Go to Account > Membership.",
+                "I pay through Apple.",
+            ),
+            (
+                search("how to cancel subscription"),
+                article,
+                "Open Account > Membership.",
+                "Again: Apple.",
+            ),
+        ]);
+        m.push(search("membership cancellation"));
+        m.push(result(article));
+        let l = in_request(&m).unwrap();
+        assert_eq!(l.repeats, 3);
+        assert!(l.what.contains("reworded"), "{}", l.what);
+        // Re-reading the same record to answer each new question about it is not a loop.
+        let order = r#"{"order_id": "G9012", "status": "shipped", "items": [{"name": "kettle", "qty": 1}], "address": "12 Elm St"}"#;
+        let lookup = || call("get_order", json!({"order_id": "G9012"}));
+        let mut m = conversation(&[
+            (lookup(), order, "It has shipped.", "What was in it?"),
+            (lookup(), order, "One kettle.", "Where is it going?"),
+        ]);
+        m.push(lookup());
+        m.push(result(order));
+        assert_eq!(in_request(&m), None);
+        // Reworded searches that find nothing say too little to call it the same step.
+        let mut m = conversation(&[
+            (
+                search("flights LAX ORD May 13"),
+                "[]",
+                "None found.",
+                "Try one stop.",
+            ),
+            (
+                search("one-stop LAX ORD May 13"),
+                "[]",
+                "None either.",
+                "Try May 14.",
+            ),
+        ]);
+        m.push(search("flights LAX ORD May 14"));
+        m.push(result("[]"));
+        assert_eq!(in_request(&m), None);
+        // Nor is a reworded search whose result changes.
+        let mut m = conversation(&[(
+            search("cancel membership"),
+            article,
+            "Go to Account > Membership.",
+            "I pay through Apple.",
+        )]);
+        m.push(search("cancel membership app store"));
+        m.push(result(&article.replace("kb-118", "kb-240")));
+        m.push(answer("Cancel it in the App Store settings."));
+        m.push(user("And the refund?"));
+        m.push(search("membership refund"));
+        m.push(result(article));
+        assert_eq!(in_request(&m), None);
+    }
+
+    #[test]
+    fn asking_again_for_what_the_user_already_gave_is_a_loop() {
+        let chat = |turns: &[(&str, &str)]| {
+            let mut m =
+                vec![json!({"role": "user", "content": "I need to change my delivery address."})];
+            for (reply, user) in turns {
+                m.push(json!({"role": "assistant", "content": reply}));
+                m.push(json!({"role": "user", "content": user}));
+            }
+            m
+        };
+        let asked = chat(&[
+            ("Could you share your order number?", "It's G9012."),
+            (
+                "Thanks! Could you provide the order ID?",
+                "I just did. G9012.",
+            ),
+        ]);
+        assert_eq!(in_request(&asked), None, "asked twice is not yet a loop");
+        let asked = chat(&[
+            ("Could you share your order number?", "It's G9012."),
+            (
+                "Thanks! Could you provide the order ID?",
+                "I just did. G9012.",
+            ),
+            (
+                "Can you confirm your order number so I can pull it up?",
+                "G9012!!!",
+            ),
+        ]);
+        let l = in_request(&asked).unwrap();
+        assert_eq!(l.repeats, 3);
+        // An agent that takes the identifier in says it back, and may ask other things.
+        let progressing = chat(&[
+            ("Could you share your order number?", "It's G9012."),
+            (
+                "Order G9012 is processing. What is the new address?",
+                "12 Elm St, for G9012.",
+            ),
+            ("Shall I change G9012 to 12 Elm St?", "Yes, G9012, please."),
+        ]);
+        assert_eq!(in_request(&progressing), None);
+        // A user who names the order in every message while the agent answers is not
+        // answering the same question again.
+        let progressing = chat(&[
+            ("Could you share your order number?", "It's G9012."),
+            ("It ships tomorrow.", "Can G9012 go to my office?"),
+            ("Yes. Which address?", "G9012 to 4 Oak Rd."),
+        ]);
+        assert_eq!(in_request(&progressing), None);
     }
 
     #[test]

@@ -23,14 +23,15 @@ wait_port() { for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev
 
 # min_upstream: the path of the minimal upstream (gateway/examples/min_upstream.rs): BIN's when
 # BIN names a build that has it, else built here.
-min_upstream() {
-  if [ -x "$BIN/examples/min_upstream" ]; then
-    echo "$BIN/examples/min_upstream"
+example_bin() {
+  if [ -x "$BIN/examples/$1" ]; then
+    echo "$BIN/examples/$1"
   else
-    cargo build --release -q -p gateway --example min_upstream
-    echo "${CARGO_TARGET_DIR:-target}/release/examples/min_upstream"
+    cargo build --release -q -p gateway --example "$1"
+    echo "${CARGO_TARGET_DIR:-target}/release/examples/$1"
   fi
 }
+min_upstream() { example_bin min_upstream; }
 
 # start_nginx PORT UPSTREAM_PORT: nginx as one plain reverse-proxy hop on PORT in front of
 # UPSTREAM_PORT, with upstream keep-alive and one worker process (stopped on exit).

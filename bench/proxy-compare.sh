@@ -13,6 +13,10 @@
 # repeats one request (to the guard, one session asking the same thing: flagged as a loop, which
 # the `flag` action answers anyway). wrk is the representative figure; oha is the second opinion.
 #
+# Besides nginx, `floor` is gateway/examples/min_proxy.rs: a proxy with no logic built from the
+# gateway's own stack (tokio, hyper server, hyper_util pooled client), so the table separates
+# what the stack costs from what the gateway's pipeline adds.
+#
 # Configurations (all with tenant `bench` and one key):
 #   plain    ledger off, no budget policy, cache off, guard off: the proxy hop itself
 #   sqlite   the embedded default's cost control: SQLite ledger (journal on), in-process budgets
@@ -37,6 +41,7 @@ PGURL=${PGURL:-postgres://postgres@127.0.0.1:5432}
 P_UP=${P_UP:-19301}
 P_NGINX=${P_NGINX:-19302}
 P_REDIS=${P_REDIS:-19303}
+P_FLOOR=${P_FLOOR:-19304}
 declare -A PORT=([plain]=19311 [sqlite]=19312 [pg]=19313)
 
 command -v nginx >/dev/null || { echo "needs nginx: apt-get install nginx" >&2; exit 1; }
@@ -52,6 +57,9 @@ PIDS+=($!)
 wait_port "$P_UP"
 
 start_nginx "$P_NGINX" "$P_UP"
+"$(example_bin min_proxy)" --port "$P_FLOOR" --upstream "127.0.0.1:$P_UP" >"$WORK/floor.log" 2>&1 &
+PIDS+=($!)
+wait_port "$P_FLOOR"
 
 # config_toml NAME: the gateway configuration NAME on stdout.
 config_toml() {
@@ -104,11 +112,12 @@ target_url() {
   case $1 in
     direct) echo "http://127.0.0.1:$P_UP/v1/chat/completions" ;;
     nginx) echo "http://127.0.0.1:$P_NGINX/v1/chat/completions" ;;
+    floor) echo "http://127.0.0.1:$P_FLOOR/v1/chat/completions" ;;
     *) echo "http://127.0.0.1:${PORT[$1]}/v1/chat/completions" ;;
   esac
 }
-target_body() { case $1 in direct | nginx) echo "$BODY_DIRECT" ;; *) echo "$BODY_GW" ;; esac; }
-target_key() { case $1 in direct | nginx) echo none ;; *) cat "$WORK/$1.key" ;; esac; }
+target_body() { case $1 in direct | nginx | floor) echo "$BODY_DIRECT" ;; *) echo "$BODY_GW" ;; esac; }
+target_key() { case $1 in direct | nginx | floor) echo none ;; *) cat "$WORK/$1.key" ;; esac; }
 
 # Wait until a gateway's ledger queue is empty, so its writer does not run into the next phase.
 drain() {
@@ -121,7 +130,7 @@ drain() {
 }
 
 : >"$WORK/results"
-TARGETS="direct nginx $CONFIGS"
+TARGETS="direct nginx floor $CONFIGS"
 for round in $(seq 1 "$ROUNDS"); do
   for t in $TARGETS; do
     url=$(target_url "$t") body=$(target_body "$t") key=$(target_key "$t")

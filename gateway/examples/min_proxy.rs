@@ -11,7 +11,8 @@
 #![allow(
     clippy::print_stdout,
     clippy::print_stderr,
-    reason = "a command-line tool"
+    clippy::expect_used,
+    reason = "a command-line benchmark tool: a bad argument or a taken port ends it"
 )]
 
 use std::convert::Infallible;

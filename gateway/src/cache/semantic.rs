@@ -3,8 +3,10 @@
 //! reply, so no async task ever blocks on the model; lookups that arrive together are embedded
 //! in one batch.
 //!
-//! Overload never slows the gateway down: when more than `max_queue` lookups are waiting, or a
-//! reply takes longer than `lookup_timeout_ms`, the request goes on as a miss.
+//! Overload never slows the gateway down: when more than `max_queue` jobs are waiting, when the
+//! wait a new lookup would have (the jobs ahead of it at the worker's measured time per text)
+//! already passes half of `lookup_timeout_ms`, or when a reply takes longer than
+//! `lookup_timeout_ms`, the request goes on as a miss.
 //!
 //! A question whose namespace holds nothing yet (a new system prompt, new sampling parameters)
 //! cannot hit, so it is not embedded on the request's path: [`Semantic::maybe_populated`] says
@@ -91,6 +93,8 @@ pub struct Semantic {
     tx: mpsc::Sender<Job>,
     populated: Populated,
     queued: Arc<AtomicUsize>,
+    /// The worker's recent time per embedded text, microseconds (a moving average).
+    per_text_us: Arc<AtomicU64>,
     verifier: Arc<OnceLock<Verifier>>,
     max_queue: usize,
     timeout: Duration,
@@ -126,11 +130,13 @@ impl Semantic {
         }
         let (tx, rx) = mpsc::channel();
         let queued = Arc::new(AtomicUsize::new(0));
+        let per_text_us = Arc::new(AtomicU64::new(0));
         let verifier = Arc::new(OnceLock::new());
         let worker = Worker {
             gpu,
             config: config.clone(),
             queued: Arc::clone(&queued),
+            per_text_us: Arc::clone(&per_text_us),
             verifier: Arc::clone(&verifier),
             metrics,
         };
@@ -145,6 +151,7 @@ impl Semantic {
             tx,
             populated: Populated::new(),
             queued,
+            per_text_us,
             verifier,
             max_queue: config.max_queue,
             timeout: Duration::from_millis(config.lookup_timeout_ms),
@@ -168,9 +175,10 @@ impl Semantic {
     }
 
     /// Embed `text` and find its best verified match in `ns`; `None` when skipped (not ready,
-    /// queue full, too slow).
+    /// queue full, a wait already too long, too slow).
     pub async fn lookup(&self, ns: u64, text: &str, threshold: f32) -> Option<Looked> {
-        if !self.ready() || self.queued.load(Ordering::Relaxed) >= self.max_queue {
+        let queued = self.queued.load(Ordering::Relaxed);
+        if !self.ready() || queued >= self.max_queue || self.wait_too_long(queued) {
             return None;
         }
         let (reply, rx) = oneshot::channel();
@@ -186,6 +194,16 @@ impl Semantic {
             return None;
         }
         tokio::time::timeout(self.timeout, rx).await.ok()?.ok()
+    }
+
+    /// Whether a lookup behind `queued` jobs would wait past half the lookup timeout at the
+    /// worker's recent time per text: then it is skipped at once instead of timing out later
+    /// (the worker embeds a batch at a time, so this errs on the long side).
+    /// An idle worker always takes the lookup, so the time per text is measured again after a
+    /// burst however slow the burst made it look.
+    fn wait_too_long(&self, queued: usize) -> bool {
+        queued > 0
+            && predicted_wait(queued, self.per_text_us.load(Ordering::Relaxed)) > self.timeout / 2
     }
 
     /// Whether namespace `ns` may hold entries (`false`: a lookup cannot hit, skip it).
@@ -213,6 +231,20 @@ impl Semantic {
         if sent.is_err() {
             self.queued.fetch_sub(1, Ordering::Relaxed);
         }
+    }
+}
+
+/// The wait of a job behind `queued` others at `per_text_us` each (itself included).
+fn predicted_wait(queued: usize, per_text_us: u64) -> Duration {
+    Duration::from_micros(per_text_us.saturating_mul(queued as u64 + 1))
+}
+
+/// `average` moved an eighth of the way to `sample` (the first sample taken as it is).
+fn moving_average(average: u64, sample: u64) -> u64 {
+    if average == 0 {
+        sample
+    } else {
+        average - average / 8 + sample / 8
     }
 }
 
@@ -266,6 +298,7 @@ struct Worker {
     gpu: Option<usize>,
     config: SemanticConfig,
     queued: Arc<AtomicUsize>,
+    per_text_us: Arc<AtomicU64>,
     verifier: Arc<OnceLock<Verifier>>,
     metrics: Metrics,
 }
@@ -377,8 +410,16 @@ impl Worker {
                 .map(|(_, t, _, _)| t.as_str())
                 .chain(lookups.iter().map(|(_, t, _, _)| t.as_str()))
                 .collect();
+            let embedding = Instant::now();
             let mut embedded = match bert.embed_with_tokens(&texts) {
-                Ok(v) => v.into_iter(),
+                Ok(v) => {
+                    let per_text = embedding.elapsed().as_micros() / texts.len() as u128;
+                    let per_text = u64::try_from(per_text).unwrap_or(u64::MAX);
+                    let average = self.per_text_us.load(Ordering::Relaxed);
+                    self.per_text_us
+                        .store(moving_average(average, per_text), Ordering::Relaxed);
+                    v.into_iter()
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "semantic cache: embedding failed; treated as misses");
                     continue;
@@ -402,5 +443,37 @@ impl Worker {
                 });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_predicted_wait_counts_the_jobs_ahead_and_the_lookup_itself() {
+        assert_eq!(predicted_wait(0, 15_000), Duration::from_millis(15));
+        assert_eq!(predicted_wait(9, 15_000), Duration::from_millis(150));
+        // Before any batch was timed, nothing is predicted: the queue bound still holds.
+        assert_eq!(predicted_wait(31, 0), Duration::ZERO);
+        // Past half of the default 250 ms timeout from the ninth job ahead at 15 ms a text.
+        let half = Duration::from_millis(250) / 2;
+        assert!(predicted_wait(7, 15_000) <= half);
+        assert!(predicted_wait(8, 15_000) > half);
+    }
+
+    #[test]
+    fn the_time_per_text_follows_recent_batches() {
+        assert_eq!(
+            moving_average(0, 12_000),
+            12_000,
+            "the first sample as it is"
+        );
+        let mut avg = 12_000;
+        for _ in 0..40 {
+            avg = moving_average(avg, 2_000);
+        }
+        assert!((2_000..2_100).contains(&avg), "{avg}");
+        assert_eq!(moving_average(8_000, 8_000), 8_000);
     }
 }

@@ -458,7 +458,6 @@ async fn two_gateways_sharing_redis_see_one_session_window() {
 /// identical failure comes only at `loop_start + 4`. Measured with
 /// `cargo run -p e2e --example guard_fixtures -- --exact-only`; see docs/guard.md.
 const KNOWN_MISSES: &[&str] = &[
-    "chat-regex-same-answer-reworded",
     "cs-refund-status-paraphrased-nonanswer",
     "real-tau-airline-task13-same-failing-update",
     "stateless-helpwidget-paraphrased-question",

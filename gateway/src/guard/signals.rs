@@ -101,6 +101,11 @@ pub struct Step {
     mentioned: Vec<u64>,
     /// Identifiers the user's reply to a text reply gave.
     given: Vec<u64>,
+    /// A text reply whose action is its fenced code blocks.
+    code: bool,
+    /// What came back is a short reply from the user with no digit in it (an objection, a
+    /// "still wrong"), not a tool's or a harness's output, and no number that could move.
+    plain_reply: bool,
 }
 
 impl Step {
@@ -219,6 +224,7 @@ fn detect_steps(steps: &[Step], d: Detect<'_>) -> Option<Loop> {
     interrupted_run(steps, d.repeats)
         .or_else(|| reworded_lookups(steps, d.repeats))
         .or_else(|| asked_again(steps, d.repeats))
+        .or_else(|| code_reoffered(steps, d.repeats))
 }
 
 /// Identifiers read from one message, at most.
@@ -274,6 +280,32 @@ fn asked_again(steps: &[Step], repeats: usize) -> Option<Loop> {
         repeats: k,
         period: 1,
         what: "assistant asking again for what the user already gave".to_owned(),
+    })
+}
+
+/// What a text reply with fenced code is, for people (and how [`steps`] knows one).
+const CODE_REPLY: &str = "assistant reply (the same code block)";
+
+/// The longest masked reply, in bytes, that counts as a user's short objection.
+const PLAIN_REPLY: usize = 240;
+
+/// The same code offered again and again while the user keeps objecting: the last `repeats`
+/// steps (at least 3) are text replies whose fenced code blocks are the same, each answered
+/// by a short user message with no digit in it. A user who gets the very same snippet back
+/// three times has not been helped, however the prose around it was reworded. Not caught:
+/// tool output and a harness's observations (a file paged with `scroll_down` comes back long),
+/// and replies carrying numbers (a job polled to 40%, then 80%, is moving).
+fn code_reoffered(steps: &[Step], repeats: usize) -> Option<Loop> {
+    let k = repeats.max(MIN_REPEATS);
+    let n = steps.len();
+    let last = steps.get(n.checked_sub(k)?..)?;
+    let same = last
+        .iter()
+        .all(|s| s.code && s.plain_reply && s.action == last[0].action);
+    same.then(|| Loop {
+        repeats: k,
+        period: 1,
+        what: "the same code block offered again while the user objects".to_owned(),
     })
 }
 
@@ -409,6 +441,8 @@ fn ask(tail: &[Value], texts: bool) -> Option<Step> {
         asks: false,
         mentioned: Vec::new(),
         given: Vec::new(),
+        code: false,
+        plain_reply: false,
     })
 }
 
@@ -437,6 +471,8 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
         answered: bool,
         mentioned: Vec<u64>,
         given: Vec<u64>,
+        code: bool,
+        plain: bool,
     }
     let close = |o: Open| Step {
         fingerprint: o.h.finish(),
@@ -452,6 +488,8 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
         asks: o.asks && o.answered,
         mentioned: o.mentioned,
         given: o.given,
+        code: o.code,
+        plain_reply: o.plain && o.outcome_len > 0 && o.outcome_len <= PLAIN_REPLY,
     };
     let mut out: Vec<Step> = Vec::new();
     let mut current: Option<Open> = None;
@@ -465,6 +503,7 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
             let mut action = Vec::new();
             let mut words = Vec::new();
             let (what, names) = action_of(m, &mut h, texts.then_some(&mut action), &mut words);
+            let code = names == 0 && what == CODE_REPLY;
             let action_hash = h.finish();
             // A text reply: does it ask, and which identifiers does it mention.
             let mut mentioned = Vec::new();
@@ -488,14 +527,18 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
                 answered: false,
                 mentioned,
                 given: Vec::new(),
+                code,
+                plain: true,
             });
         } else if let Some(o) = current.as_mut() {
             // What came back: tool results, or the user's (or a harness's) reply.
             // Hashed once, into the step's fingerprint and its outcome alike.
             let mut part = FixedState::default().build_hasher();
             role.hash(&mut part);
+            let content = text_of(m.get("content"));
+            o.plain &= role == "user" && !content.bytes().any(|b| b.is_ascii_digit());
             o.outcome_len += normalised(
-                &text_of(m.get("content")),
+                &content,
                 &mut part,
                 texts.then_some(&mut o.result),
                 Some(&mut o.shape),
@@ -584,7 +627,7 @@ fn action_of(
             let mut unused = FixedState::default().build_hasher();
             normalised(&content, &mut unused, Some(text), None);
         }
-        return ("assistant reply (the same code block)".to_owned(), 0);
+        return (CODE_REPLY.to_owned(), 0);
     } else {
         normalised(&content, h, text, None);
     }
@@ -1230,6 +1273,57 @@ mod tests {
         for cmd in ["open a.py", "open b.py", "open c.py"] {
             m.push(reply("Next file.", &[cmd, "goto 10"]));
             m.push(said(error));
+        }
+        assert_eq!(in_request(&m), None);
+    }
+
+    #[test]
+    fn the_same_snippet_offered_again_while_the_user_objects_is_a_loop() {
+        let offer = |prose: &str, code: &str| json!({"role": "assistant", "content": format!("{prose}\n\n```regex\n{code}\n```\n")});
+        let said = |text: &str| json!({"role": "user", "content": text});
+        let ask = said("A regex for lowercase identifiers with hyphens, like foo-bar_baz?");
+        let mut m = vec![ask.clone()];
+        for (prose, objection) in [
+            (
+                "You can use:",
+                "That doesn't match foo-bar_baz, it fails on the hyphen.",
+            ),
+            (
+                "Good catch! Here's one that handles it:",
+                "It's the same regex. Still fails.",
+            ),
+            (
+                "Sorry! Try this one:",
+                "You keep giving me the same thing. The hyphen!",
+            ),
+        ] {
+            m.push(offer(prose, "^[a-z_]+$"));
+            m.push(said(objection));
+        }
+        let l = in_request(&m).unwrap();
+        assert_eq!((l.repeats, l.period), (3, 1), "{l:?}");
+        // Twice is not yet a loop.
+        assert_eq!(in_request(&m[..5]), None);
+        // A new snippet each time is help being tried.
+        let mut m = vec![ask.clone()];
+        for code in ["^[a-z_]+$", "^[a-z_-]+$", "^[a-z][a-z_-]*$"] {
+            m.push(offer("Try:", code));
+            m.push(said("Still not right."));
+        }
+        assert_eq!(in_request(&m), None);
+        // The same status command while a number moves is a job being watched.
+        let mut m = vec![said("Deploy and tell me when it is live.")];
+        for progress in ["rollout 20% done", "rollout 60% done", "rollout 90% done"] {
+            m.push(offer("Checking:", "kubectl rollout status deploy/web"));
+            m.push(said(progress));
+        }
+        assert_eq!(in_request(&m), None);
+        // A harness's long observation is not a user's objection.
+        let mut m = vec![said("ISSUE: parse is wrong.")];
+        for name in ["tokens", "units", "parse"] {
+            m.push(offer("Scrolling.", "scroll_down"));
+            let line = format!("    def {name}(text): return split(text)\n");
+            m.push(said(&format!("[File: src/parse.py]\n{}", line.repeat(8))));
         }
         assert_eq!(in_request(&m), None);
     }

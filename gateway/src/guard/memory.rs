@@ -7,7 +7,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use moka::policy::EvictionPolicy;
@@ -31,9 +31,143 @@ type Hasher = foldhash::fast::FixedState;
 
 type Sessions = Cache<SessionKey, Shared, Hasher>;
 
+/// One shard of [`Active`]: each session with when it was last seen (ms since the map's epoch).
+type Shard = HashMap<SessionKey, (Shared, u64), Hasher>;
+
+/// The active sessions: a map in shards, each bounded (the least recently seen go first), an
+/// entry forgotten `ttl` after it was last seen. A lookup is one shard lock, one probe and one
+/// timestamp: about a third of what a general-purpose cache with LRU and idle expiry cost here
+/// per request (docs/benchmarks.md, the guard's cost).
+struct Active {
+    shards: Box<[Mutex<Shard>]>,
+    per_shard: usize,
+    ttl_ms: u64,
+    epoch: Instant,
+    hasher: Hasher,
+}
+
+impl Active {
+    fn new(max: u64, ttl: Duration, hasher: Hasher) -> Self {
+        let max = usize::try_from(max).unwrap_or(usize::MAX).max(1);
+        // Small bounds keep one shard, so "least recently seen" is exact where it is tested;
+        // large ones spread the locks.
+        let n = (max / 4096).clamp(1, 16);
+        Self {
+            shards: (0..n)
+                .map(|_| Mutex::new(HashMap::with_hasher(hasher.clone())))
+                .collect(),
+            per_shard: max.div_ceil(n),
+            ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
+            epoch: Instant::now(),
+            hasher,
+        }
+    }
+
+    fn now(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn shard(&self, key: &SessionKey) -> &Mutex<Shard> {
+        use std::hash::BuildHasher;
+        let i = self.hasher.hash_one(key) as usize % self.shards.len();
+        &self.shards[i]
+    }
+
+    fn lock<'a>(&self, shard: &'a Mutex<Shard>) -> std::sync::MutexGuard<'a, Shard> {
+        // A panic while holding a shard leaves its map consistent (every update is one insert,
+        // remove or timestamp store): keep using it.
+        shard
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The session, seen now; `None` when absent or idle past the ttl (then forgotten).
+    fn get(&self, key: &SessionKey) -> Option<Shared> {
+        let now = self.now();
+        let mut map = self.lock(self.shard(key));
+        match map.get_mut(key) {
+            Some((s, last)) if now.saturating_sub(*last) <= self.ttl_ms => {
+                *last = now;
+                Some(Arc::clone(s))
+            }
+            Some(_) => {
+                map.remove(key);
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// The session, seen now, made when absent (evicting the least recently seen when full).
+    fn get_or_insert(&self, key: &SessionKey) -> Shared {
+        let now = self.now();
+        let mut map = self.lock(self.shard(key));
+        if let Some((s, last)) = map.get_mut(key) {
+            if now.saturating_sub(*last) <= self.ttl_ms {
+                *last = now;
+                return Arc::clone(s);
+            }
+            map.remove(key);
+        }
+        if map.len() >= self.per_shard {
+            self.evict(&mut map, now);
+        }
+        let s: Shared = Arc::default();
+        map.insert(key.clone(), (Arc::clone(&s), now));
+        s
+    }
+
+    /// Drop what is idle past the ttl and, if the shard is still full, its least recently seen
+    /// sixteenth (at least one): a full scan once per many inserts, not one per insert.
+    fn evict(&self, map: &mut Shard, now: u64) {
+        map.retain(|_, (_, last)| now.saturating_sub(*last) <= self.ttl_ms);
+        if map.len() < self.per_shard {
+            return;
+        }
+        let mut seen: Vec<u64> = map.values().map(|(_, last)| *last).collect();
+        let k = (self.per_shard / 16).max(1).min(seen.len());
+        let (_, oldest, _) = seen.select_nth_unstable(k - 1);
+        let cut = *oldest;
+        let mut dropped = 0;
+        // Ties at the cut go only as far as needed, so a burst seen in one millisecond is not
+        // dropped whole.
+        map.retain(|_, (_, last)| {
+            if *last < cut || (*last == cut && dropped < k) {
+                dropped += 1;
+                false
+            } else {
+                true
+            }
+        });
+    }
+
+    fn remove(&self, key: &SessionKey) -> Option<Shared> {
+        self.lock(self.shard(key)).remove(key).map(|(s, _)| s)
+    }
+
+    /// Every session not idle past the ttl.
+    fn all(&self) -> Vec<(SessionKey, Shared)> {
+        let now = self.now();
+        self.shards
+            .iter()
+            .flat_map(|shard| {
+                self.lock(shard)
+                    .iter()
+                    .filter(|(_, (_, last))| now.saturating_sub(*last) <= self.ttl_ms)
+                    .map(|(k, (s, _))| (k.clone(), Arc::clone(s)))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    fn len(&self) -> usize {
+        self.shards.iter().map(|s| self.lock(s).len()).sum()
+    }
+}
+
 /// Sessions in this process.
 pub struct MemoryGuard {
-    sessions: Sessions,
+    sessions: Active,
     blocked: Sessions,
     /// Blocks placed minus blocks cleared (expired ones are not subtracted): while 0, no
     /// lookup goes to `blocked`.
@@ -45,6 +179,9 @@ pub struct MemoryGuard {
     idempotency: Cache<(String, String, String), i64, Hasher>,
     /// Each tenant's retry-budget counts.
     retries: Mutex<HashMap<String, router::window::SlidingCounts>>,
+    /// When the latest error answer was marked (ms; 0: never): while older than the retry
+    /// window, no request can be a retry after an error, and none is looked up.
+    latest_failure_ms: std::sync::atomic::AtomicI64,
 }
 
 /// The idempotency map's key for an error answer to a fingerprint (a space, which no
@@ -79,7 +216,7 @@ fn seeded() -> Hasher {
 impl std::fmt::Debug for MemoryGuard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemoryGuard")
-            .field("sessions", &self.sessions.entry_count())
+            .field("sessions", &self.sessions.len())
             .finish_non_exhaustive()
     }
 }
@@ -92,11 +229,7 @@ impl MemoryGuard {
     pub fn new(max_sessions: u64, ttl: Duration) -> Self {
         let hasher = seeded();
         Self {
-            sessions: Cache::builder()
-                .max_capacity(max_sessions)
-                .time_to_idle(ttl)
-                .eviction_policy(EvictionPolicy::lru())
-                .build_with_hasher(hasher.clone()),
+            sessions: Active::new(max_sessions, ttl, hasher.clone()),
             blocked: blocked_cache(max_sessions, DEFAULT_BLOCK_TTL, hasher.clone()),
             blocks: AtomicU64::new(0),
             max_sessions,
@@ -105,6 +238,7 @@ impl MemoryGuard {
                 .eviction_policy(EvictionPolicy::lru())
                 .build_with_hasher(hasher.clone()),
             retries: Mutex::new(HashMap::new()),
+            latest_failure_ms: std::sync::atomic::AtomicI64::new(0),
             hasher,
         }
     }
@@ -117,12 +251,15 @@ impl MemoryGuard {
     }
 
     fn find(&self, key: &SessionKey) -> Option<Shared> {
+        self.find_blocked(key).or_else(|| self.sessions.get(key))
+    }
+
+    /// The session if it is blocked (one atomic load while nothing is).
+    fn find_blocked(&self, key: &SessionKey) -> Option<Shared> {
         if self.blocks.load(Ordering::Relaxed) > 0 {
-            if let Some(s) = self.blocked.get(key) {
-                return Some(s);
-            }
+            return self.blocked.get(key);
         }
-        self.sessions.get(key)
+        None
     }
 }
 
@@ -147,11 +284,9 @@ impl GuardStore for MemoryGuard {
         turn: &Turn,
         limits: Limits,
     ) -> Result<Seen, GuardError> {
-        let shared = match self.find(key) {
+        let shared = match self.find_blocked(key) {
             Some(s) => s,
-            None => self
-                .sessions
-                .get_with(key.clone(), || Arc::new(Mutex::new(Session::default()))),
+            None => self.sessions.get_or_insert(key),
         };
         let mut s = shared.lock().map_err(|_| poisoned())?;
         let seen = Seen {
@@ -206,7 +341,7 @@ impl GuardStore for MemoryGuard {
                 self.blocked.insert(key.clone(), Arc::clone(&shared));
                 self.blocks.fetch_add(1, Ordering::Relaxed);
             }
-            self.sessions.invalidate(key);
+            self.sessions.remove(key);
         }
         Ok(())
     }
@@ -234,10 +369,11 @@ impl GuardStore for MemoryGuard {
 
     async fn list(&self, tenant_id: &str, limit: usize) -> Result<Vec<SessionInfo>, GuardError> {
         let mut all: HashMap<SessionKey, SessionInfo> = HashMap::new();
-        for (key, shared) in self.sessions.iter() {
+        for (key, shared) in self.sessions.all() {
             if key.tenant_id == tenant_id {
                 let s = shared.lock().map_err(|_| poisoned())?;
-                all.insert((*key).clone(), info(&key, &s));
+                let i = info(&key, &s);
+                all.insert(key, i);
             }
         }
         for (key, shared) in self.blocked.iter() {
@@ -296,6 +432,7 @@ impl GuardStore for MemoryGuard {
     ) -> Result<(), GuardError> {
         self.idempotency
             .insert(failed_key(tenant_id, key_id, fingerprint), now_ms);
+        self.latest_failure_ms.fetch_max(now_ms, Ordering::Relaxed);
         Ok(())
     }
 
@@ -313,14 +450,28 @@ impl GuardStore for MemoryGuard {
                 fingerprint,
                 now_ms,
                 ttl_ms,
-            } => self
-                .idempotency
-                .get(&failed_key(tenant_id, key_id, fingerprint))
-                .is_some_and(|at| now_ms - at < ttl_ms),
+            } => {
+                let latest = self.latest_failure_ms.load(Ordering::Relaxed);
+                latest > 0
+                    && now_ms - latest < ttl_ms
+                    && self
+                        .idempotency
+                        .get(&failed_key(tenant_id, key_id, fingerprint))
+                        .is_some_and(|at| now_ms - at < ttl_ms)
+            }
         };
         let retry = after_error || known == Known::Retry;
         let mut tenants = self.retries.lock().unwrap_or_else(|p| p.into_inner());
-        let counts = tenants.entry(tenant_id.to_owned()).or_default();
+        if !tenants.contains_key(tenant_id) {
+            tenants.insert(
+                tenant_id.to_owned(),
+                router::window::SlidingCounts::default(),
+            );
+        }
+        // Looked up by `&str`: a String is made only for a tenant's first request.
+        let counts = tenants
+            .get_mut(tenant_id)
+            .ok_or_else(|| GuardError::Protocol("retry counts missing after insert".into()))?;
         counts.add(slot, 1, u32::from(retry));
         let (requests, retries) = counts.totals(slot);
         Ok(RetryCounts {
@@ -328,5 +479,63 @@ impl GuardStore for MemoryGuard {
             retries,
             after_error,
         })
+    }
+}
+
+#[cfg(test)]
+mod active_tests {
+    use super::*;
+
+    fn key(s: &str) -> SessionKey {
+        SessionKey {
+            tenant_id: "t".into(),
+            session: s.into(),
+        }
+    }
+
+    #[test]
+    fn the_least_recently_seen_session_goes_first_when_full() {
+        let a = Active::new(3, Duration::from_secs(3600), Hasher::with_seed(7));
+        let first = a.get_or_insert(&key("a"));
+        a.get_or_insert(&key("b"));
+        a.get_or_insert(&key("c"));
+        // Seen again: the same session, and now the most recent.
+        assert!(Arc::ptr_eq(&first, &a.get_or_insert(&key("a"))));
+        std::thread::sleep(Duration::from_millis(3));
+        a.get(&key("a"));
+        a.get(&key("c"));
+        a.get_or_insert(&key("d"));
+        assert_eq!(a.len(), 3);
+        assert!(a.get(&key("b")).is_none(), "b was the least recently seen");
+        for k in ["a", "c", "d"] {
+            assert!(a.get(&key(k)).is_some(), "{k} kept");
+        }
+        assert!(a.remove(&key("a")).is_some());
+        assert!(a.get(&key("a")).is_none());
+        assert_eq!(a.all().len(), 2);
+    }
+
+    #[test]
+    fn a_session_idle_past_the_ttl_is_forgotten() {
+        let a = Active::new(10, Duration::from_millis(20), Hasher::with_seed(7));
+        let old = a.get_or_insert(&key("a"));
+        assert!(a.get(&key("a")).is_some());
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(a.get(&key("a")).is_none());
+        assert!(a.all().is_empty());
+        let new = a.get_or_insert(&key("a"));
+        assert!(!Arc::ptr_eq(&old, &new), "a fresh session");
+    }
+
+    #[test]
+    fn a_large_bound_spreads_over_shards_and_holds() {
+        let a = Active::new(100_000, Duration::from_secs(3600), Hasher::with_seed(7));
+        assert_eq!(a.shards.len(), 16);
+        for i in 0..120_000 {
+            a.get_or_insert(&key(&i.to_string()));
+        }
+        let n = a.len();
+        assert!((90_000..=100_000).contains(&n), "{n} sessions kept");
+        assert!(a.get(&key("119999")).is_some(), "the newest is kept");
     }
 }

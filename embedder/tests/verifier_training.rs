@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use embedder::eval::threshold_for_precision;
 use embedder::static_embed::StaticEmbedder;
-use embedder::verifier::{train, Embedded, Sources, TrainOptions, Verifier};
+use embedder::verifier::{train, Calibration, Embedded, Sources, TrainOptions, Verifier};
 
 fn table() -> StaticEmbedder {
     let dir = common::model_dir();
@@ -47,14 +47,14 @@ fn the_trained_verifier_sees_what_cosine_cannot_and_its_artefact_round_trips() {
     ];
     let mut rng = embedder::learn::Rng(42);
     let mut pairs = Vec::new();
-    // Two sources that share no text: the exams of even and of odd index.
+    // Three sources that share no text: the exams by index modulo 3.
     let mut sources = Sources {
-        names: vec!["exams-even".into(), "exams-odd".into()],
+        names: vec!["exams-0".into(), "exams-1".into(), "exams-2".into()],
         of: Vec::new(),
     };
     for _ in 0..600 {
         let at = (rng.next_u64() % subjects.len() as u64) as usize;
-        sources.of.push(at % 2);
+        sources.of.push(at % 3);
         let s = subjects[at];
         let (f1, f2) = (rng.next_u64() % 4, rng.next_u64() % 4);
         let y1 = 2010 + rng.next_u64() % 10;
@@ -80,16 +80,49 @@ fn the_trained_verifier_sees_what_cosine_cannot_and_its_artefact_round_trips() {
 
     // Per source, and with each source held out whole (fitted on the other exams alone): the
     // default setting keeps its precision on the grouped folds, and a model that never saw a
-    // source's exams still ranks its duplicates first.
-    assert_eq!(trained.sources.len(), 2);
+    // source's exams still ranks its duplicates first and keeps its precision at the threshold
+    // picked without it.
+    assert_eq!(trained.sources.len(), 3);
     for (i, s) in trained.sources.iter().enumerate() {
         assert_eq!(s.name, sources.names[i]);
         assert_eq!(s.pairs, sources.of.iter().filter(|&&o| o == i).count());
         assert!(s.left_out.is_some(), "{} is held out", s.name);
+        // The threshold for a source is picked without it (each other one held out in turn),
+        // and it transfers: the source held out keeps its precision there.
+        let t = s.left_out_threshold.expect("a transferred threshold");
+        assert!(t < 1.0, "{}: the others reach precision 0.9", s.name);
+        let at = s.left_out.unwrap();
+        assert!(
+            at.precision >= 0.85 && at.recall > 0.3,
+            "{}: {at:?}",
+            s.name
+        );
         let best = s.left_out_best.expect("the precision is reached held out");
         assert!(best.recall > 0.5, "{}: {best:?}", s.name);
         assert!(s.grouped.precision >= 0.85, "{}: {:?}", s.name, s.grouped);
     }
+
+    // Calibrated on the sources held out (nested: each source's threshold is picked on the
+    // others, each held out in turn), the thresholds transfer too, and the shipped curve is
+    // read off scores of models that never saw the source they score.
+    let strict = train(
+        &pairs,
+        &sources,
+        &table,
+        &TrainOptions {
+            calibration: Calibration::SourcesHeldOut,
+            ..TrainOptions::default()
+        },
+        &|_| {},
+    );
+    for s in &strict.sources {
+        let t = s.left_out_threshold.expect("a transferred threshold");
+        let at = s.left_out.unwrap();
+        assert!(t < 1.0 && at.precision >= 0.85, "{}: {t} {at:?}", s.name);
+    }
+    let shipped = strict.verifier.threshold_for(0.9).expect("0.9 is reached");
+    let from_left_out = embedder::eval::at(&strict.left_out, &labels, shipped.threshold);
+    assert!((from_left_out.recall - shipped.recall).abs() < 1e-9);
 
     // Held out, the verifier finds most duplicates at precision 0.9; cosine alone cannot.
     let cosine: Vec<f32> = pairs
@@ -150,8 +183,9 @@ fn the_trained_verifier_sees_what_cosine_cannot_and_its_artefact_round_trips() {
     broken["columns"][0] = "something_else".into();
     let err = Verifier::from_json(&broken.to_string()).unwrap_err();
     assert!(err.contains("retrain"), "{err}");
-    let mut short: serde_json::Value = serde_json::from_str(&json).unwrap();
-    short["bases"][1]["weights"].as_array_mut().unwrap().pop();
-    let err = Verifier::from_json(&short.to_string()).unwrap_err();
+    // Linear models the artefact's columns do not name are refused.
+    let mut extra: serde_json::Value = serde_json::from_str(&json).unwrap();
+    extra["bases"] = serde_json::json!([{ "weights": [1.0], "bias": 0.0 }]);
+    let err = Verifier::from_json(&extra.to_string()).unwrap_err();
     assert!(err.contains("inputs"), "{err}");
 }

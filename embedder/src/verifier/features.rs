@@ -238,8 +238,9 @@ impl TokenIdf {
 pub struct Stats {
     /// Token rarity.
     pub idf: TokenIdf,
-    /// Leading components of sentence vectors.
-    pub pca: Pca,
+    /// Leading components of sentence vectors (`None` without the linear models, which alone
+    /// read them).
+    pub pca: Option<Pca>,
 }
 
 /// What a pair's inputs need that depends on nothing fitted.
@@ -422,24 +423,26 @@ fn form(ta: &str, tb: &str, wa: &[String], wb: &[String]) -> Vec<f32> {
 }
 
 /// A pair's inputs to the stacked model: the trees' features ([`FEATURES`] then [`EXTRA`]) and
-/// one vector per linear model ([`BASES`]).
+/// one vector per linear model ([`BASES`], when the verifier has them).
 #[derive(Debug, Clone)]
 pub struct Inputs {
     /// The trees' features (the linear models' scores are appended after them).
     pub features: Vec<f32>,
-    /// One input vector per [`BASES`] entry.
-    pub bases: [Vec<f32>; 4],
+    /// One input vector per [`BASES`] entry (empty without the linear models).
+    pub bases: Vec<Vec<f32>>,
 }
 
 impl Stats {
-    /// Fit on training texts: their static-tokenizer ids and sentence vectors.
+    /// Fit on training texts: their static-tokenizer ids and, for the linear models over
+    /// vectors (`linear`), their sentence vectors.
     pub fn fit<'a>(
         ids: impl Iterator<Item = &'a [u32]>,
         sentences: impl Iterator<Item = &'a [f32]> + Clone,
+        linear: bool,
     ) -> Self {
         Self {
             idf: TokenIdf::fit(ids),
-            pca: Pca::fit(sentences, PCA_COMPONENTS),
+            pca: linear.then(|| Pca::fit(sentences, PCA_COMPONENTS)),
         }
     }
 
@@ -460,7 +463,13 @@ impl Stats {
         let weights = [weights(0), weights(1)];
         let mut features = basics.features.clone();
         features.extend(self.rarity(basics, &weights, table));
-        let (pa, pb) = (self.pca.project(a.sentence), self.pca.project(b.sentence));
+        let Some(pca) = &self.pca else {
+            return Inputs {
+                features,
+                bases: Vec::new(),
+            };
+        };
+        let (pa, pb) = (pca.project(a.sentence), pca.project(b.sentence));
         let k = pa.len();
         let mut bilinear = Vec::with_capacity(k * (k + 1) / 2);
         for i in 0..k {
@@ -506,7 +515,7 @@ impl Stats {
         direction.extend([la.min(lb), la.max(lb), ca.min(cb) as f32, ca.max(cb) as f32]);
         Inputs {
             features,
-            bases: [
+            bases: vec![
                 bilinear,
                 basics.sentence_product.clone(),
                 basics.maxpool_product.clone(),

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 
 pub use features::{Text, BASES, EXTRA, FEATURES, FORM};
 pub use train::{
-    train, Embedded, SourceFigures, Sources, TrainOptions, Trained, DEFAULT_PRECISION,
+    train, Calibration, Embedded, SourceFigures, Sources, TrainOptions, Trained, DEFAULT_PRECISION,
 };
 
 use crate::eval::Point;
@@ -32,13 +32,15 @@ use crate::learn::trees::Boosted;
 use crate::static_embed::StaticEmbedder;
 use features::{PairBasics, Stats};
 
-/// Every column the trees read, in order: [`FEATURES`], [`FORM`], [`EXTRA`], then [`BASES`].
-pub fn columns() -> Vec<String> {
+/// Every column the trees read, in order: [`FEATURES`], [`FORM`], [`EXTRA`], then with the
+/// linear models over vectors (`linear`), [`BASES`].
+pub fn columns(linear: bool) -> Vec<String> {
+    let bases: &[&str] = if linear { BASES } else { &[] };
     FEATURES
         .iter()
         .chain(FORM)
         .chain(EXTRA)
-        .chain(BASES)
+        .chain(bases)
         .map(|s| (*s).to_owned())
         .collect()
 }
@@ -88,19 +90,32 @@ impl Verifier {
         let v: Self = serde_json::from_str(json).map_err(|e| {
             format!("unreadable verifier: {e}; retrain it with `gateway embed train-verifier`")
         })?;
-        if v.columns != columns() {
+        let linear = v.stats.pca.is_some();
+        if v.columns != columns(linear) {
             return Err(format!(
                 "the verifier was trained on columns {:?}, this build computes {:?}; \
                  retrain it with `gateway embed train-verifier`",
                 v.columns,
-                columns()
+                columns(linear)
             ));
         }
-        let dim = v.stats.pca.mean.len();
-        let k = v.stats.pca.components.len();
-        let expected = [k * (k + 1) / 2, 2 * dim, 2 * dim, 3 * dim + 4];
+        let (dim, k) = v
+            .stats
+            .pca
+            .as_ref()
+            .map_or((0, 0), |p| (p.mean.len(), p.components.len()));
+        let expected: Vec<usize> = if linear {
+            vec![k * (k + 1) / 2, 2 * dim, 2 * dim, 3 * dim + 4]
+        } else {
+            Vec::new()
+        };
         let found: Vec<usize> = v.bases.iter().map(|b| b.weights.len()).collect();
-        if found != expected || v.stats.pca.components.iter().any(|c| c.len() != dim) {
+        if found != expected
+            || v.stats
+                .pca
+                .as_ref()
+                .is_some_and(|p| p.components.iter().any(|c| c.len() != dim))
+        {
             return Err(format!(
                 "the verifier's linear models take {found:?} inputs, this build computes \
                  {expected:?}; retrain it with `gateway embed train-verifier`"

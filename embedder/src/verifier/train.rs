@@ -17,7 +17,12 @@
 //!   precision: the figure that predicts how the cache does on traffic unlike its training data.
 //! - **The shipped curve** takes, at each threshold, the worst source's held-out precision (see
 //!   `worst_source_curve`), so a tenant's setting holds on every kind of text in training rather
-//!   than on their mix, which the easiest source would dominate.
+//!   than on their mix, which the easiest source would dominate. By default it is read off the
+//!   grouped folds; [`Calibration::SourcesHeldOut`] reads it off each source scored by the
+//!   model fitted without it, and then judges each source held out at the threshold picked
+//!   without it (every other source held out in turn as well: nested). On the dev sets that
+//!   stricter rule reaches precision 0.90 nowhere (QQP held out never does at any threshold),
+//!   so it is a measurement, not the default (docs/cache.md).
 
 use std::collections::HashMap;
 
@@ -64,6 +69,26 @@ pub struct TrainOptions {
     pub trees: Params,
     /// Candidate inverse regularisation strengths of the linear models.
     pub cs: Vec<f64>,
+    /// Stack the linear models over vector components ([`super::BASES`]) under the trees. On
+    /// by default: without them, QQP's grouped recall at precision 0.90 falls from 0.37 to
+    /// 0.16, and no source held out gains precision (docs/cache.md).
+    pub linear: bool,
+    /// Where the shipped curve (and so every precision setting's threshold) is read.
+    pub calibration: Calibration,
+    /// Tree features left out (held at 0, so no tree splits on them), by name: for ablations.
+    pub without: Vec<String>,
+}
+
+/// Which held-out scores the shipped curve is read from (with several sources).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Calibration {
+    /// Grouped folds, every source in training: the worst source's precision there.
+    #[default]
+    Grouped,
+    /// Each source scored by a model fitted without it: the worst source's precision there.
+    /// Stricter; the source held out is then judged at a threshold picked on the others, each
+    /// held out in turn as well (nested).
+    SourcesHeldOut,
 }
 
 impl Default for TrainOptions {
@@ -73,6 +98,9 @@ impl Default for TrainOptions {
             seed: 0x5EED,
             trees: Params::default(),
             cs: vec![1e-4, 1e-3, 1e-2, 1e-1],
+            linear: true,
+            calibration: Calibration::default(),
+            without: Vec::new(),
         }
     }
 }
@@ -125,9 +153,14 @@ pub struct SourceFigures {
     /// Grouped folds: the most recall at precision [`DEFAULT_PRECISION`] within this source
     /// alone (its own best threshold; `None` when never reached).
     pub grouped_best: Option<Point>,
-    /// Held out as a whole source: at the threshold the other sources pick (`None` with a
-    /// single source).
+    /// Held out as a whole source: at the threshold the other sources pick by the shipped rule
+    /// (each of them held out in turn too; `None` with a single source).
     pub left_out: Option<Point>,
+    /// That threshold.
+    pub left_out_threshold: Option<f32>,
+    /// Held out as a whole source, at the threshold the other sources' grouped held-out scores
+    /// pick (the rule before sources were held out for calibration; for comparison).
+    pub left_out_by_grouped: Option<Point>,
     /// Held out as a whole source: the most recall at precision [`DEFAULT_PRECISION`] at this
     /// source's own best threshold (how well the scores rank, whatever the threshold).
     pub left_out_best: Option<Point>,
@@ -195,6 +228,8 @@ struct Data<'a> {
     groups: Vec<usize>,
     table: &'a StaticEmbedder,
     options: &'a TrainOptions,
+    /// Columns of [`TrainOptions::without`].
+    masked: Vec<usize>,
 }
 
 impl Data<'_> {
@@ -202,7 +237,13 @@ impl Data<'_> {
         rows.par_iter()
             .map(|&r| {
                 let (a, b, _) = &self.pairs[r];
-                stats.inputs(&self.basics[r], &a.view(), &b.view(), self.table)
+                let mut inputs = stats.inputs(&self.basics[r], &a.view(), &b.view(), self.table);
+                for &c in &self.masked {
+                    if let Some(x) = inputs.features.get_mut(c) {
+                        *x = 0.0;
+                    }
+                }
+                inputs
             })
             .collect()
     }
@@ -216,6 +257,7 @@ impl Data<'_> {
                 let (a, b, _) = &self.pairs[r];
                 [a.sentence.as_slice(), b.sentence.as_slice()]
             }),
+            self.options.linear,
         );
         let inputs = self.inputs(&stats, rows);
         let labels: Vec<bool> = rows.iter().map(|&r| self.labels[r]).collect();
@@ -224,7 +266,12 @@ impl Data<'_> {
         let mut tree_rows: Vec<Vec<f32>> = inputs.iter().map(|i| i.features.clone()).collect();
         let mut bases = Vec::new();
         let mut chosen = Vec::new();
-        for (j, name) in super::BASES.iter().enumerate() {
+        let linear: &[&str] = if self.options.linear {
+            super::BASES
+        } else {
+            &[]
+        };
+        for (j, name) in linear.iter().enumerate() {
             let mut x = Matrix::new(inputs.first().map_or(0, |i| i.bases[j].len()));
             for i in &inputs {
                 x.push(&i.bases[j]);
@@ -248,7 +295,7 @@ impl Data<'_> {
         }
         let trees = Boosted::fit(&tree_rows, &labels, self.options.trees);
         let verifier = Verifier {
-            columns: columns(),
+            columns: columns(self.options.linear),
             stats,
             bases,
             trees,
@@ -279,33 +326,76 @@ impl Data<'_> {
         self.options.cs[best]
     }
 
-    /// Each pair's score from a model fitted on the other sources, leaving out as well every
-    /// pair that shares a text (directly or through other pairs) with the source held out.
+    /// The pairs of the sources `out`, scored by a model fitted on the other sources, leaving
+    /// out as well every pair that shares a text (directly or through other pairs) with them.
+    fn fit_without(
+        &self,
+        sources: &Sources,
+        out: &[usize],
+        progress: &(dyn Fn(&str) + Sync),
+    ) -> Vec<(usize, f32)> {
+        let held: Vec<usize> = (0..self.pairs.len())
+            .filter(|&r| out.contains(&sources.of[r]))
+            .collect();
+        let touched: std::collections::HashSet<usize> =
+            held.iter().map(|&r| self.groups[r]).collect();
+        let train: Vec<usize> = (0..self.pairs.len())
+            .filter(|&r| !touched.contains(&self.groups[r]))
+            .collect();
+        let names: Vec<&str> = out.iter().map(|&s| sources.names[s].as_str()).collect();
+        progress(&format!(
+            "{} held out: {} pairs, trained on {}",
+            names.join(" + "),
+            held.len(),
+            train.len()
+        ));
+        if train.is_empty() || held.is_empty() {
+            return held.into_iter().map(|r| (r, 0.0)).collect();
+        }
+        let (v, _) = self.fit(&train, progress);
+        held.iter().copied().zip(self.score(&v, &held)).collect()
+    }
+
+    /// Each pair's score from a model fitted on the other sources.
     fn leave_sources_out(&self, sources: &Sources, progress: &(dyn Fn(&str) + Sync)) -> Vec<f32> {
         let mut scores = vec![0.0f32; self.pairs.len()];
-        for (s, name) in sources.names.iter().enumerate() {
-            let held: Vec<usize> = (0..self.pairs.len())
-                .filter(|&r| sources.of[r] == s)
-                .collect();
-            let touched: std::collections::HashSet<usize> =
-                held.iter().map(|&r| self.groups[r]).collect();
-            let train: Vec<usize> = (0..self.pairs.len())
-                .filter(|&r| !touched.contains(&self.groups[r]))
-                .collect();
-            progress(&format!(
-                "source {name} held out: {} pairs, trained on {}",
-                held.len(),
-                train.len()
-            ));
-            if train.is_empty() || held.is_empty() {
-                continue;
-            }
-            let (v, _) = self.fit(&train, progress);
-            for (r, p) in held.iter().zip(self.score(&v, &held)) {
-                scores[*r] = p;
+        for s in 0..sources.names.len() {
+            for (r, p) in self.fit_without(sources, &[s], progress) {
+                scores[r] = p;
             }
         }
         scores
+    }
+
+    /// For each source, the threshold the shipped rule picks without it: every other source is
+    /// scored by a model fitted on neither it nor the source, and the worst of them must reach
+    /// [`DEFAULT_PRECISION`] (1.0 when none does). What the source held out then gets at that
+    /// threshold is what a kind of text absent from training can expect of the shipped one.
+    fn transferred_thresholds(
+        &self,
+        sources: &Sources,
+        progress: &(dyn Fn(&str) + Sync),
+    ) -> Vec<f32> {
+        let n = sources.names.len();
+        let with_duplicates: Vec<bool> = (0..n)
+            .map(|s| (0..self.pairs.len()).any(|r| sources.of[r] == s && self.labels[r]))
+            .collect();
+        (0..n)
+            .map(|s| {
+                let mut scores = vec![0.0f32; self.pairs.len()];
+                let others: Vec<usize> = (0..n).filter(|&t| t != s).collect();
+                for &t in others.iter().filter(|&&t| with_duplicates[t]) {
+                    for (r, p) in self.fit_without(sources, &[s, t], progress) {
+                        scores[r] = p;
+                    }
+                }
+                // Sources without duplicates add no precision of their own (see
+                // `worst_source_curve`); they are not scored.
+                let keep = |r: usize| sources.of[r] != s && with_duplicates[sources.of[r]];
+                let curve = worst_source_curve(&scores, &self.labels, &sources.of, &keep);
+                super::lowest_reaching(&curve, DEFAULT_PRECISION).map_or(1.0, |p| p.threshold)
+            })
+            .collect()
     }
 
     fn score(&self, v: &Verifier, rows: &[usize]) -> Vec<f32> {
@@ -338,6 +428,12 @@ pub fn train(
         groups: question_groups(pairs),
         table,
         options,
+        masked: columns(false)
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| options.without.contains(c))
+            .map(|(i, _)| i)
+            .collect(),
     };
     let all: Vec<usize> = (0..pairs.len()).collect();
     let folds = group_folds(
@@ -373,18 +469,41 @@ pub fn train(
             baseline[r] = plain.probability(&data.basics[r].features[..FEATURES.len()]);
         }
     }
-    let left_out = if sources.names.len() > 1 {
-        data.leave_sources_out(sources, progress)
+    let by_held_out = options.calibration == Calibration::SourcesHeldOut;
+    let (left_out, transferred) = if sources.names.len() > 1 {
+        (
+            data.leave_sources_out(sources, progress),
+            if by_held_out {
+                data.transferred_thresholds(sources, progress)
+            } else {
+                Vec::new()
+            },
+        )
     } else {
-        Vec::new()
+        (Vec::new(), Vec::new())
     };
     progress("all pairs: the shipped model");
     let (mut verifier, chosen_c) = data.fit(&all, progress);
-    verifier.curve = worst_source_curve(&held_out, &data.labels, &sources.of, &|_| true);
+    // With several sources, the curve is read off each source's scores from the model fitted
+    // without it: a threshold that holds on every kind of text the model never saw is likelier
+    // to hold on the next one than one read off folds that saw every kind.
+    let calibration = if left_out.is_empty() || !by_held_out {
+        &held_out
+    } else {
+        &left_out
+    };
+    verifier.curve = worst_source_curve(calibration, &data.labels, &sources.of, &|_| true);
     let shipped = verifier
         .threshold_for(DEFAULT_PRECISION)
         .map_or(1.0, |p| p.threshold);
-    let figures = source_figures(sources, &data.labels, &held_out, shipped, &left_out);
+    let figures = source_figures(
+        sources,
+        &data.labels,
+        &held_out,
+        shipped,
+        &left_out,
+        &transferred,
+    );
     Trained {
         verifier,
         held_out,
@@ -454,6 +573,7 @@ fn source_figures(
     held_out: &[f32],
     shipped: f32,
     left_out: &[f32],
+    transferred: &[f32],
 ) -> Vec<SourceFigures> {
     use super::lowest_reaching;
     let pick = |scores: &[f32], keep: &dyn Fn(usize) -> bool| -> (Vec<f32>, Vec<bool>) {
@@ -468,12 +588,15 @@ fn source_figures(
             let (scores, y) = pick(held_out, &mine);
             let left = (!left_out.is_empty()).then(|| {
                 let curve = worst_source_curve(held_out, labels, &sources.of, &|r| !mine(r));
-                let threshold =
+                let by_grouped =
                     lowest_reaching(&curve, DEFAULT_PRECISION).map_or(1.0, |p| p.threshold);
+                let threshold = transferred.get(s).copied().unwrap_or(by_grouped);
                 let (scores, y) = pick(left_out, &mine);
                 (
                     at(&scores, &y, threshold),
                     threshold_for_precision(&scores, &y, DEFAULT_PRECISION),
+                    at(&scores, &y, by_grouped),
+                    threshold,
                 )
             });
             SourceFigures {
@@ -483,6 +606,8 @@ fn source_figures(
                 grouped: at(&scores, &y, shipped),
                 grouped_best: threshold_for_precision(&scores, &y, DEFAULT_PRECISION),
                 left_out: left.map(|l| l.0),
+                left_out_threshold: left.map(|l| l.3),
+                left_out_by_grouped: left.map(|l| l.2),
                 left_out_best: left.and_then(|l| l.1),
             }
         })

@@ -93,6 +93,24 @@ enum EmbedCommand {
         /// Seed of the fold assignment (to see how much the held-out figures move with it).
         #[arg(long, default_value_t = TrainOptions::default().seed)]
         seed: u64,
+        /// Trees alone, without the linear models over vector components stacked under them
+        /// (for ablations: QQP's recall falls by half).
+        #[arg(long)]
+        no_linear: bool,
+        /// Read the shipped curve off each source held out (fitted on the others) rather than
+        /// off the grouped folds: stricter thresholds, meant to hold on kinds of text absent
+        /// from training.
+        #[arg(long)]
+        calibrate_held_out: bool,
+        /// Leave a tree feature out (by column name; repeat it): for ablations.
+        #[arg(long)]
+        without: Vec<String>,
+        /// Depth of each boosted tree.
+        #[arg(long, default_value_t = TrainOptions::default().trees.depth)]
+        tree_depth: usize,
+        /// Least pairs in a tree leaf.
+        #[arg(long, default_value_t = TrainOptions::default().trees.min_leaf)]
+        min_leaf: usize,
     },
 }
 
@@ -356,6 +374,11 @@ async fn main() -> anyhow::Result<()> {
                     limit,
                     cache,
                     seed,
+                    no_linear,
+                    calibrate_held_out,
+                    without,
+                    tree_depth,
+                    min_leaf,
                 },
         } => gateway::cache::tools::train_verifier(
             &gateway::cache::tools::PairFiles {
@@ -369,6 +392,18 @@ async fn main() -> anyhow::Result<()> {
             TrainOptions {
                 folds: usize::from(folds),
                 seed,
+                linear: !no_linear,
+                calibration: if calibrate_held_out {
+                    embedder::verifier::Calibration::SourcesHeldOut
+                } else {
+                    embedder::verifier::Calibration::Grouped
+                },
+                without,
+                trees: embedder::learn::trees::Params {
+                    depth: tree_depth,
+                    min_leaf,
+                    ..TrainOptions::default().trees
+                },
                 ..TrainOptions::default()
             },
         ),

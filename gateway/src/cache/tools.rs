@@ -358,6 +358,10 @@ pub fn train_verifier(
     use embedder::eval::threshold_for_precision;
     use embedder::verifier::{train, DEFAULT_PRECISION};
     let folds = options.folds;
+    let known = embedder::verifier::columns(false);
+    if let Some(unknown) = options.without.iter().find(|w| !known.contains(w)) {
+        anyhow::bail!("--without {unknown}: the verifier's features are {known:?}");
+    }
     let bert = load_bert(model)?;
     let table = load_table(model)?;
     let (embedded, sources) =
@@ -376,7 +380,7 @@ pub fn train_verifier(
         y.len(),
         y.iter().filter(|&&l| l).count()
     );
-    println!("  target precision  cosine alone: recall  trees on 15 features: recall  verifier: recall (threshold)");
+    println!("  target precision  cosine alone: recall  trees on {} features: recall  verifier: recall (threshold)", embedder::verifier::FEATURES.len());
     for target in [0.80, 0.85, 0.90, 0.95] {
         let recall = |s: &[f32]| threshold_for_precision(s, &y, target).map_or(0.0, |p| p.recall);
         let v = threshold_for_precision(&trained.held_out, &y, target);
@@ -434,15 +438,24 @@ pub fn train_verifier(
         "\nper source, precision / recall at the default setting (min precision 0.90):\n  \
          grouped: the shipped threshold on the grouped held-out scores; own best: the most recall \
          at precision 0.90 within the source;\n  source held out: fitted on the other sources, at \
-         the threshold their held-out scores pick"
+         the threshold (in brackets) the shipped rule picks without it (the others, each held out \
+         in turn);\n  by grouped: at the threshold the others' grouped held-out scores pick (the \
+         earlier rule)"
     );
     println!(
-        "  {:22} {:>6} {:>6}  {:>22}  {:>8}  {:>22}  {:>8}",
-        "source", "pairs", "dups", "grouped", "own best", "source held out", "own best"
+        "  {:22} {:>6} {:>6}  {:>22}  {:>8}  {:>30}  {:>22}  {:>8}",
+        "source",
+        "pairs",
+        "dups",
+        "grouped",
+        "own best",
+        "source held out",
+        "by grouped",
+        "own best"
     );
     for s in &trained.sources {
         println!(
-            "  {:22} {:6} {:6}  {:>22}  {:>8}  {:>22}  {:>8}",
+            "  {:22} {:6} {:6}  {:>22}  {:>8}  {:>30}  {:>22}  {:>8}",
             s.name,
             s.pairs,
             s.duplicates,
@@ -450,6 +463,12 @@ pub fn train_verifier(
             s.grouped_best
                 .map_or("-".into(), |p| format!("{:.3}", p.recall)),
             s.left_out
+                .zip(s.left_out_threshold)
+                .map_or("-".into(), |(p, t)| format!(
+                    "{} ({t:.3})",
+                    show(&p, s.duplicates, s.pairs)
+                )),
+            s.left_out_by_grouped
                 .map_or("-".into(), |p| show(&p, s.duplicates, s.pairs)),
             s.left_out_best
                 .map_or("-".into(), |p| format!("{:.3}", p.recall)),

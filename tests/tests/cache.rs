@@ -319,6 +319,16 @@ fn semantic_config(sim: &Sim) -> Config {
     c
 }
 
+/// A gateway with the semantic layer loaded (`semantic_config`, then `tweak`), and its upstream.
+async fn semantic_app(tweak: impl FnOnce(&mut Config)) -> (TestApp, Sim) {
+    let sim = Sim::zero("sim-small").await;
+    let mut c = semantic_config(&sim);
+    tweak(&mut c);
+    let app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    semantic_ready(&app).await;
+    (app, sim)
+}
+
 #[tokio::test]
 async fn paraphrases_hit_the_semantic_layer_and_near_misses_do_not() {
     let sim = Sim::zero("sim-small").await;
@@ -403,6 +413,87 @@ async fn paraphrases_hit_the_semantic_layer_and_near_misses_do_not() {
         m.contains("gateway_cache_lookups_total{layer=\"semantic\",result=\"hit\"} 2"),
         "{m}"
     );
+    app.stop().await;
+}
+
+/// Beside Quora questions (issue 18): a swapped route asks something else however close its
+/// words, and a reworded instruction asks the same. Each pair in its own namespace (system
+/// prompt), so nothing else stored can be the candidate. Verifier probabilities on the shipped
+/// artefact (`gateway embed verify`): the swap 0.57 (below every setting's threshold), the
+/// summary instruction 0.85 (threshold 0.84 at the default 0.9), the translation 0.69
+/// (threshold 0.61 at 0.8).
+#[tokio::test]
+async fn a_swapped_route_misses_and_a_reworded_instruction_hits() {
+    let (app, _sim) = semantic_app(|c| c.cache.semantic.lookup_timeout_ms = 5_000).await;
+    let ask = async |system: &str, text: &str| {
+        let mut body = deterministic(text);
+        body["messages"] = json!([{"role": "system", "content": system},
+                                  {"role": "user", "content": text}]);
+        let r = app.chat(body).await;
+        assert_eq!(r.status(), 200);
+        cache_header(&r)
+    };
+    let set_precision = async |p: &str| {
+        let (ok, out) = app
+            .ctl(&["cache", "set", "--tenant", "acme", "--min-precision", p])
+            .await;
+        assert!(ok, "{out}");
+    };
+    let (travel, writer, translator, air) = (
+        "You are a travel assistant.",
+        "You are a writing assistant.",
+        "You are a translator.",
+        "You book flights.",
+    );
+    let (there, back) = (
+        "Show me flights from Paris to Rome on Friday",
+        "Show me flights from Rome to Paris on Friday",
+    );
+    // (precision setting, system prompt, question, what the cache answers)
+    let steps = [
+        ("0.9", travel, there, "miss"),
+        ("0.9", travel, back, "miss"),
+        (
+            "0.9",
+            writer,
+            "Summarize the following article in three bullet points.",
+            "miss",
+        ),
+        (
+            "0.9",
+            writer,
+            "Give me a three-bullet summary of the following article.",
+            "hit-semantic",
+        ),
+        // A looser setting answers a looser rewording; the swap still misses.
+        (
+            "0.8",
+            translator,
+            "Translate the following sentence into French.",
+            "miss",
+        ),
+        (
+            "0.8",
+            translator,
+            "Translate this sentence to French.",
+            "hit-semantic",
+        ),
+        ("0.8", travel, back, "hit-exact"),
+        ("0.8", air, there, "miss"),
+        ("0.8", air, back, "miss"),
+    ];
+    let mut setting = "";
+    for (precision, system, question, expected) in steps {
+        if precision != setting {
+            set_precision(precision).await;
+            setting = precision;
+        }
+        assert_eq!(
+            ask(system, question).await,
+            expected,
+            "{system} {question} at {precision}"
+        );
+    }
     app.stop().await;
 }
 
@@ -611,11 +702,7 @@ async fn with_the_semantic_default_the_model_loads_on_the_first_request_that_nee
 
 #[tokio::test]
 async fn cache_show_says_what_each_precision_setting_would_answer_of_the_tenants_own_lookups() {
-    let sim = Sim::zero("sim-small").await;
-    let mut c = semantic_config(&sim);
-    c.cache.semantic.lookup_timeout_ms = 5_000;
-    let app = TestApp::spawn(c, StoreKind::Sqlite).await;
-    semantic_ready(&app).await;
+    let (app, _sim) = semantic_app(|c| c.cache.semantic.lookup_timeout_ms = 5_000).await;
     let (ok, out) = app.ctl(&["cache", "show", "--tenant", "acme"]).await;
     assert!(ok, "{out}");
     assert!(

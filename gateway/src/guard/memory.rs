@@ -5,7 +5,7 @@
 //! `max_sessions` blocked sessions are kept (the oldest block goes first).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -81,33 +81,35 @@ impl Active {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Whether an entry last seen at `last` is still kept at `now`.
+    fn live(&self, last: u64, now: u64) -> bool {
+        now.saturating_sub(last) <= self.ttl_ms
+    }
+
+    /// The session in `map`, seen now; `None` when absent or idle past the ttl (then
+    /// forgotten).
+    fn touch(&self, map: &mut Shard, key: &SessionKey, now: u64) -> Option<Shared> {
+        let (s, last) = map.get_mut(key)?;
+        if self.live(*last, now) {
+            *last = now;
+            return Some(Arc::clone(s));
+        }
+        map.remove(key);
+        None
+    }
+
     /// The session, seen now; `None` when absent or idle past the ttl (then forgotten).
     fn get(&self, key: &SessionKey) -> Option<Shared> {
         let now = self.now();
-        let mut map = self.lock(self.shard(key));
-        match map.get_mut(key) {
-            Some((s, last)) if now.saturating_sub(*last) <= self.ttl_ms => {
-                *last = now;
-                Some(Arc::clone(s))
-            }
-            Some(_) => {
-                map.remove(key);
-                None
-            }
-            None => None,
-        }
+        self.touch(&mut self.lock(self.shard(key)), key, now)
     }
 
     /// The session, seen now, made when absent (evicting the least recently seen when full).
     fn get_or_insert(&self, key: &SessionKey) -> Shared {
         let now = self.now();
         let mut map = self.lock(self.shard(key));
-        if let Some((s, last)) = map.get_mut(key) {
-            if now.saturating_sub(*last) <= self.ttl_ms {
-                *last = now;
-                return Arc::clone(s);
-            }
-            map.remove(key);
+        if let Some(s) = self.touch(&mut map, key, now) {
+            return s;
         }
         if map.len() >= self.per_shard {
             self.evict(&mut map, now);
@@ -120,7 +122,7 @@ impl Active {
     /// Drop what is idle past the ttl and, if the shard is still full, its least recently seen
     /// sixteenth (at least one): a full scan once per many inserts, not one per insert.
     fn evict(&self, map: &mut Shard, now: u64) {
-        map.retain(|_, (_, last)| now.saturating_sub(*last) <= self.ttl_ms);
+        map.retain(|_, (_, last)| self.live(*last, now));
         if map.len() < self.per_shard {
             return;
         }
@@ -153,7 +155,7 @@ impl Active {
             .flat_map(|shard| {
                 self.lock(shard)
                     .iter()
-                    .filter(|(_, (_, last))| now.saturating_sub(*last) <= self.ttl_ms)
+                    .filter(|(_, (_, last))| self.live(*last, now))
                     .map(|(k, (s, _))| (k.clone(), Arc::clone(s)))
                     .collect::<Vec<_>>()
             })
@@ -181,7 +183,7 @@ pub struct MemoryGuard {
     retries: Mutex<HashMap<String, router::window::SlidingCounts>>,
     /// When the latest error answer was marked (ms; 0: never): while older than the retry
     /// window, no request can be a retry after an error, and none is looked up.
-    latest_failure_ms: std::sync::atomic::AtomicI64,
+    latest_failure_ms: AtomicI64,
 }
 
 /// The idempotency map's key for an error answer to a fingerprint (a space, which no
@@ -238,7 +240,7 @@ impl MemoryGuard {
                 .eviction_policy(EvictionPolicy::lru())
                 .build_with_hasher(hasher.clone()),
             retries: Mutex::new(HashMap::new()),
-            latest_failure_ms: std::sync::atomic::AtomicI64::new(0),
+            latest_failure_ms: AtomicI64::new(0),
             hasher,
         }
     }
@@ -462,18 +464,15 @@ impl GuardStore for MemoryGuard {
         };
         let retry = after_error || known == Known::Retry;
         let mut tenants = self.retries.lock().unwrap_or_else(|p| p.into_inner());
-        if !tenants.contains_key(tenant_id) {
-            tenants.insert(
-                tenant_id.to_owned(),
-                router::window::SlidingCounts::default(),
-            );
-        }
+        let tally = |counts: &mut router::window::SlidingCounts| {
+            counts.add(slot, 1, u32::from(retry));
+            counts.totals(slot)
+        };
         // Looked up by `&str`: a String is made only for a tenant's first request.
-        let counts = tenants
-            .get_mut(tenant_id)
-            .ok_or_else(|| GuardError::Protocol("retry counts missing after insert".into()))?;
-        counts.add(slot, 1, u32::from(retry));
-        let (requests, retries) = counts.totals(slot);
+        let (requests, retries) = match tenants.get_mut(tenant_id) {
+            Some(counts) => tally(counts),
+            None => tally(tenants.entry(tenant_id.to_owned()).or_default()),
+        };
         Ok(RetryCounts {
             requests,
             retries,

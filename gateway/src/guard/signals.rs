@@ -259,25 +259,30 @@ fn id_tokens(text: &str, ids: &mut Vec<u64>) {
     ids.dedup();
 }
 
+/// The last `repeats` steps (at least [`MIN_REPEATS`]) that a shape must span; `None` when the
+/// conversation has fewer.
+fn last_repeats(steps: &[Step], repeats: usize) -> Option<&[Step]> {
+    steps.get(steps.len().checked_sub(repeats.max(MIN_REPEATS))?..)
+}
+
 /// The agent keeps asking for what the user keeps giving: the last `repeats` steps (at least
 /// 3) are text replies that ask something, each answered by the user with the same identifier
 /// (an order number, a booking code), and none of the replies after the first answer mentions
 /// it — no tool looked it up, no reply used it. An agent that takes the answer in says it back
 /// or acts on it; one that asks again, in whatever words, has not.
 fn asked_again(steps: &[Step], repeats: usize) -> Option<Loop> {
-    let k = repeats.max(MIN_REPEATS);
-    let n = steps.len();
-    if n < k || !steps[n - k..].iter().all(|s| s.asks) {
+    let last = last_repeats(steps, repeats)?;
+    if !last.iter().all(|s| s.asks) {
         return None;
     }
-    let first = &steps[n - k];
+    let (first, after) = last.split_first()?;
     let ignored = first.given.iter().any(|id| {
-        steps[n - k + 1..]
+        after
             .iter()
             .all(|s| s.given.binary_search(id).is_ok() && s.mentioned.binary_search(id).is_err())
     });
     ignored.then(|| Loop {
-        repeats: k,
+        repeats: last.len(),
         period: 1,
         what: "assistant asking again for what the user already gave".to_owned(),
     })
@@ -296,14 +301,12 @@ const PLAIN_REPLY: usize = 240;
 /// tool output and a harness's observations (a file paged with `scroll_down` comes back long),
 /// and replies carrying numbers (a job polled to 40%, then 80%, is moving).
 fn code_reoffered(steps: &[Step], repeats: usize) -> Option<Loop> {
-    let k = repeats.max(MIN_REPEATS);
-    let n = steps.len();
-    let last = steps.get(n.checked_sub(k)?..)?;
+    let last = last_repeats(steps, repeats)?;
     let same = last
         .iter()
         .all(|s| s.code && s.plain_reply && s.action == last[0].action);
     same.then(|| Loop {
-        repeats: k,
+        repeats: last.len(),
         period: 1,
         what: "the same code block offered again while the user objects".to_owned(),
     })
@@ -548,7 +551,7 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
             o.outcome.write_u64(part);
             if o.asks && role == "user" {
                 o.answered = true;
-                id_tokens(&text_of(m.get("content")), &mut o.given);
+                id_tokens(&content, &mut o.given);
             }
         }
     }

@@ -3,10 +3,12 @@
 //! `pairs-dev.jsonl`, every `prompt` of `routing-dev.jsonl`, in file order, summed in f64).
 //!
 //! The static embeddings of all texts share one large component (unrelated questions have
-//! cosines near 0.84); subtracting this mean before comparing leaves what tells texts apart. The
-//! loop detector's near-duplicate sketches (`gateway/src/guard/near.rs`) subtract it. It is a
-//! committed asset, never computed from traffic: every replica must centre the same way, because
-//! sketches are compared across replicas through Redis.
+//! cosines near 0.84); subtracting this mean before comparing leaves what tells texts apart.
+//! No shipped code reads it yet: it is what two measured experiments used (centred
+//! near-duplicate sketches for the loop detector, centred static features for the semantic
+//! cache's verifier; docs/benchmarks.md), neither of which beat what ships. A user of it must
+//! take it as a committed asset, never compute it from traffic: replicas compare sketches
+//! through Redis, so every one must centre the same way.
 //!
 //! ```sh
 //! cargo run -p embedder --example static_centre -- /work/shared/data embedder/assets/static-centre.json [MODEL_DIR]

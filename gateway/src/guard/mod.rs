@@ -393,15 +393,24 @@ fn window_loop(
             _ => false,
         }
     };
-    let (repeats, period) = signals::repetition(turns.len(), same, repeats)?;
+    let what = if latest.text {
+        "the same request (across requests)"
+    } else {
+        "the same tool step (across requests)"
+    };
+    if let Some((repeats, period)) = signals::repetition(turns.len(), same, repeats) {
+        return Some(Loop {
+            repeats,
+            period,
+            what: what.to_owned(),
+        });
+    }
+    // A-A-x-A: the client asked something else once and came back to the same request.
+    let repeats = signals::broken_run(turns.len(), same, repeats)?;
     Some(Loop {
         repeats,
-        period,
-        what: if latest.text {
-            "the same request (across requests)".to_owned()
-        } else {
-            "the same tool step (across requests)".to_owned()
-        },
+        period: 1,
+        what: format!("{what}, one other request between"),
     })
 }
 

@@ -324,21 +324,24 @@ fn identical(x: &Step, y: &Step) -> bool {
 /// outcome, which a step that changed nothing cannot make different. Counted from 3 repeats
 /// (A-x-A alone is a cycle's business).
 fn interrupted_run(steps: &[Step], repeats: usize) -> Option<Loop> {
+    let count = broken_run(steps.len(), |a, b| identical(&steps[a], &steps[b]), repeats)?;
+    Some(Loop {
+        repeats: count,
+        period: 1,
+        what: format!("{} (one other step between)", steps.last()?.what),
+    })
+}
+
+/// A run broken once at the end of a sequence of `n` items compared by `same`: the last item
+/// and at least `repeats - 1` like it among the `repeats` before it (at least [`MIN_REPEATS`]).
+/// Returns how many.
+pub fn broken_run(n: usize, same: impl Fn(usize, usize) -> bool, repeats: usize) -> Option<usize> {
     let k = repeats.max(MIN_REPEATS);
-    let n = steps.len();
     if n < k + 1 {
         return None;
     }
-    let last = &steps[n - 1];
-    let count = 1 + steps[n - 1 - k..n - 1]
-        .iter()
-        .filter(|s| identical(s, last))
-        .count();
-    (count >= k).then(|| Loop {
-        repeats: count,
-        period: 1,
-        what: format!("{} (one other step between)", last.what),
-    })
+    let count = 1 + (n - 1 - k..n - 1).filter(|&i| same(i, n - 1)).count();
+    (count >= k).then_some(count)
 }
 
 /// Outcomes at least this long (masked bytes) say something: an empty list, `ok` or `not
@@ -414,10 +417,14 @@ pub fn repetition(
     None
 }
 
-/// The ask of a conversation with no assistant turn yet: its non-system messages as one step.
+/// The ask of a conversation with no assistant turn yet: its non-system messages as one step,
+/// whose fingerprint is their gist (see [`gist_into`]): a stateless client re-asking in other
+/// function words sends the same ask.
 fn ask(tail: &[Value], texts: bool) -> Option<Step> {
     let mut h = FixedState::default().build_hasher();
     let mut shape = FixedState::default().build_hasher();
+    let mut gist = FixedState::default().build_hasher();
+    let mut words = 0;
     let mut text = Vec::new();
     let mut len = 0;
     for m in tail {
@@ -426,11 +433,25 @@ fn ask(tail: &[Value], texts: bool) -> Option<Step> {
             continue;
         }
         role.hash(&mut h);
+        role.hash(&mut gist);
         let t = text_of(m.get("content"));
-        len += normalised(&t, &mut h, texts.then_some(&mut text), Some(&mut shape));
+        let out = masked_edges(&t);
+        h.write(&out);
+        h.write_u8(0xff);
+        shape_into(&out, &mut shape);
+        words += gist_into(&out, &mut gist);
+        gist.write_u8(0xff);
+        if texts && text.len() < TEXT_KEPT {
+            text.extend_from_slice(&out[..out.len().min(TEXT_KEPT - text.len())]);
+            text.push(b' ');
+        }
+        len += out.len();
     }
-    let fingerprint = h.finish();
-    (fingerprint != FixedState::default().build_hasher().finish()).then(|| Step {
+    let exact = h.finish();
+    // The ask is its gist (the same request reworded in function words is the same ask), or,
+    // with no content word at all, its exact text.
+    let fingerprint = if words > 0 { gist.finish() } else { exact };
+    (exact != FixedState::default().build_hasher().finish()).then(|| Step {
         fingerprint,
         outcome: fingerprint,
         action: 0,
@@ -804,16 +825,7 @@ fn normalised(
     kept: Option<&mut Vec<u8>>,
     shape: Option<&mut FoldHasher>,
 ) -> usize {
-    let mut out = Vec::with_capacity(text.len().min(2 * EDGE + 4));
-    if text.len() > 2 * EDGE {
-        let head = floor(text, EDGE);
-        let tail = ceil(text, text.len() - EDGE);
-        mask(&text[..head], &mut out);
-        out.extend_from_slice("…".as_bytes());
-        mask(&text[tail..], &mut out);
-    } else {
-        mask(text, &mut out);
-    }
+    let out = masked_edges(text);
     h.write(&out);
     h.write_u8(0xff);
     if let Some(shape) = shape {
@@ -825,6 +837,56 @@ fn normalised(
         kept.push(b' ');
     }
     out.len()
+}
+
+/// `text` masked (see [`mask`]); a long text is read at both ends only.
+fn masked_edges(text: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(text.len().min(2 * EDGE + 4));
+    if text.len() > 2 * EDGE {
+        let head = floor(text, EDGE);
+        let tail = ceil(text, text.len() - EDGE);
+        mask(&text[..head], &mut out);
+        out.extend_from_slice("…".as_bytes());
+        mask(&text[tail..], &mut out);
+    } else {
+        mask(text, &mut out);
+    }
+    out
+}
+
+/// Words that carry no content in an ask: articles, pronouns, auxiliaries, question words,
+/// politeness (sorted, for binary search). Negations are not among them: "not good value" is
+/// another ask than "good value".
+const FUNCTION_WORDS: &[&str] = &[
+    "a", "about", "am", "an", "and", "any", "are", "as", "at", "be", "been", "but", "by", "can",
+    "could", "did", "do", "does", "for", "from", "had", "has", "have", "hello", "hey", "hi", "how",
+    "i", "i'm", "if", "in", "into", "is", "it", "it's", "its", "just", "kindly", "me", "my", "of",
+    "on", "or", "our", "please", "should", "so", "some", "tell", "thank", "thanks", "that", "the",
+    "their", "them", "then", "there", "these", "they", "this", "those", "to", "us", "was", "we",
+    "were", "what", "what's", "when", "where", "which", "who", "why", "will", "with", "would",
+    "you", "your",
+];
+
+/// Hash the *gist* of masked text `out` into `h`: its content words in order, lowercased, less
+/// [`FUNCTION_WORDS`] and punctuation ("How do I reset my API key?" and "how can i reset the
+/// api key" have one gist; "reset the API key" and "delete the API key" do not, nor do two
+/// routes in opposite directions). Returns the number of content words.
+fn gist_into(out: &[u8], h: &mut FoldHasher) -> usize {
+    let mut count = 0;
+    let is_word =
+        |c: &u8| c.is_ascii_alphanumeric() || matches!(c, b'\'' | b'<' | b'>' | b'#') || *c >= 0x80;
+    for word in out.split(|c| !is_word(c)).filter(|w| !w.is_empty()) {
+        let lower = word.to_ascii_lowercase();
+        let w = lower.strip_suffix(b"'").unwrap_or(&lower);
+        let function =
+            std::str::from_utf8(w).is_ok_and(|w| FUNCTION_WORDS.binary_search(&w).is_ok());
+        if !function && w.iter().any(|c| *c != b'\'') {
+            h.write(w);
+            h.write_u8(b' ');
+            count += 1;
+        }
+    }
+    count
 }
 
 /// Words next to a number that make it a measure of progress (kept in the shape).
@@ -1520,5 +1582,57 @@ mod tests {
             "{:?}",
             t.elapsed()
         );
+    }
+
+    #[test]
+    fn an_ask_reworded_in_function_words_is_the_same_ask_and_another_ask_is_not() {
+        let ask = |q: &str| {
+            let m = [
+                json!({"role": "system", "content": "You are the help assistant."}),
+                json!({"role": "user", "content": q}),
+            ];
+            latest_turn(&m).unwrap().fingerprint
+        };
+        let reset = ask("How do I reset my API key?");
+        assert_eq!(reset, ask("how can i reset the api key"));
+        assert_eq!(reset, ask("reset api key how??"));
+        for other in [
+            "How do I delete my API key?",
+            "What are the steps to regenerate an API key?",
+            "How do I reset my API key on the EU workspace?",
+        ] {
+            assert_ne!(reset, ask(other), "{other}");
+        }
+        // Negation, order and numbers are content.
+        assert_ne!(
+            ask("Review: Good value for the price."),
+            ask("Review: Not good value for the price.")
+        );
+        assert_ne!(
+            ask("Review: it's good value."),
+            ask("Review: it isn't good value.")
+        );
+        assert_ne!(
+            ask("flights from Paris to Rome"),
+            ask("flights from Rome to Paris")
+        );
+        assert_ne!(ask("status of order 1182?"), ask("status of order 1183?"));
+        // An ask of function words alone is compared as written.
+        assert_ne!(ask("what is it?"), ask("what was it?"));
+        assert!(FUNCTION_WORDS.windows(2).all(|w| w[0] < w[1]), "sorted");
+    }
+
+    #[test]
+    fn a_run_broken_once_is_found_in_any_sequence() {
+        let same = |xs: &'static [u8]| move |a: usize, b: usize| xs[a] == xs[b];
+        assert_eq!(broken_run(4, same(b"aaxa"), 3), Some(3));
+        assert_eq!(broken_run(4, same(b"axaa"), 3), Some(3));
+        assert_eq!(broken_run(4, same(b"axya"), 3), None);
+        assert_eq!(
+            broken_run(3, same(b"aaa"), 3),
+            None,
+            "a plain run is repetition's"
+        );
+        assert_eq!(broken_run(5, same(b"aaxaa"), 4), Some(4));
     }
 }

@@ -4,28 +4,27 @@ use std::future::Future;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use axum::extract::Request;
 use axum::middleware::from_fn_with_state;
 use axum::routing::{delete, get, post, put};
 use axum::Router;
 use tokio::net::TcpListener;
-use tower_http::trace::TraceLayer;
 
 use crate::cache::CachePolicy;
 use crate::config::Config;
 use crate::guard::GuardPolicy;
-use crate::middleware::request_id::RequestId;
 use crate::state::{AppState, Deps};
 use crate::types::routing::RoutingPolicy;
 use crate::{middleware, routes};
 
 /// The whole HTTP surface. Layers, outermost first:
-/// 0. `middleware::headers::limit`: 431 in OpenAI shape over 100 header fields or 32 KiB of them;
-/// 1. `middleware::request_id::assign`: mints the request's own `x-request-id` (never the
-///    client's: it keys the ledger row, the budget reservation and replays); a client's
-///    `x-request-id` / `x-client-request-id` is kept as `x-client-request-id`, echoed back;
-/// 2. `TraceLayer`: one span per request (method, path, both ids) for logs;
-/// 3. per route group: `/v1/*` requires a tenant API key (`middleware::auth::require_api_key` puts the
+/// 1. `middleware::request_id::assign`, the one edge layer (one layer, not three: each costs a
+///    service clone and a boxed future per request): 431 in OpenAI shape over 100 header fields
+///    or 32 KiB of them (`middleware::headers::oversized`); then it mints the request's own
+///    `x-request-id` (never the client's: it keys the ledger row, the budget reservation and
+///    replays), keeps a client's `x-request-id` / `x-client-request-id` as
+///    `x-client-request-id`, echoed back, and runs the request in one span (method, path, both
+///    ids) for logs;
+/// 2. per route group: `/v1/*` requires a tenant API key (`middleware::auth::require_api_key` puts the
 ///    resolved key in the request extensions); `/admin/v1/*` and `GET /dashboard` (the HTML cost
 ///    dashboard) require the admin token (`middleware::auth::require_admin`: bearer, or HTTP
 ///    Basic auth with the token as password, so a browser can open the dashboard).
@@ -133,18 +132,7 @@ pub fn build_router(state: AppState) -> Router {
         .fallback(routes::health::not_found)
         .method_not_allowed_fallback(routes::health::method_not_allowed)
         .with_state(state)
-        .layer(TraceLayer::new_for_http().make_span_with(|req: &Request| {
-            let ids = req.extensions().get::<RequestId>();
-            tracing::info_span!(
-                "request",
-                method = %req.method(),
-                path = %req.uri().path(),
-                request_id = ids.map_or("", |i| i.id.as_str()),
-                client_request_id = ids.and_then(|i| i.client.as_deref()).unwrap_or(""),
-            )
-        }))
         .layer(axum::middleware::from_fn(middleware::request_id::assign))
-        .layer(axum::middleware::from_fn(middleware::headers::limit))
 }
 
 /// Serve on `listener` until `shutdown` resolves, then drain: stop accepting, let in-flight

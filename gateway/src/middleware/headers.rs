@@ -2,8 +2,7 @@
 //! empty 431, so the listener lets through more than this layer accepts, and the client learns
 //! which limit it hit from a JSON body.
 
-use axum::extract::Request;
-use axum::middleware::Next;
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 
 use crate::error::ApiError;
@@ -14,21 +13,22 @@ pub const MAX_HEADERS: usize = 100;
 /// larger).
 pub const MAX_HEADER_BYTES: usize = 32 * 1024;
 
-/// 431 when a request has more than [`MAX_HEADERS`] headers or more than [`MAX_HEADER_BYTES`]
-/// of them.
-pub async fn limit(req: Request, next: Next) -> Response {
-    let headers = req.headers();
+/// The 431 for a request with more than [`MAX_HEADERS`] headers or more than
+/// [`MAX_HEADER_BYTES`] of them; `None` when they are within the limits.
+pub fn oversized(headers: &HeaderMap) -> Option<Response> {
     let bytes: usize = headers
         .iter()
         .map(|(name, value)| name.as_str().len() + value.len())
         .sum();
     if headers.len() > MAX_HEADERS || bytes > MAX_HEADER_BYTES {
-        return ApiError::HeadersTooLarge(format!(
-            "the request's headers are too large: {} fields, {bytes} bytes (at most \
-             {MAX_HEADERS} fields and {MAX_HEADER_BYTES} bytes)",
-            headers.len()
-        ))
-        .into_response();
+        return Some(
+            ApiError::HeadersTooLarge(format!(
+                "the request's headers are too large: {} fields, {bytes} bytes (at most \
+                 {MAX_HEADERS} fields and {MAX_HEADER_BYTES} bytes)",
+                headers.len()
+            ))
+            .into_response(),
+        );
     }
-    next.run(req).await
+    None
 }

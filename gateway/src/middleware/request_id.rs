@@ -7,6 +7,7 @@ use axum::extract::Request;
 use axum::http::HeaderValue;
 use axum::middleware::Next;
 use axum::response::Response;
+use tracing::Instrument as _;
 
 use crate::headers::{CLIENT_REQUEST_ID, REQUEST_ID};
 
@@ -41,10 +42,14 @@ fn client_id(req: &Request) -> Option<String> {
         .map(str::to_owned)
 }
 
-/// Replace whatever request id the client sent with a minted one (for every layer and handler
-/// behind this one, and the upstream), remember the client's as its correlation id, and answer
-/// with both.
+/// The edge of every request: refuse oversized headers (431, see
+/// [`super::headers::oversized`]), replace whatever request id the client sent with a minted one
+/// (for every layer and handler behind this one, and the upstream), remember the client's as its
+/// correlation id, run the request in its log span, and answer with both ids.
 pub async fn assign(mut req: Request, next: Next) -> Response {
+    if let Some(refused) = super::headers::oversized(req.headers()) {
+        return refused;
+    }
     let client = client_id(&req);
     let id = RequestId::mint();
     let value = HeaderValue::from_str(&id).ok();
@@ -58,8 +63,15 @@ pub async fn assign(mut req: Request, next: Next) -> Response {
         Some(c) => req.headers_mut().insert(CLIENT_REQUEST_ID, c.clone()),
         None => req.headers_mut().remove(CLIENT_REQUEST_ID),
     };
+    let span = tracing::info_span!(
+        "request",
+        method = %req.method(),
+        path = %req.uri().path(),
+        request_id = id.as_str(),
+        client_request_id = client.as_deref().unwrap_or(""),
+    );
     req.extensions_mut().insert(RequestId { id, client });
-    let mut response = next.run(req).await;
+    let mut response = next.run(req).instrument(span).await;
     if let Some(v) = value {
         response.headers_mut().insert(REQUEST_ID, v);
     }

@@ -4,6 +4,8 @@
 //! BPE (`cl100k_base` by default, `o200k_base` selectable per tier), which is within a few percent
 //! of most modern tokenizers on English text. Upstream-reported usage always wins when present.
 
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::LazyLock;
 
 use serde_json::Value;
@@ -37,6 +39,57 @@ pub async fn off_workers<T>(bytes: usize, count: impl FnOnce() -> T) -> T {
     } else {
         // A current-thread runtime (some tests) has no other worker to hand its tasks to.
         count()
+    }
+}
+
+/// Token counts of texts already counted, so that an agent resending its whole history pays for
+/// its new messages only: a lossy direct-mapped table of [`COUNT_SLOTS`] 8-byte slots (512 KiB,
+/// nothing allocated per entry), each holding 40 bits of a text's hash as its tag and the count
+/// plus one in the low 24 bits (0: empty). A new text overwrites whatever shared its slot. The
+/// hash is seeded per process (64 bits: the slot from the low bits, the tag from the high ones),
+/// so a stored count answers only its own text, but for a chance of about 2^-56 per lookup.
+struct Counts {
+    slots: Box<[AtomicU64]>,
+    hasher: foldhash::fast::FixedState,
+}
+
+/// Slots of [`Counts`] (a power of two).
+const COUNT_SLOTS: usize = 1 << 16;
+/// Bits of a slot holding the count (plus one); longer counts are not kept.
+const COUNT_BITS: u32 = 24;
+
+static COUNTS: LazyLock<Counts> = LazyLock::new(|| Counts {
+    slots: (0..COUNT_SLOTS).map(|_| AtomicU64::new(0)).collect(),
+    hasher: foldhash::fast::FixedState::with_seed(rand::random()),
+});
+
+impl Counts {
+    fn hash(&self, tokenizer: &str, text: &str) -> u64 {
+        let mut h = self.hasher.build_hasher();
+        h.write(tokenizer.as_bytes());
+        h.write_u8(0xff);
+        h.write(text.as_bytes());
+        h.finish()
+    }
+
+    fn slot(&self, hash: u64) -> &AtomicU64 {
+        // COUNT_SLOTS is a power of two: the low bits pick the slot.
+        &self.slots[(hash as usize) & (COUNT_SLOTS - 1)]
+    }
+
+    fn get(&self, hash: u64) -> Option<usize> {
+        let v = self.slot(hash).load(Ordering::Relaxed);
+        let count = v & ((1 << COUNT_BITS) - 1);
+        (count != 0 && v >> COUNT_BITS == hash >> COUNT_BITS).then(|| (count - 1) as usize)
+    }
+
+    fn put(&self, hash: u64, count: usize) {
+        if let Ok(c) = u64::try_from(count + 1) {
+            if c < 1 << COUNT_BITS {
+                let tag = (hash >> COUNT_BITS) << COUNT_BITS;
+                self.slot(hash).store(tag | c, Ordering::Relaxed);
+            }
+        }
     }
 }
 
@@ -94,13 +147,18 @@ impl Tokenizer {
         (self.bpe)().encode_ordinary(text)
     }
 
-    /// Number of tokens in `text`.
+    /// Number of tokens in `text` (remembered: see [`Counts`]).
     pub fn count(&self, text: &str) -> usize {
         if text.is_empty() {
-            0
-        } else {
-            self.encode(text).len()
+            return 0;
         }
+        let hash = COUNTS.hash(self.name, text);
+        if let Some(n) = COUNTS.get(hash) {
+            return n;
+        }
+        let n = self.encode(text).len();
+        COUNTS.put(hash, n);
+        n
     }
 
     /// Prompt tokens of a chat request's `messages`, counted the way OpenAI documents it: each
@@ -176,5 +234,39 @@ mod tests {
             "cl100k_base"
         );
         assert_eq!(o200k.encode("hello world").len(), 2);
+    }
+
+    #[test]
+    fn remembered_counts_are_each_tokenizers_own_and_answer_only_their_text() {
+        let (cl, o2) = (
+            Tokenizer::default(),
+            Tokenizer::of(TokenizerKind::O200kBase),
+        );
+        let texts = [
+            "Привет, как дела? Это проверка токенизатора.",
+            "fn main() { println!(\"{}\", 40 + 2); } // 日本語のコメント",
+            "The quick brown fox jumps over the lazy dog.",
+        ];
+        // The two vocabularies disagree on at least one text, so a shared entry would show.
+        assert!(texts
+            .iter()
+            .any(|t| cl.encode(t).len() != o2.encode(t).len()));
+        for _ in 0..3 {
+            for t in texts {
+                assert_eq!(cl.count(t), cl.encode(t).len(), "{t}");
+                assert_eq!(o2.count(t), o2.encode(t).len(), "{t}");
+            }
+        }
+        // A slot answers only the hash whose tag it holds.
+        let c = &*COUNTS;
+        let h = c.hash("test-only", "some text");
+        c.put(h, 7);
+        assert_eq!(c.get(h), Some(7));
+        let same_slot_other_tag = h ^ (1 << 60);
+        assert_eq!(c.get(same_slot_other_tag), None);
+        // A count too long for the slot is not kept (and not mistaken for another).
+        let long = c.hash("test-only", "a long one");
+        c.put(long, 1 << COUNT_BITS);
+        assert_eq!(c.get(long), None);
     }
 }

@@ -190,11 +190,11 @@ pub const MAX_QUESTION_BYTES: usize = 4096;
 /// (checked before anything is copied).
 fn split_question(req: &ParsedRequest) -> Option<(String, Map<String, Value>)> {
     let question = match req.endpoint {
-        Endpoint::Chat => match req.body.get("messages") {
+        Endpoint::Chat => match req.body().get("messages") {
             Some(Value::Array(m)) => m.last().and_then(|l| l.get("content")),
             _ => None,
         },
-        Endpoint::Completions => req.body.get("prompt"),
+        Endpoint::Completions => req.body().get("prompt"),
         Endpoint::Embeddings => None,
     }?;
     let size = match question {
@@ -209,7 +209,7 @@ fn split_question(req: &ParsedRequest) -> Option<(String, Map<String, Value>)> {
     if size > MAX_QUESTION_BYTES {
         return None;
     }
-    let mut rest = req.body.clone();
+    let mut rest = req.body().clone();
     for k in ["stream", "stream_options", "user", "model"] {
         rest.remove(k);
     }
@@ -432,12 +432,12 @@ impl Cache {
         if mode == CacheMode::Off || directives.no_store {
             return None;
         }
-        let tools = has_tools(&req.body);
+        let tools = has_tools(req.body());
         if req.endpoint != Endpoint::Embeddings {
             if tools && !policy.tools {
                 return None;
             }
-            if !policy.any_temperature && !deterministic(&req.body) {
+            if !policy.any_temperature && !deterministic(req.body()) {
                 return None;
             }
         }

@@ -97,11 +97,96 @@ pub fn json_bytes(json: &[u8]) -> impl Iterator<Item = (u8, bool)> + '_ {
     })
 }
 
-/// JSON objects in `body` (`{` outside strings), counted in one pass before anything is built.
+/// The index just past the string literal whose opening quote is at `open`: the next `"` that
+/// is not escaped, found with memchr (many bytes at a time); `None` when it is unterminated.
+fn string_end(json: &[u8], open: usize) -> Option<usize> {
+    let mut j = open + 1;
+    loop {
+        let k = memchr::memchr2(b'"', b'\\', json.get(j..)?)?;
+        if json[j + k] == b'"' {
+            return Some(j + k + 1);
+        }
+        // An escape: skip the backslash and the character it escapes.
+        j += k + 2;
+    }
+}
+
+/// JSON objects in `body` (`{` outside strings), counted in one pass before anything is built:
+/// outside a string it jumps to the next `"` or `{`, through a string to its closing quote
+/// ([`string_end`]; an agent's 80 KB history is mostly long strings), so the count costs a few
+/// microseconds, not one branch per byte.
 fn object_count(body: &[u8]) -> usize {
-    json_bytes(body)
-        .filter(|&(b, inside)| !inside && b == b'{')
-        .count()
+    let mut count = 0;
+    let mut i = 0;
+    while let Some(at) = memchr::memchr2(b'"', b'{', &body[i..]) {
+        let at = i + at;
+        if body[at] == b'{' {
+            count += 1;
+            i = at + 1;
+        } else {
+            match string_end(body, at) {
+                Some(end) => i = end,
+                // Unterminated: the rest is inside the string.
+                None => return count,
+            }
+        }
+    }
+    count
+}
+
+/// The span (quotes included) of the string value of `key` in the JSON object `body`, when
+/// `key` appears exactly once among its top-level keys, written without escapes, with a string
+/// value, and no top-level key is written with escapes (one could spell `key` another way);
+/// `None` otherwise. For splicing a new value into a client's bytes.
+pub fn top_level_string(body: &[u8], key: &[u8]) -> Option<std::ops::Range<usize>> {
+    let skip_space = |mut j: usize| {
+        while body.get(j).is_some_and(u8::is_ascii_whitespace) {
+            j += 1;
+        }
+        j
+    };
+    let (mut depth, mut i, mut expect_key, mut found) = (0usize, 0, false, None);
+    while i < body.len() {
+        match body[i] {
+            b'"' => {
+                let end = string_end(body, i)?;
+                if depth == 1 && expect_key {
+                    let name = &body[i + 1..end - 1];
+                    if name.contains(&b'\\') {
+                        return None;
+                    }
+                    let colon = skip_space(end);
+                    if body.get(colon) != Some(&b':') {
+                        return None;
+                    }
+                    let value = skip_space(colon + 1);
+                    expect_key = false;
+                    if name == key {
+                        if found.is_some() || body.get(value) != Some(&b'"') {
+                            return None;
+                        }
+                        let value_end = string_end(body, value)?;
+                        found = Some(value..value_end);
+                        i = value_end;
+                    } else {
+                        i = value;
+                    }
+                    continue;
+                }
+                i = end;
+                continue;
+            }
+            b'{' | b'[' => {
+                depth += 1;
+                expect_key = depth == 1 && body[i] == b'{';
+            }
+            b'}' | b']' => depth = depth.checked_sub(1)?,
+            b',' => expect_key = depth == 1,
+            _ => {}
+        }
+        i += 1;
+    }
+    found
 }
 
 /// Parse a request body as a JSON object.
@@ -122,5 +207,86 @@ pub fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
             "the request body must be a JSON object".into(),
         )),
         Err(e) => Err(ApiError::InvalidJson(e.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The reference: one byte at a time.
+    fn counted_byte_by_byte(body: &[u8]) -> usize {
+        json_bytes(body)
+            .filter(|&(b, inside)| !inside && b == b'{')
+            .count()
+    }
+
+    #[test]
+    fn objects_are_counted_as_the_byte_by_byte_reference_counts_them() {
+        let mut cases: Vec<Vec<u8>> = [
+            r#"{"a":{"b":[{},{}]},"s":"{not {an} object"}"#,
+            r#"{"s":"an escaped quote \" then {","t":{}}"#,
+            r#"{"s":"a backslash \\","t":{}}"#,
+            r#"{"s":"\\\"{\\","u":"\u007b"}"#,
+            r#"{"unterminated":"{{{"#,
+            r#"{"ends with a backslash":"\"#,
+            "",
+            "{",
+            r#""{""#,
+        ]
+        .iter()
+        .map(|s| s.as_bytes().to_vec())
+        .collect();
+        let dir = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/agent-sessions"
+        );
+        for kind in ["looping", "progressing"] {
+            for entry in std::fs::read_dir(format!("{dir}/{kind}"))
+                .into_iter()
+                .flatten()
+            {
+                if let Ok(bytes) = std::fs::read(entry.map(|e| e.path()).unwrap_or_default()) {
+                    cases.push(bytes);
+                }
+            }
+        }
+        assert!(cases.len() > 50, "the fixtures were read");
+        for case in &cases {
+            // Every prefix too: cut strings, escapes and objects.
+            for end in (0..=case.len()).step_by(case.len() / 97 + 1) {
+                let b = &case[..end];
+                assert_eq!(
+                    object_count(b),
+                    counted_byte_by_byte(b),
+                    "{}",
+                    String::from_utf8_lossy(&b[..b.len().min(120)])
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_top_level_string_is_found_only_where_splicing_it_is_safe() {
+        fn span(body: &str) -> Option<&str> {
+            top_level_string(body.as_bytes(), b"model").map(|r| &body[r])
+        }
+        assert_eq!(
+            span(
+                r#"{"messages":[{"model":"inner","content":"\"model\": \"x\""}], "model" : "fast" ,"n":1}"#
+            ),
+            Some(r#""fast""#)
+        );
+        assert_eq!(span(r#"{"model":"a\"b"}"#), Some(r#""a\"b""#));
+        for refused in [
+            r#"{"metadata":{"model":"inner"}}"#,
+            r#"{"model":"a","model":"b"}"#,
+            r#"{"mod\u0065l":"a","model":"b"}"#,
+            r#"{"model":42}"#,
+            r#"{"model":"unterminated"#,
+            r#"["model","fast"]"#,
+        ] {
+            assert_eq!(span(refused), None, "{refused}");
+        }
     }
 }

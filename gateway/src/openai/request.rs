@@ -114,8 +114,14 @@ struct EmbeddingView<'a> {
 pub struct ParsedRequest {
     /// Which endpoint.
     pub endpoint: Endpoint,
-    /// The body as received (unknown fields included); `model` is rewritten per upstream.
-    pub body: Map<String, Value>,
+    /// The body as parsed (unknown fields included); `model` is rewritten per upstream.
+    body: Map<String, Value>,
+    /// The body as received.
+    raw: Bytes,
+    /// Whether `body` differs from `raw` in more than `model` (usage asked for a stream, a
+    /// clamped `max_tokens`): then the upstream body is `body` written out, else `raw` with the
+    /// upstream's model spliced in.
+    modified: bool,
     /// Client-facing model name.
     pub model: String,
     /// Whether the client asked for SSE.
@@ -152,8 +158,13 @@ impl ParsedRequest {
 
     /// Parse and validate a body for `endpoint`.
     pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Self, ApiError> {
-        let body_bytes = body.len();
-        let body = json_object(body)?;
+        Self::parse_bytes(endpoint, Bytes::copy_from_slice(body))
+    }
+
+    /// [`Self::parse`], keeping `raw` (the client's bytes) without a copy.
+    pub fn parse_bytes(endpoint: Endpoint, raw: Bytes) -> Result<Self, ApiError> {
+        let body_bytes = raw.len();
+        let body = json_object(&raw)?;
         let value = Value::Object(body);
         if value.get("model").is_none() {
             return Err(ApiError::invalid("model", "missing required field `model`"));
@@ -250,7 +261,9 @@ impl ParsedRequest {
         let Value::Object(mut body) = value else {
             unreachable!("constructed from an object above")
         };
-        if stream {
+        let mut modified = false;
+        if stream && !client_wants_usage {
+            modified = true;
             // Always learn usage from the upstream; the client's choice is applied on the way back.
             let options = body
                 .entry("stream_options")
@@ -270,22 +283,43 @@ impl ParsedRequest {
             max_tokens,
             body_bytes,
             body,
+            raw,
+            modified,
             encoded: None,
         })
     }
 
+    /// The body as parsed (unknown fields included).
+    pub fn body(&self) -> &Map<String, Value> {
+        &self.body
+    }
+
     /// The body to send upstream: the client's body with `model` replaced by the upstream's name
-    /// (and, for streams, `stream_options.include_usage` on). Encoded once per upstream model, so
-    /// a retry on a replica of the same model reuses the bytes.
+    /// (and, for streams, `stream_options.include_usage` on). When nothing else changed, that is
+    /// the client's bytes with the new name spliced in (no re-serialising: an agent's history
+    /// is sent as it came); else the parsed body written out. Encoded once per upstream model,
+    /// so a retry on a replica of the same model reuses the bytes.
     pub fn upstream_body(&mut self, upstream_model: &str) -> Bytes {
         if let Some((model, bytes)) = &self.encoded {
             if model == upstream_model {
                 return bytes.clone();
             }
         }
+        let spliced = (!self.modified)
+            .then(|| super::top_level_string(&self.raw, b"model"))
+            .flatten()
+            .map(|span| {
+                let mut out = Vec::with_capacity(self.raw.len() + upstream_model.len());
+                out.extend_from_slice(&self.raw[..span.start]);
+                // Writing a string into a Vec cannot fail.
+                let _ = serde_json::to_writer(&mut out, upstream_model);
+                out.extend_from_slice(&self.raw[span.end..]);
+                Bytes::from(out)
+            });
         self.body
             .insert("model".into(), Value::String(upstream_model.to_owned()));
-        let bytes = Bytes::from(serde_json::to_vec(&self.body).unwrap_or_default());
+        let bytes = spliced
+            .unwrap_or_else(|| Bytes::from(serde_json::to_vec(&self.body).unwrap_or_default()));
         self.encoded = Some((upstream_model.to_owned(), bytes.clone()));
         bytes
     }
@@ -305,6 +339,7 @@ impl ParsedRequest {
                 .insert("max_tokens".into(), Value::from(max_tokens));
         }
         self.max_tokens = Some(u32::try_from(max_tokens).unwrap_or(u32::MAX));
+        self.modified = true;
         self.encoded = None;
     }
 
@@ -637,6 +672,45 @@ mod tests {
         assert_eq!(
             up["stream_options"],
             json!({"other": 1, "include_usage": true})
+        );
+    }
+
+    #[test]
+    fn an_unchanged_body_goes_upstream_as_the_client_sent_it_with_the_model_spliced() {
+        let raw = r#"{ "messages": [{"role": "user", "content": "say \"model\"", "model": "x"}],
+            "model" : "fast", "temperature": 0.50, "extra": {"model": "kept"} }"#;
+        let mut r = ParsedRequest::parse(Endpoint::Chat, raw.as_bytes()).unwrap();
+        let up = r.upstream_body("real \"model\"");
+        assert_eq!(
+            std::str::from_utf8(&up).unwrap(),
+            raw.replace(r#""model" : "fast""#, r#""model" : "real \"model\"""#),
+            "the client's bytes, spacing and float spelling kept"
+        );
+        // Another replica's model: spliced afresh.
+        let up: Value = serde_json::from_slice(&r.upstream_body("other")).unwrap();
+        assert_eq!(up["model"], "other");
+        // A clamp changes the body: it is written out, with the clamp.
+        r.set_max_tokens(5);
+        let up: Value = serde_json::from_slice(&r.upstream_body("other")).unwrap();
+        assert_eq!(
+            (up["model"].clone(), up["max_tokens"].clone()),
+            (json!("other"), json!(5))
+        );
+        assert_eq!(up["extra"], json!({"model": "kept"}));
+        // A duplicated model key is not spliced (the parsed body decides).
+        let mut d = ParsedRequest::parse(
+            Endpoint::Chat,
+            br#"{"model":"a","messages":[{"role":"user","content":"hi"}],"model":"fast"}"#,
+        )
+        .unwrap();
+        let up: Value = serde_json::from_slice(&d.upstream_body("real")).unwrap();
+        assert_eq!(up["model"], "real");
+        // A stream that already asks for usage is sent as it came too.
+        let raw = r#"{"model":"fast","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hi"}]}"#;
+        let mut st = ParsedRequest::parse(Endpoint::Chat, raw.as_bytes()).unwrap();
+        assert_eq!(
+            std::str::from_utf8(&st.upstream_body("real")).unwrap(),
+            raw.replace(r#""fast""#, r#""real""#)
         );
     }
 

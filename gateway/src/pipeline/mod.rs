@@ -98,8 +98,8 @@ pub async fn run(
 ) -> Response {
     let mut event = new_event(&ctx, endpoint);
     // Parsing and fingerprinting read the whole body: a large one off the async workers.
-    let parsed =
-        crate::tokens::off_workers(body.len(), || match ParsedRequest::parse(endpoint, &body) {
+    let parsed = crate::tokens::off_workers(body.len(), || {
+        match ParsedRequest::parse_bytes(endpoint, body.clone()) {
             Ok(req) => {
                 record_request(&mut event, &ctx.key, &req);
                 Ok(req)
@@ -108,8 +108,9 @@ pub async fn run(
                 event.fingerprint = crate::openai::fingerprint_bytes(&body);
                 Err(e)
             }
-        })
-        .await;
+        }
+    })
+    .await;
     let req = match parsed {
         Ok(r) => r,
         Err(e) => return refuse(&state, &ctx, event, e).await,
@@ -267,14 +268,14 @@ impl Call {
         let client = self.ctx.session.as_deref().or(tagged.as_deref());
         // A derived session hashes the conversation's root: a large one off the async workers.
         let session = crate::tokens::off_workers(self.req.body_bytes, || {
-            crate::guard::session::of(client, &self.ctx.key.id, &self.req.body)
+            crate::guard::session::of(client, &self.ctx.key.id, self.req.body())
         })
         .await;
         self.event
             .tags
             .entry("session".to_owned())
             .or_insert_with(|| session.id.clone());
-        let messages = match (self.req.endpoint, self.req.body.get("messages")) {
+        let messages = match (self.req.endpoint, self.req.body().get("messages")) {
             (Endpoint::Chat, Some(serde_json::Value::Array(m))) => Some(m.as_slice()),
             _ => None,
         };

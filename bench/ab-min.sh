@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Paired A/B of two gateway binaries, or of one binary configured two ways, in front of the
+# minimal upstream (gateway/examples/min_upstream.rs): alternating rounds (A, B, A, B, ...) of
+# wrk at saturation, each printing req/s and the gateway process's CPU per request (from
+# /proc/PID/stat), then the medians and B as a share of A.
+#
+#   bench/ab-min.sh BIN_A BIN_B                          # two builds, the plain configuration
+#   EXTRA_B=$'[guard]\nenabled = true' bench/ab-min.sh GW GW   # one build: guard off vs on
+#   BODY_FILE=agent.json BUDGETS=1 CONNS=16 bench/ab-min.sh GW_A GW_B   # a fixed (large) body
+#
+# Both gateways run the whole time (one SQLite store each; ledger `LEDGER`, default off). Each
+# gets the TOML of `EXTRA_A` / `EXTRA_B` after its base configuration (default `EXTRA`: cache off,
+# guard off). Without BODY_FILE every request is a new question in one of 1,000 sessions per wrk
+# thread (x-session-id), so nothing repeats; with it, the file's JSON body is sent as is (its
+# `model` must be `fast`). BUDGETS=1 sets a day budget and rate limits for the tenant, so the
+# budget step (and its prompt token count) runs. Needs: wrk, python3.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+A=$1
+B=$2
+ROUNDS=${ROUNDS:-4}
+DURATION=${DURATION:-8s}
+CONNS=${CONNS:-64}
+EXTRA=${EXTRA:-$'[cache]\nmode = "off"\n[guard]\nenabled = false'}
+EXTRA_A=${EXTRA_A:-$EXTRA}
+EXTRA_B=${EXTRA_B:-$EXTRA}
+LEDGER=${LEDGER:-enabled = false}
+P_UP=${P_UP:-19501}
+
+command -v wrk >/dev/null || { echo "needs wrk: apt-get install wrk" >&2; exit 1; }
+. bench/common.sh
+
+"$(min_upstream)" --port "$P_UP" --threads 1 >"$WORK/up.log" 2>&1 &
+PIDS+=($!)
+wait_port "$P_UP"
+
+declare -A GW_PID
+port=$((P_UP + 10))
+for v in A B; do
+  port=$((port + 1))
+  bin=${!v}
+  extra=EXTRA_$v
+  { gateway_toml "$port" "$P_UP" "$WORK/$v.db" "$LEDGER"; echo "${!extra}"; } >"$WORK/$v.toml"
+  RUST_LOG=warn "$bin" serve --config "$WORK/$v.toml" >"$WORK/$v.log" 2>&1 &
+  GW_PID[$v]=$!
+  PIDS+=($!)
+  wait_port "$port"
+  url="http://127.0.0.1:$port"
+  key=$(bench_key "$url")
+  if [ "${BUDGETS:-0}" = 1 ]; then
+    GATEWAY_URL=$url GATEWAY_ADMIN_TOKEN=$ADMIN "$BIN/gatewayctl" budgets set --tenant bench \
+      --window day --tokens 1000000000000 --usd 1000000 >/dev/null
+    GATEWAY_URL=$url GATEWAY_ADMIN_TOKEN=$ADMIN "$BIN/gatewayctl" limits set --tenant bench \
+      --rpm 1000000000 --tpm 1000000000000 >/dev/null
+  fi
+  if [ -n "${BODY_FILE:-}" ]; then
+    cat >"$WORK/$v.lua" <<EOF
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer $key"
+wrk.body = io.open("$(realpath "$BODY_FILE")"):read("*a")
+done = function(summary, latency, requests)
+  local errors = summary.errors.status + summary.errors.connect + summary.errors.timeout
+  io.write(string.format("WRK %d %.3f %d\\n", summary.requests, summary.duration / 1e6, errors))
+end
+EOF
+  else
+    wrk_post "$key" '{"model":"fast","messages":[{"role":"user","content":"Question {n}: what is the capital of France?"}],"max_tokens":16}' 1000 >"$WORK/$v.lua"
+  fi
+  echo "$url/v1/chat/completions" >"$WORK/$v.url"
+done
+
+: >"$WORK/results"
+for r in $(seq 1 "$ROUNDS"); do
+  for v in A B; do
+    url=$(cat "$WORK/$v.url")
+    pid=${GW_PID[$v]}
+    wrk -t2 -c"$CONNS" -d2s -s "$WORK/$v.lua" "$url" >/dev/null
+    before=$(awk '{print $14 + $15}' "/proc/$pid/stat")
+    read -r n secs errors < <(wrk -t2 -c"$CONNS" -d"$DURATION" -s "$WORK/$v.lua" "$url" | awk '/^WRK/ {print $2, $3, $4}')
+    after=$(awk '{print $14 + $15}' "/proc/$pid/stat")
+    ticks=$(getconf CLK_TCK)
+    echo "$r $v $n $secs $errors $((after - before)) $ticks" | tee -a "$WORK/results" >&2
+  done
+done
+
+python3 - "$WORK/results" <<'PY'
+import statistics, sys
+rows = {"A": [], "B": []}
+for line in open(sys.argv[1]):
+    r, v, n, secs, errors, ticks, hz = line.split()
+    n, secs, ticks, hz = int(n), float(secs), int(ticks), int(hz)
+    rows[v].append((n / secs, ticks / hz * 1e6 / n, int(errors)))
+print("| build | rounds | req/s (median) | CPU µs per request (median) | errors |")
+print("|---|---|---|---|---|")
+med = {}
+for v, rs in rows.items():
+    med[v] = (statistics.median(x[0] for x in rs), statistics.median(x[1] for x in rs))
+    print(f"| {v} | {', '.join(f'{x[0]:,.0f}' for x in rs)} | {med[v][0]:,.0f} | {med[v][1]:.1f} | {sum(x[2] for x in rs)} |")
+print(f"B / A: throughput {100 * med['B'][0] / med['A'][0]:.1f}%, CPU per request {100 * med['B'][1] / med['A'][1]:.1f}%")
+PY

@@ -323,6 +323,12 @@ impl Guard {
         }
     }
 
+    /// Whether agent-loop detection runs (else [`Self::check`] allows and [`Self::observe`]
+    /// records nothing).
+    pub fn loops_enabled(&self) -> bool {
+        self.config.enabled
+    }
+
     /// What happens to a retry beyond the budget.
     pub fn retry_action(&self) -> crate::config::RetryAction {
         self.config.retry_action

@@ -78,7 +78,7 @@ pub fn settle(state: &AppState, mut event: UsageEvent, reservation: Option<Reser
             state.tasks.spawn(commit);
         }
     }
-    if let Some(session) = event.session() {
+    if let Some(session) = event.session().filter(|_| state.guard.loops_enabled()) {
         // The guard's observe: the turn answered (or not) and what it cost.
         let (guard, tenant, session) = (
             Arc::clone(&state.guard),

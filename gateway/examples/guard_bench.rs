@@ -103,7 +103,8 @@ async fn measure_step(sessions: usize, body: &Map<String, Value>) -> anyhow::Res
                 request: n,
             })
             .await;
-        guard.observe("ten_bench", id, n, true, 100).await;
+        let key = gateway::guard::store::SessionKey::new("ten_bench", id);
+        guard.observe(&key, n, true, 100).await;
         std::hint::black_box(d);
         times.push(t.elapsed().as_nanos() as f64 / 1000.0);
     }

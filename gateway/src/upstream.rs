@@ -38,6 +38,21 @@ pub struct Target {
     authorization: Option<HeaderValue>,
     /// Endpoint URIs, indexed by [`Endpoint::ALL`] order (parsed once, not per request).
     uris: Vec<Uri>,
+    /// `name` and `model` as response header values (`None`: not valid in a header), made
+    /// once: each answer names its replica and model.
+    headers: (Option<HeaderValue>, Option<HeaderValue>),
+}
+
+impl Target {
+    /// The replica's name as a header value (`None`: not valid in a header).
+    pub fn name_header(&self) -> Option<HeaderValue> {
+        self.headers.0.clone()
+    }
+
+    /// The upstream's model as a header value (`None`: not valid in a header).
+    pub fn model_header(&self) -> Option<HeaderValue> {
+        self.headers.1.clone()
+    }
 }
 
 /// One tier's replicas and their routing state.
@@ -354,12 +369,17 @@ impl Upstreams {
                     }
                     None => None,
                 };
+                // Shared from the start, so each answer's copy is a reference count.
+                let header = |v: &str| {
+                    HeaderValue::from_maybe_shared(Bytes::copy_from_slice(v.as_bytes())).ok()
+                };
                 targets.push(Target {
                     name: r.name.clone(),
                     base_url,
                     model: r.model.clone(),
                     authorization,
                     uris,
+                    headers: (header(&r.name), header(&r.model)),
                 });
             }
             let mut set = ReplicaSet::new(

@@ -76,7 +76,8 @@ async fn main() -> anyhow::Result<()> {
                         request,
                     })
                     .await;
-                guard.observe("t", &session, request, true, 100).await;
+                let key = gateway::guard::store::SessionKey::new("t", &session);
+                guard.observe(&key, request, true, 100).await;
                 if let Decision::Flag { found, .. } = &d {
                     if first.is_none() {
                         first = Some(i);

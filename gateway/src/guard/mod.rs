@@ -337,19 +337,11 @@ impl Guard {
     /// The observe at settle: the session's request settled (`ok`: answered 2xx) at
     /// `cost_micros`, which marks its turn answered (a byte-identical request after it is a
     /// step again, not a retry) and is the estimate for the next one refused.
-    pub async fn observe(
-        &self,
-        tenant_id: &str,
-        session: &str,
-        request: u64,
-        ok: bool,
-        cost_micros: i64,
-    ) {
+    pub async fn observe(&self, key: &SessionKey, request: u64, ok: bool, cost_micros: i64) {
         if !self.config.enabled {
             return;
         }
-        let key = SessionKey::new(tenant_id, session);
-        if let Err(e) = self.store.settle(&key, request, ok, cost_micros).await {
+        if let Err(e) = self.store.settle(key, request, ok, cost_micros).await {
             tracing::debug!(error = %e, "guard store: settle not recorded");
         }
     }

@@ -58,7 +58,13 @@ impl Endpoint {
 }
 
 /// Deserialize `value` as `T` (which may borrow from it), naming the failing field in the error.
+/// The path is tracked only to explain a failure: tracking it costs an allocation per field
+/// visited, a dozen per ordinary chat request, so a value that deserializes is read once
+/// without it.
 pub fn from_value<'a, T: Deserialize<'a>>(value: &'a Value) -> Result<T, ApiError> {
+    if let Ok(t) = T::deserialize(value) {
+        return Ok(t);
+    }
     serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
         let message = format!("invalid field `{path}`: {}", e.inner());

@@ -297,8 +297,8 @@ impl ParsedRequest {
     /// The body to send upstream: the client's body with `model` replaced by the upstream's name
     /// (and, for streams, `stream_options.include_usage` on). When nothing else changed, that is
     /// the client's bytes with the new name spliced in (no re-serialising: an agent's history
-    /// is sent as it came); else the parsed body written out. Encoded once per upstream model,
-    /// so a retry on a replica of the same model reuses the bytes.
+    /// is sent as it came); else the parsed body written out, once per upstream model, so a
+    /// retry on a replica of the same model reuses the bytes.
     pub fn upstream_body(&mut self, upstream_model: &str) -> Bytes {
         if let Some((model, bytes)) = &self.encoded {
             if model == upstream_model {
@@ -307,19 +307,20 @@ impl ParsedRequest {
         }
         let spliced = (!self.modified)
             .then(|| super::top_level_string(&self.raw, b"model"))
-            .flatten()
-            .map(|span| {
-                let mut out = Vec::with_capacity(self.raw.len() + upstream_model.len());
-                out.extend_from_slice(&self.raw[..span.start]);
-                // Writing a string into a Vec cannot fail.
-                let _ = serde_json::to_writer(&mut out, upstream_model);
-                out.extend_from_slice(&self.raw[span.end..]);
-                Bytes::from(out)
-            });
+            .flatten();
+        if let Some(span) = spliced {
+            // The client's bytes with the model replaced: one allocation, nothing kept (a
+            // second attempt splices again, which is cheaper than keeping a shared copy).
+            let mut out = Vec::with_capacity(self.raw.len() + upstream_model.len() + 2);
+            out.extend_from_slice(&self.raw[..span.start]);
+            // Writing a string into a Vec cannot fail.
+            let _ = serde_json::to_writer(&mut out, upstream_model);
+            out.extend_from_slice(&self.raw[span.end..]);
+            return Bytes::from(out);
+        }
         self.body
             .insert("model".into(), Value::String(upstream_model.to_owned()));
-        let bytes = spliced
-            .unwrap_or_else(|| Bytes::from(serde_json::to_vec(&self.body).unwrap_or_default()));
+        let bytes = Bytes::from(serde_json::to_vec(&self.body).unwrap_or_default());
         self.encoded = Some((upstream_model.to_owned(), bytes.clone()));
         bytes
     }

@@ -119,13 +119,15 @@ pub type Slot = watch::Receiver<Option<Arc<Answer>>>;
 /// The non-streamed requests in flight in this process, by (API key, fingerprint).
 #[derive(Debug, Default)]
 pub struct Inflight {
-    running: Mutex<HashMap<(String, String), Slot>>,
+    /// Keyed by the API key's id, a NUL, and the fingerprint (one allocation, shared with the
+    /// leader that removes it).
+    running: Mutex<HashMap<Arc<str>, Slot>>,
 }
 
 /// A request that runs upstream and shares its answer with whoever joins it.
 #[derive(Debug)]
 pub struct Leader {
-    key: (String, String),
+    key: Arc<str>,
     tx: watch::Sender<Option<Arc<Answer>>>,
     owner: Arc<Inflight>,
     /// Where a streamed answer's driver writes its chunks (made only for streams).
@@ -146,9 +148,12 @@ pub enum Join {
 impl Inflight {
     /// Lead, or (for a client retry) follow the identical request in flight.
     pub fn join(self: &Arc<Self>, key_id: &str, fingerprint: &str, retry: bool) -> Join {
-        let key = (key_id.to_owned(), fingerprint.to_owned());
+        let mut joined = String::with_capacity(key_id.len() + 1 + fingerprint.len());
+        joined.push_str(key_id);
+        joined.push('\0');
+        joined.push_str(fingerprint);
         let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(slot) = running.get(&key) {
+        if let Some(slot) = running.get(joined.as_str()) {
             return if retry {
                 Join::Follow(slot.clone())
             } else {
@@ -156,7 +161,8 @@ impl Inflight {
             };
         }
         let (tx, rx) = watch::channel(None);
-        running.insert(key.clone(), rx);
+        let key: Arc<str> = Arc::from(joined);
+        running.insert(Arc::clone(&key), rx);
         Join::Lead(Leader {
             key,
             tx,

@@ -271,10 +271,11 @@ impl Call {
             crate::guard::session::of(client, &self.ctx.key.id, self.req.body())
         })
         .await;
-        self.event
-            .tags
-            .entry("session".to_owned())
-            .or_insert_with(|| session.id.clone());
+        if !self.event.tags.contains_key("session") {
+            self.event
+                .tags
+                .insert("session".to_owned(), session.id.clone());
+        }
         let messages = match (self.req.endpoint, self.req.body().get("messages")) {
             (Endpoint::Chat, Some(serde_json::Value::Array(m))) => Some(m.as_slice()),
             _ => None,

@@ -135,16 +135,16 @@ fn gateway_headers(
     target: &Target,
     event: &crate::usage::UsageEvent,
 ) {
+    out.insert(headers::TIER, HeaderValue::from_static(pool.tier.as_str()));
     for (name, value) in [
-        (headers::TIER, pool.tier.as_str()),
-        (headers::REPLICA, target.name.as_str()),
-        (headers::SERVED_MODEL, target.model.as_str()),
+        (headers::REPLICA, target.name_header()),
+        (headers::SERVED_MODEL, target.model_header()),
     ] {
-        if let Ok(v) = HeaderValue::from_str(value) {
+        if let Some(v) = value {
             out.insert(name, v);
         }
     }
-    out.insert(headers::RETRIES, HeaderValue::from(event.retries));
+    out.insert(headers::RETRIES, retries_header(event.retries));
     if let Some(reason) = &event.replica_choice {
         let value = format!(
             "reason={reason} matched_blocks={}",
@@ -153,6 +153,16 @@ fn gateway_headers(
         if let Ok(v) = HeaderValue::from_str(&value) {
             out.insert(headers::REPLICA_CHOICE, v);
         }
+    }
+}
+
+/// `x-gateway-retries`: the usual counts without an allocation.
+fn retries_header(retries: u32) -> HeaderValue {
+    match retries {
+        0 => HeaderValue::from_static("0"),
+        1 => HeaderValue::from_static("1"),
+        2 => HeaderValue::from_static("2"),
+        n => HeaderValue::from(n),
     }
 }
 
@@ -203,25 +213,24 @@ pub(super) fn buffered(
     } else {
         event.error_kind = Some(format!("upstream_{}", status.as_u16()));
     }
-    let mut gateway = HeaderMap::new();
-    gateway_headers(&mut gateway, pool, target, &event);
-    settle(&state, event, reservation);
     let mut response = Response::new(Body::from(body));
     *response.status_mut() = status;
+    let headers = response.headers_mut();
+    // Room for what this answer and the layers around it add, allocated once.
+    headers.reserve(16);
     let content_type = upstream_headers
         .get(header::CONTENT_TYPE)
         .cloned()
         .unwrap_or_else(|| HeaderValue::from_static("application/json"));
-    response
-        .headers_mut()
-        .insert(header::CONTENT_TYPE, content_type);
+    headers.insert(header::CONTENT_TYPE, content_type);
     // Back-off hints from the upstream are for the client.
     for (name, value) in upstream_headers {
         if name == header::RETRY_AFTER || name.as_str().starts_with("x-ratelimit-") {
-            response.headers_mut().insert(name.clone(), value.clone());
+            headers.insert(name.clone(), value.clone());
         }
     }
-    response.headers_mut().extend(gateway);
+    gateway_headers(headers, pool, target, &event);
+    settle(&state, event, reservation);
     response
 }
 

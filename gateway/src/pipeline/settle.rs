@@ -80,18 +80,16 @@ pub fn settle(state: &AppState, mut event: UsageEvent, reservation: Option<Reser
     }
     if let Some(session) = event.session().filter(|_| state.guard.loops_enabled()) {
         // The guard's observe: the turn answered (or not) and what it cost.
-        let (guard, tenant, session) = (
+        let (guard, key) = (
             Arc::clone(&state.guard),
-            event.tenant_id.clone(),
-            session.to_owned(),
+            crate::guard::store::SessionKey::new(&event.tenant_id, session),
         );
         let (request, ok, cost) = (
             crate::guard::request_hash(&event.fingerprint),
             (200..300).contains(&event.status),
             event.cost_micros,
         );
-        let mut observe =
-            Box::pin(async move { guard.observe(&tenant, &session, request, ok, cost).await });
+        let mut observe = Box::pin(async move { guard.observe(&key, request, ok, cost).await });
         if futures_util::FutureExt::now_or_never(observe.as_mut()).is_none() {
             state.tasks.spawn(observe);
         }

@@ -4,8 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Request, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
@@ -23,30 +22,27 @@ use crate::store::ApiKey;
 pub async fn chat_completions(
     State(state): State<AppState>,
     Extension(key): Extension<Arc<ApiKey>>,
-    headers: HeaderMap,
-    body: Body,
+    req: Request,
 ) -> Response {
-    proxy(state, key, headers, body, Endpoint::Chat).await
+    proxy(state, key, req, Endpoint::Chat).await
 }
 
 /// `POST /v1/completions`
 pub async fn completions(
     State(state): State<AppState>,
     Extension(key): Extension<Arc<ApiKey>>,
-    headers: HeaderMap,
-    body: Body,
+    req: Request,
 ) -> Response {
-    proxy(state, key, headers, body, Endpoint::Completions).await
+    proxy(state, key, req, Endpoint::Completions).await
 }
 
 /// `POST /v1/embeddings`
 pub async fn embeddings(
     State(state): State<AppState>,
     Extension(key): Extension<Arc<ApiKey>>,
-    headers: HeaderMap,
-    body: Body,
+    req: Request,
 ) -> Response {
-    proxy(state, key, headers, body, Endpoint::Embeddings).await
+    proxy(state, key, req, Endpoint::Embeddings).await
 }
 
 /// Most tags one request's `x-gateway-tags` may carry (each is stored on its ledger row).
@@ -111,13 +107,10 @@ fn merge_client_tags(
     Ok(())
 }
 
-async fn proxy(
-    state: AppState,
-    key: Arc<ApiKey>,
-    headers: HeaderMap,
-    body: Body,
-    endpoint: Endpoint,
-) -> Response {
+async fn proxy(state: AppState, key: Arc<ApiKey>, req: Request, endpoint: Endpoint) -> Response {
+    // The request taken apart, not its headers copied (axum's `HeaderMap` extractor clones).
+    let (parts, body) = req.into_parts();
+    let headers = parts.headers;
     let started = Instant::now();
     let request_id = headers
         .get(headers::REQUEST_ID)

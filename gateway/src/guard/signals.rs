@@ -86,8 +86,8 @@ pub struct Step {
     names: u64,
     /// Bytes of the outcome's masked text (how much came back).
     outcome_len: usize,
-    /// What the action is, for people.
-    pub what: String,
+    /// What the action is, for people (made once per step: most are one of a few phrases).
+    pub what: Cow<'static, str>,
     /// The action's text (a reply's masked words, or tool names and arguments), for
     /// near-duplicate comparison; bounded.
     action_text: String,
@@ -214,7 +214,7 @@ fn detect_steps(steps: &[Step], d: Detect<'_>) -> Option<Loop> {
     };
     if let Some((repeats, period)) = repetition(steps.len(), same, d.repeats) {
         let n = steps.len();
-        let what: Vec<&str> = (n - period..n).map(|i| steps[i].what.as_str()).collect();
+        let what: Vec<&str> = (n - period..n).map(|i| steps[i].what.as_ref()).collect();
         return Some(Loop {
             repeats,
             period,
@@ -458,7 +458,7 @@ fn ask(tail: &[Value], texts: bool) -> Option<Step> {
         shape: shape.finish(),
         names: 0,
         outcome_len: len,
-        what: "the same request".to_owned(),
+        what: Cow::Borrowed("the same request"),
         action_text: String::new(),
         outcome_text: bounded_text(&text),
         words: Vec::new(),
@@ -487,7 +487,7 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
         shape: FoldHasher<'static>,
         names: u64,
         outcome_len: usize,
-        what: String,
+        what: Cow<'static, str>,
         action: Vec<u8>,
         words: Vec<u64>,
         result: Vec<u8>,
@@ -589,7 +589,7 @@ fn action_of(
     h: &mut FoldHasher,
     mut text: Option<&mut Vec<u8>>,
     words: &mut Vec<u64>,
-) -> (String, u64) {
+) -> (Cow<'static, str>, u64) {
     let calls = m
         .get("tool_calls")
         .and_then(Value::as_array)
@@ -609,8 +609,8 @@ fn action_of(
         }
     };
     if let Some(calls) = calls {
-        let mut names = Vec::new();
-        for c in calls {
+        let mut what = String::from("tool call ");
+        for (i, c) in calls.iter().enumerate() {
             let f = c.get("function").unwrap_or(&Value::Null);
             let name = f.get("name").and_then(Value::as_str).unwrap_or("?");
             call(
@@ -619,12 +619,14 @@ fn action_of(
                 h,
                 &mut text,
             );
-            names.push(format!("`{name}`"));
+            if i > 0 {
+                what.push_str(", ");
+            }
+            what.push('`');
+            what.push_str(name);
+            what.push('`');
         }
-        return (
-            format!("tool call {}", names.join(", ")),
-            names_h.finish() | 1,
-        );
+        return (Cow::Owned(what), names_h.finish() | 1);
     }
     if let Some(f) = m.get("function_call") {
         let name = f.get("name").and_then(Value::as_str).unwrap_or("?");
@@ -634,7 +636,10 @@ fn action_of(
             h,
             &mut text,
         );
-        return (format!("function call `{name}`"), names_h.finish() | 1);
+        return (
+            Cow::Owned(format!("function call `{name}`")),
+            names_h.finish() | 1,
+        );
     }
     let content = text_of(m.get("content"));
     if content.len() <= CANONICAL_ARGS && content.trim_start().starts_with(['{', '[']) {
@@ -651,11 +656,11 @@ fn action_of(
             let mut unused = FixedState::default().build_hasher();
             normalised(&content, &mut unused, Some(text), None);
         }
-        return (CODE_REPLY.to_owned(), 0);
+        return (Cow::Borrowed(CODE_REPLY), 0);
     } else {
         normalised(&content, h, text, None);
     }
-    ("assistant reply".to_owned(), 0)
+    (Cow::Borrowed("assistant reply"), 0)
 }
 
 /// The contents of the fenced code blocks (```` ``` ````) of a reply, each less its fence line

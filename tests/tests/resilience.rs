@@ -762,15 +762,22 @@ async fn a_replica_whose_ttft_grows_gets_fewer_requests_and_the_rest_wait_at_the
         min_limit <= 12,
         "the limit fell from 64 towards the 4 the server batches: {min_limit}"
     );
+    // Typically 10-11 deep; on a loaded 2-core machine (CI failed once at 14; 14 and 15 seen
+    // in 2 of 18 runs beside two busy loops) deeper for a moment, as the limit moves on
+    // latencies that the host's own load also stretches. Bounded by 18: under half the fixed
+    // case's queue.
     assert!(
-        deepest <= 12,
+        deepest <= 18,
         "the server's queue stayed short in the second wave: {deepest}"
     );
     // The same load with a fixed limit piles up at the server.
-    let (deepest, min_limit, all_ok) = overload_waves(false).await;
+    let (fixed_deepest, min_limit, all_ok) = overload_waves(false).await;
     assert!(all_ok);
     assert_eq!(min_limit, 64, "fixed at max_concurrency");
-    assert!(deepest >= 24, "without it the server queues: {deepest}");
+    assert!(
+        fixed_deepest >= 24 && fixed_deepest >= 2 * deepest,
+        "without it the server queues: {fixed_deepest} (adaptive: {deepest})"
+    );
 }
 
 #[tokio::test]

@@ -83,11 +83,14 @@ async fn the_window_keeps_the_latest_turns_and_a_retry_of_an_unanswered_request_
             .await
             .unwrap();
         }
-        let seen = s.record(&key, &turn(3_000, 99, 999), LIMITS).await.unwrap();
+        // A step unlike every earlier one ends no loop: no window comes back.
+        let new = s.record(&key, &turn(2_900, 98, 998), LIMITS).await.unwrap();
+        assert!(new.window.is_empty(), "{kind:?}: {new:?}");
+        let seen = s.record(&key, &turn(3_000, 23, 999), LIMITS).await.unwrap();
         let steps: Vec<u64> = seen.window.iter().map(|t| t.step).collect();
         assert_eq!(
             steps,
-            vec![21, 22, 23, 24],
+            vec![22, 23, 24, 98],
             "{kind:?}: the latest {} turns",
             LIMITS.turns
         );
@@ -97,7 +100,7 @@ async fn the_window_keeps_the_latest_turns_and_a_retry_of_an_unanswered_request_
                 seen.state.last_seen_ms,
                 seen.state.requests
             ),
-            (1_000, 2_004, 8),
+            (1_000, 2_900, 9),
             "{kind:?}: retries count as requests"
         );
     }
@@ -121,7 +124,11 @@ async fn a_turn_round_trips_with_its_flags_and_sketch() {
             sketch: Some(Sketch(sketch)),
         };
         s.record(&key, &t, LIMITS).await.unwrap();
-        let seen = s.record(&key, &turn(5_001, 1, 2), LIMITS).await.unwrap();
+        // The same step again (a new request), so the window comes back.
+        let seen = s
+            .record(&key, &turn(5_001, u64::MAX - 7, 2), LIMITS)
+            .await
+            .unwrap();
         assert_eq!(seen.window, vec![t], "{kind:?}");
     }
 }

@@ -293,7 +293,11 @@ impl GuardStore for MemoryGuard {
         let mut s = shared.lock().map_err(|_| poisoned())?;
         let seen = Seen {
             state: s.state.clone(),
-            window: s.window.iter().cloned().collect(),
+            window: if turn.may_repeat(s.window.iter()) {
+                s.window.iter().cloned().collect()
+            } else {
+                Vec::new()
+            },
             retry: s
                 .window
                 .back()

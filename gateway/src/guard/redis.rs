@@ -241,10 +241,13 @@ impl GuardStore for RedisGuard {
         while let (Some(k), Some(v)) = (flat.next(), flat.next()) {
             fields.insert(String::from_utf8_lossy(&bytes(k)?).into_owned(), bytes(v)?);
         }
-        let window = array(window)?
+        let mut window: Vec<Turn> = array(window)?
             .into_iter()
             .filter_map(|t| bytes(t).ok().and_then(|b| Turn::decode(&b)))
             .collect();
+        if !turn.may_repeat(window.iter()) {
+            window.clear();
+        }
         Ok(Seen {
             state: state_of(&fields)?,
             window,

@@ -422,7 +422,6 @@ pub fn repetition(
 /// function words sends the same ask.
 fn ask(tail: &[Value], texts: bool) -> Option<Step> {
     let mut h = FixedState::default().build_hasher();
-    let mut shape = FixedState::default().build_hasher();
     let mut gist = FixedState::default().build_hasher();
     let mut words = 0;
     let mut text = Vec::new();
@@ -438,7 +437,6 @@ fn ask(tail: &[Value], texts: bool) -> Option<Step> {
         let out = masked_edges(&t);
         h.write(&out);
         h.write_u8(0xff);
-        shape_into(&out, &mut shape);
         words += gist_into(&out, &mut gist);
         gist.write_u8(0xff);
         if texts && text.len() < TEXT_KEPT {
@@ -455,7 +453,9 @@ fn ask(tail: &[Value], texts: bool) -> Option<Step> {
         fingerprint,
         outcome: fingerprint,
         action: 0,
-        shape: shape.finish(),
+        // An ask is compared by its fingerprint alone (across requests, as a turn), never by
+        // action and shape, so its shape is not computed.
+        shape: 0,
         names: 0,
         outcome_len: len,
         what: Cow::Borrowed("the same request"),

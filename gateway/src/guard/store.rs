@@ -71,6 +71,13 @@ const ANSWERED: u8 = 2;
 const SKETCHED: u8 = 4;
 
 impl Turn {
+    /// Whether a loop could end at this turn after the `earlier` ones: one of them is the same
+    /// step, or this one has a sketch (compared by cosine). A loop ends in a repeat of its latest
+    /// step, so a turn unlike every earlier one, and without a sketch, ends none.
+    pub fn may_repeat<'a>(&self, mut earlier: impl Iterator<Item = &'a Turn>) -> bool {
+        self.sketch.is_some() || earlier.any(|t| t.step == self.step)
+    }
+
     /// The fixed-size encoding both stores keep: at, step, request (big-endian), flags, sketch.
     pub fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(TURN_BYTES);
@@ -224,7 +231,8 @@ pub fn most_recent(mut sessions: Vec<SessionInfo>, limit: usize) -> Vec<SessionI
 pub struct Seen {
     /// The session before this request.
     pub state: SessionState,
-    /// Its earlier turns, oldest first (this one not included).
+    /// Its earlier turns, oldest first (this one not included); none when no loop can end at
+    /// this turn (see [`Turn::may_repeat`]), which spares the copy on almost every request.
     pub window: Vec<Turn>,
     /// This request repeats the newest turn's request byte for byte and that one was not
     /// answered: a client retry, not a new step (not added to the window).

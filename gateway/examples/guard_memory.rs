@@ -1,8 +1,9 @@
 //! Memory the in-process guard store holds per session: fill a `MemoryGuard` with N sessions of
-//! a full window (8 turns, each with a sketch) and report the resident-set growth per session.
+//! a full window (8 turns) and report the resident-set growth per session. Turns carry no
+//! sketch, as with the default exact signals; with `sketches`, each has one (near-duplicates on).
 //!
 //! ```sh
-//! cargo run --release -p gateway --example guard_memory [-- 100000]
+//! cargo run --release -p gateway --example guard_memory [-- 100000 [sketches]]
 //! ```
 
 use std::time::Duration;
@@ -28,6 +29,7 @@ async fn main() {
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(100_000);
+    let sketches = std::env::args().nth(2).as_deref() == Some("sketches");
     let turns = 8;
     let store = MemoryGuard::new(n, Duration::from_secs(3600));
     let limits = Limits {
@@ -50,7 +52,7 @@ async fn main() {
                 request: i.wrapping_mul(31) ^ t,
                 text: true,
                 answered: false,
-                sketch: Some(Sketch(sketch)),
+                sketch: sketches.then(|| Box::new(Sketch(sketch))),
             };
             let _ = store.record(&key, &turn, limits).await;
         }
@@ -58,7 +60,12 @@ async fn main() {
     let after = rss();
     let per = (after.saturating_sub(before)) as f64 / n as f64;
     println!(
-        "{n} sessions x {turns} turns: RSS +{:.1} MiB, {:.0} bytes per session",
+        "{n} sessions x {turns} turns ({}): RSS +{:.1} MiB, {:.0} bytes per session",
+        if sketches {
+            "with sketches"
+        } else {
+            "exact signals, no sketch"
+        },
         (after.saturating_sub(before)) as f64 / (1 << 20) as f64,
         per
     );

@@ -121,7 +121,7 @@ async fn a_turn_round_trips_with_its_flags_and_sketch() {
             request: 0x0123_4567_89ab_cdef,
             text: true,
             answered: false,
-            sketch: Some(Sketch(sketch)),
+            sketch: Some(Box::new(Sketch(sketch))),
         };
         s.record(&key, &t, LIMITS).await.unwrap();
         // The same step again (a new request), so the window comes back.

@@ -182,7 +182,8 @@ impl Guard {
                 // Only text turns are compared by sketch across requests.
                 sketch: near
                     .filter(|_| !step.is_tool())
-                    .and_then(|n| n.sketch(&step.text())),
+                    .and_then(|n| n.sketch(&step.text()))
+                    .map(Box::new),
             });
         let turn = turn.unwrap_or(Turn {
             at_ms: now,

@@ -58,8 +58,9 @@ pub struct Turn {
     pub text: bool,
     /// Set at settle when the request was answered (2xx).
     pub answered: bool,
-    /// Its sketch, when the static model was loaded.
-    pub sketch: Option<Sketch>,
+    /// Its sketch, when the static model was loaded (boxed: most turns have none, and a window
+    /// of unboxed ones would be four times the size).
+    pub sketch: Option<Box<Sketch>>,
 }
 
 /// Bytes of an encoded turn.
@@ -116,7 +117,7 @@ impl Turn {
             text: flags & TEXT != 0,
             answered: flags & ANSWERED != 0,
             sketch: if flags & SKETCHED != 0 {
-                Sketch::from_bytes(&b[FLAGS_AT + 1..])
+                Sketch::from_bytes(&b[FLAGS_AT + 1..]).map(Box::new)
             } else {
                 None
             },

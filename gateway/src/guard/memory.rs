@@ -267,8 +267,8 @@ impl MemoryGuard {
 
 fn info(key: &SessionKey, s: &Session) -> SessionInfo {
     SessionInfo {
-        tenant_id: key.tenant_id.clone(),
-        session: key.session.clone(),
+        tenant_id: key.tenant_id().to_owned(),
+        session: key.session().to_owned(),
         state: s.state.clone(),
         turns: s.window.len(),
     }
@@ -376,14 +376,14 @@ impl GuardStore for MemoryGuard {
     async fn list(&self, tenant_id: &str, limit: usize) -> Result<Vec<SessionInfo>, GuardError> {
         let mut all: HashMap<SessionKey, SessionInfo> = HashMap::new();
         for (key, shared) in self.sessions.all() {
-            if key.tenant_id == tenant_id {
+            if key.tenant_id() == tenant_id {
                 let s = shared.lock().map_err(|_| poisoned())?;
                 let i = info(&key, &s);
                 all.insert(key, i);
             }
         }
         for (key, shared) in self.blocked.iter() {
-            if key.tenant_id == tenant_id {
+            if key.tenant_id() == tenant_id {
                 let s = shared.lock().map_err(|_| poisoned())?;
                 all.insert((*key).clone(), info(&key, &s));
             }
@@ -490,10 +490,7 @@ mod active_tests {
     use super::*;
 
     fn key(s: &str) -> SessionKey {
-        SessionKey {
-            tenant_id: "t".into(),
-            session: s.into(),
-        }
+        SessionKey::new("t", s)
     }
 
     #[test]

@@ -380,6 +380,11 @@ fn window_loop(
     repeats: usize,
     similarity: f32,
 ) -> Option<Loop> {
+    // One turn alone repeats nothing (`repeats` is at least 2); the store sends no earlier
+    // turns when none has the latest one's step.
+    if earlier.is_empty() {
+        return None;
+    }
     let mut turns: Vec<&Turn> = earlier.iter().filter(|t| t.at_ms >= since_ms).collect();
     turns.push(latest);
     let same = |a: usize, b: usize| {

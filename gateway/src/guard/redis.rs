@@ -61,11 +61,11 @@ fn tag(tenant_id: &str) -> String {
 }
 
 fn state_key(k: &SessionKey) -> String {
-    format!("{}:s:{}", tag(&k.tenant_id), k.session)
+    format!("{}:s:{}", tag(k.tenant_id()), k.session())
 }
 
 fn window_key(k: &SessionKey) -> String {
-    format!("{}:w:{}", tag(&k.tenant_id), k.session)
+    format!("{}:w:{}", tag(k.tenant_id()), k.session())
 }
 
 fn index_key(tenant_id: &str) -> String {
@@ -148,8 +148,8 @@ impl RedisGuard {
         }
         let turns: usize = self.query(redis::cmd("LLEN").arg(window_key(key))).await?;
         Ok(Some(SessionInfo {
-            tenant_id: key.tenant_id.clone(),
-            session: key.session.clone(),
+            tenant_id: key.tenant_id().to_owned(),
+            session: key.session().to_owned(),
             state: state_of(&fields)?,
             turns,
         }))
@@ -223,13 +223,13 @@ impl GuardStore for RedisGuard {
         let mut inv = self.record.prepare_invoke();
         inv.key(state_key(key))
             .key(window_key(key))
-            .key(index_key(&key.tenant_id))
+            .key(index_key(key.tenant_id()))
             .arg(turn.at_ms)
             .arg(turn.encode())
             .arg(&Turn::request_bytes(turn.request)[..])
             .arg(limits.turns)
             .arg(limits.ttl_ms)
-            .arg(&key.session)
+            .arg(key.session())
             .arg(FLAGS_AT);
         let mut parts = array(self.invoke(inv).await?)?.into_iter();
         let (Some(flat), Some(window), Some(retry)) = (parts.next(), parts.next(), parts.next())
@@ -263,14 +263,14 @@ impl GuardStore for RedisGuard {
         let mut inv = self.mark.prepare_invoke();
         inv.key(state_key(key))
             .key(window_key(key))
-            .key(blocked_key(&key.tenant_id))
+            .key(blocked_key(key.tenant_id()))
             .arg(u8::from(mark.flagged))
             .arg(u8::from(mark.refused.is_some()))
             .arg(mark.refused.unwrap_or(0))
             .arg(opt(mark.cooldown_until_ms))
             .arg(opt(mark.blocked_at_ms))
             .arg(found)
-            .arg(&key.session)
+            .arg(key.session())
             .arg(self.block_ttl_ms);
         self.invoke(inv).await.map(drop)
     }
@@ -330,9 +330,9 @@ impl GuardStore for RedisGuard {
             .query(redis::cmd("DEL").arg(state_key(key)).arg(window_key(key)))
             .await?;
         // Same slot as the session's keys (the tenant's hash tag).
-        for set in [index_key(&key.tenant_id), blocked_key(&key.tenant_id)] {
+        for set in [index_key(key.tenant_id()), blocked_key(key.tenant_id())] {
             let _: i64 = self
-                .query(redis::cmd("ZREM").arg(set).arg(&key.session))
+                .query(redis::cmd("ZREM").arg(set).arg(key.session()))
                 .await?;
         }
         Ok(deleted > 0)

@@ -859,116 +859,99 @@ fn masked_edges(text: &str) -> Vec<u8> {
     out
 }
 
-/// Whether lowercased `word` carries no content in an ask: an article, pronoun, auxiliary,
-/// question word or politeness. Negations are not among them: "not good value" is another ask
-/// than "good value". (A match, not a search: the compiler dispatches on the length.)
-fn is_function_word(word: &[u8]) -> bool {
-    matches!(
-        word,
-        b"a" | b"about"
-            | b"am"
-            | b"an"
-            | b"and"
-            | b"any"
-            | b"are"
-            | b"as"
-            | b"at"
-            | b"be"
-            | b"been"
-            | b"but"
-            | b"by"
-            | b"can"
-            | b"could"
-            | b"did"
-            | b"do"
-            | b"does"
-            | b"for"
-            | b"from"
-            | b"had"
-            | b"has"
-            | b"have"
-            | b"hello"
-            | b"hey"
-            | b"hi"
-            | b"how"
-            | b"i"
-            | b"i'm"
-            | b"if"
-            | b"in"
-            | b"into"
-            | b"is"
-            | b"it"
-            | b"it's"
-            | b"its"
-            | b"just"
-            | b"kindly"
-            | b"me"
-            | b"my"
-            | b"of"
-            | b"on"
-            | b"or"
-            | b"our"
-            | b"please"
-            | b"should"
-            | b"so"
-            | b"some"
-            | b"tell"
-            | b"thank"
-            | b"thanks"
-            | b"that"
-            | b"the"
-            | b"their"
-            | b"them"
-            | b"then"
-            | b"there"
-            | b"these"
-            | b"they"
-            | b"this"
-            | b"those"
-            | b"to"
-            | b"us"
-            | b"was"
-            | b"we"
-            | b"were"
-            | b"what"
-            | b"what's"
-            | b"when"
-            | b"where"
-            | b"which"
-            | b"who"
-            | b"why"
-            | b"will"
-            | b"with"
-            | b"would"
-            | b"you"
-            | b"your"
-    )
+/// Words that carry no content in an ask: articles, pronouns, auxiliaries, question words and
+/// politeness. Negations are not among them: "not good value" is another ask than "good value".
+const FUNCTION_WORD_LIST: [&[u8]; 78] = [
+    b"a", b"about", b"am", b"an", b"and", b"any", b"are", b"as", b"at", b"be", b"been", b"but",
+    b"by", b"can", b"could", b"did", b"do", b"does", b"for", b"from", b"had", b"has", b"have",
+    b"hello", b"hey", b"hi", b"how", b"i", b"i'm", b"if", b"in", b"into", b"is", b"it", b"it's",
+    b"its", b"just", b"kindly", b"me", b"my", b"of", b"on", b"or", b"our", b"please", b"should",
+    b"so", b"some", b"tell", b"thank", b"thanks", b"that", b"the", b"their", b"them", b"then",
+    b"there", b"these", b"they", b"this", b"those", b"to", b"us", b"was", b"we", b"were", b"what",
+    b"what's", b"when", b"where", b"which", b"who", b"why", b"will", b"with", b"would", b"you",
+    b"your",
+];
+
+/// Longest function word, bytes.
+const LONGEST_FUNCTION_WORD: usize = 8;
+
+/// A word of at most 8 bytes, lowercased, as one integer (its bytes little-endian; no word
+/// holds a NUL, so each has its own).
+const fn packed_lower(word: &[u8]) -> u64 {
+    let mut x = 0u64;
+    let mut k = 0;
+    while k < word.len() {
+        x |= (word[k].to_ascii_lowercase() as u64) << (8 * k);
+        k += 1;
+    }
+    x
 }
 
+/// [`FUNCTION_WORD_LIST`] packed and sorted: membership is a binary search, one integer
+/// compare per step.
+const FUNCTION_WORDS: [u64; FUNCTION_WORD_LIST.len()] = {
+    let mut t = [0u64; FUNCTION_WORD_LIST.len()];
+    let mut i = 0;
+    while i < t.len() {
+        assert!(FUNCTION_WORD_LIST[i].len() <= LONGEST_FUNCTION_WORD);
+        t[i] = packed_lower(FUNCTION_WORD_LIST[i]);
+        // Insertion sort (a const context has no `sort`).
+        let mut j = i;
+        while j > 0 && t[j - 1] > t[j] {
+            let x = t[j];
+            t[j] = t[j - 1];
+            t[j - 1] = x;
+            j -= 1;
+        }
+        i += 1;
+    }
+    t
+};
+
+/// The bytes of a word in an ask's gist: ASCII letters and digits, `'`, the masks' `<`, `>`
+/// and `#`, and every non-ASCII byte.
+const GIST_WORD: [bool; 256] = {
+    let mut t = [false; 256];
+    let mut i = 0;
+    while i < 256 {
+        let c = i as u8;
+        t[i] = c.is_ascii_alphanumeric() || matches!(c, b'\'' | b'<' | b'>' | b'#') || c >= 0x80;
+        i += 1;
+    }
+    t
+};
+
 /// Hash the *gist* of masked text `out` into `h`: its content words in order, lowercased, less
-/// function words ([`is_function_word`]) and punctuation ("How do I reset my API key?" and "how can i reset the
+/// function words ([`FUNCTION_WORD_LIST`]) and punctuation ("How do I reset my API key?" and "how can i reset the
 /// api key" have one gist; "reset the API key" and "delete the API key" do not, nor do two
 /// routes in opposite directions). Returns the number of content words.
 fn gist_into(out: &[u8], h: &mut FoldHasher) -> usize {
-    /// Longest function word, bytes.
-    const LONGEST: usize = 8;
-    let is_word =
-        |c: &u8| c.is_ascii_alphanumeric() || matches!(c, b'\'' | b'<' | b'>' | b'#') || *c >= 0x80;
+    let is_word = |c: u8| GIST_WORD[usize::from(c)];
     let mut count = 0;
-    let mut lower = [0u8; LONGEST];
-    for word in out.split(|c| !is_word(c)) {
+    let mut i = 0;
+    while i < out.len() {
+        if !is_word(out[i]) {
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < out.len() && is_word(out[i]) {
+            i += 1;
+        }
+        let word = &out[start..i];
         let w = word.strip_suffix(b"'").unwrap_or(word);
         if w.iter().all(|c| *c == b'\'') {
             continue;
         }
-        // Only a short ASCII word can be a function word; it is lowercased on the stack.
-        let function = w.len() <= LONGEST && w.is_ascii() && {
-            let l = &mut lower[..w.len()];
-            l.copy_from_slice(w);
-            l.make_ascii_lowercase();
-            is_function_word(l)
-        };
-        if !function {
+        if w.len() <= LONGEST_FUNCTION_WORD {
+            // Short: lowercased into one integer, whose bytes are also what is hashed. Only an
+            // ASCII word can be a function word.
+            let lower = packed_lower(w);
+            if w.is_ascii() && FUNCTION_WORDS.binary_search(&lower).is_ok() {
+                continue;
+            }
+            h.write(&lower.to_le_bytes()[..w.len()]);
+        } else {
             let mut buf = [0u8; 64];
             for chunk in w.chunks(buf.len()) {
                 let b = &mut buf[..chunk.len()];
@@ -976,9 +959,9 @@ fn gist_into(out: &[u8], h: &mut FoldHasher) -> usize {
                 b.make_ascii_lowercase();
                 h.write(b);
             }
-            h.write_u8(b' ');
-            count += 1;
         }
+        h.write_u8(b' ');
+        count += 1;
     }
     count
 }
@@ -1139,17 +1122,23 @@ fn mask(text: &str, out: &mut Vec<u8>) {
             i += 1;
             continue;
         }
-        if is_uuid(&b[i..]) {
-            out.extend_from_slice(b"<id>");
-            i += 36;
-            continue;
-        }
+        // One pass over the word: its end and its digits.
         let start = i;
-        while i < b.len() && b[i].is_ascii_alphanumeric() {
+        let mut digits = 0;
+        while let Some(&c) = b.get(i) {
+            if !c.is_ascii_alphanumeric() {
+                break;
+            }
+            digits += usize::from(c.is_ascii_digit());
             i += 1;
         }
+        // A uuid's first group is a word of 8 hex digits followed by a dash.
+        if i - start == 8 && b.get(i) == Some(&b'-') && is_uuid(&b[start..]) {
+            out.extend_from_slice(b"<id>");
+            i = start + 36;
+            continue;
+        }
         let word = &b[start..i];
-        let digits = word.iter().filter(|c| c.is_ascii_digit()).count();
         if digits == word.len() {
             // A number; swallow the rest of a time (12:03:44) or a decimal (0.531).
             let mut joined = false;

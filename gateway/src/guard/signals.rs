@@ -944,10 +944,10 @@ fn gist_into(out: &[u8], h: &mut FoldHasher) -> usize {
             continue;
         }
         if w.len() <= LONGEST_FUNCTION_WORD {
-            // Short: lowercased into one integer, whose bytes are also what is hashed. Only an
-            // ASCII word can be a function word.
+            // Short: lowercased into one integer, whose bytes are also what is hashed (a word
+            // with a non-ASCII byte matches no function word, all ASCII).
             let lower = packed_lower(w);
-            if w.is_ascii() && FUNCTION_WORDS.binary_search(&lower).is_ok() {
+            if FUNCTION_WORDS.binary_search(&lower).is_ok() {
                 continue;
             }
             h.write(&lower.to_le_bytes()[..w.len()]);

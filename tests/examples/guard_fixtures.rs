@@ -42,12 +42,9 @@ async fn main() -> anyhow::Result<()> {
     {
         config.similarity = v.parse()?;
     }
-    let (mut caught, mut late, mut missed, mut early, mut fp, mut progressing, mut looping) =
-        (0, 0, 0, 0, 0, 0, 0);
-    let mut delays = Vec::new();
-    for kind in ["looping", "progressing"] {
-        for (name, f) in e2e::agent_sessions(kind) {
-            let guard = Guard::new(
+    let new_guard = || async {
+        Ok::<_, anyhow::Error>(
+            Guard::new(
                 config.clone(),
                 Arc::new(MemoryGuard::new(1000, std::time::Duration::from_secs(3600))),
                 Arc::clone(&store),
@@ -56,40 +53,65 @@ async fn main() -> anyhow::Result<()> {
                 gateway::metrics::Metrics::new()?,
             )
             .await?
-            .with_near(near.clone());
+            .with_near(near.clone()),
+        )
+    };
+    // `--unlabelled DIR`: sessions with no label (real transcripts, `bench/real-sessions.py`);
+    // every flag is printed for a person to judge.
+    if let Some(dir) = args
+        .iter()
+        .position(|a| a == "--unlabelled")
+        .and_then(|i| args.get(i + 1))
+    {
+        let mut files: Vec<_> = std::fs::read_dir(dir)?
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "json"))
+            .collect();
+        files.sort();
+        let (mut sessions, mut requests, mut flagged) = (0, 0, 0);
+        for p in files {
+            let f: Value = serde_json::from_slice(&std::fs::read(&p)?)?;
+            let name = p.file_stem().and_then(|s| s.to_str()).unwrap_or("?");
+            let reqs = e2e::session_requests(&f);
+            sessions += 1;
+            requests += reqs.len();
+            if let Some((i, found)) = replay(&new_guard().await?, name, &reqs).await {
+                flagged += 1;
+                println!(
+                    "FLAGGED {name} at request {i} of {}: {} x{} p{}",
+                    reqs.len(),
+                    found.what,
+                    found.repeats,
+                    found.period
+                );
+            }
+        }
+        println!(
+            "unlabelled: {sessions} sessions, {requests} requests; flagged {flagged} sessions"
+        );
+        return Ok(());
+    }
+    let (mut caught, mut late, mut missed, mut early, mut fp, mut progressing, mut looping) =
+        (0, 0, 0, 0, 0, 0, 0);
+    let mut delays = Vec::new();
+    for kind in ["looping", "progressing"] {
+        for (name, f) in e2e::agent_sessions(kind) {
             let session = f
                 .get("session_id")
                 .and_then(Value::as_str)
                 .unwrap_or(&name)
                 .to_owned();
-            let mut first = None;
-            for (i, messages) in e2e::session_requests(&f).iter().enumerate() {
-                let body = serde_json::json!({"model": "m", "messages": messages});
-                let fp = gateway::openai::fingerprint_bytes(body.to_string().as_bytes());
-                let request = gateway::guard::request_hash(&fp);
-                let d = guard
-                    .check(Check {
-                        tenant_id: "t",
-                        tenant_name: "t",
-                        session: &session,
-                        messages: Some(messages),
-                        request,
-                    })
-                    .await;
-                let key = gateway::guard::store::SessionKey::new("t", &session);
-                guard.observe(&key, request, true, 100).await;
-                if let Decision::Flag { found, .. } = &d {
-                    if first.is_none() {
-                        first = Some(i);
-                        if verbose {
-                            println!(
-                                "  {name} flagged at {i}: {} x{} p{}",
-                                found.what, found.repeats, found.period
-                            );
-                        }
-                    }
+            let first = replay(&new_guard().await?, &session, &e2e::session_requests(&f)).await;
+            if verbose {
+                if let Some((i, found)) = &first {
+                    println!(
+                        "  {name} flagged at {i}: {} x{} p{}",
+                        found.what, found.repeats, found.period
+                    );
                 }
             }
+            let first = first.map(|(i, _)| i);
             if kind == "progressing" {
                 progressing += 1;
                 if let Some(i) = first {
@@ -147,4 +169,34 @@ async fn main() -> anyhow::Result<()> {
         if exact { "off" } else { "on" }
     );
     Ok(())
+}
+
+/// Send a session's requests through `guard` (each observed as answered); the first flag's
+/// request index and what it found.
+async fn replay(
+    guard: &Guard,
+    session: &str,
+    requests: &[Vec<Value>],
+) -> Option<(usize, gateway::guard::Loop)> {
+    let mut first = None;
+    for (i, messages) in requests.iter().enumerate() {
+        let body = serde_json::json!({"model": "m", "messages": messages});
+        let fp = gateway::openai::fingerprint_bytes(body.to_string().as_bytes());
+        let request = gateway::guard::request_hash(&fp);
+        let d = guard
+            .check(Check {
+                tenant_id: "t",
+                tenant_name: "t",
+                session,
+                messages: Some(messages),
+                request,
+            })
+            .await;
+        let key = gateway::guard::store::SessionKey::new("t", session);
+        guard.observe(&key, request, true, 100).await;
+        if let Decision::Flag { found, .. } = d {
+            first.get_or_insert((i, found));
+        }
+    }
+    first
 }

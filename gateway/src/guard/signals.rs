@@ -603,7 +603,11 @@ fn action_of(
             t.push(b' ');
         }
         let masked = compact(args, h, text.as_deref_mut());
-        value_words(&masked, words);
+        // Arguments too long to read whole (a patch, a file written out) are marked: their
+        // first words (a diff's header) alone do not make two silent calls one attempt.
+        if !value_words(&masked, words) && words.first() != Some(&UNREAD) {
+            words.insert(0, UNREAD);
+        }
         if let Some(t) = text.as_deref_mut() {
             t.push(b'\n');
         }
@@ -722,22 +726,30 @@ fn compact(json: &str, h: &mut FoldHasher, text: Option<&mut Vec<u8>>) -> Vec<u8
 /// Words of a tool call's arguments read for [`similar_actions`], at most.
 const WORDS_KEPT: usize = 64;
 
-/// The words of the string values in masked JSON `json` (not its keys): runs of two or more
-/// ASCII letters, lowercased, hashed, into `words` (sorted, deduplicated, at most
-/// [`WORDS_KEPT`] read).
-fn value_words(json: &[u8], words: &mut Vec<u64>) {
+/// First among the words of a call whose arguments were too long to read whole (see
+/// [`similar_actions`]).
+const UNREAD: u64 = 0;
+
+/// The words of the string values in masked JSON `json` (not its keys), hashed, into `words`
+/// (sorted, deduplicated, at most [`WORDS_KEPT`] read): runs of two or more ASCII letters,
+/// lowercased (even hashes), and runs of digits (odd hashes: [`is_number`]), so `arg1` is
+/// `arg` and `1`. Whether every word was read.
+fn value_words(json: &[u8], words: &mut Vec<u64>) -> bool {
     let mut in_string = false;
     let mut escaped = false;
     // Where the current string's words start in `words` (dropped again if it is a key).
     let mut string_from = words.len();
-    let mut word_from: Option<usize> = None;
-    let word = |from: Option<usize>, to: usize, words: &mut Vec<u64>| {
-        if let Some(from) = from.filter(|f| to - f >= 2) {
+    // The current run's start, and whether it is digits.
+    let mut run: Option<(usize, bool)> = None;
+    let end = |run: Option<(usize, bool)>, to: usize, words: &mut Vec<u64>| {
+        let Some((from, digits)) = run else { return };
+        if digits || to - from >= 2 {
             let mut h = FixedState::default().build_hasher();
             for &b in &json[from..to] {
                 h.write_u8(b.to_ascii_lowercase());
             }
-            words.push(h.finish());
+            let h = h.finish();
+            words.push(if digits { h | 1 } else { h & !1 });
         }
     };
     let mut i = 0;
@@ -751,10 +763,17 @@ fn value_words(json: &[u8], words: &mut Vec<u64>) {
         } else if escaped {
             // `\n`, `\t`, … separate words; an escaped letter is not part of one.
             escaped = false;
-        } else if b.is_ascii_alphabetic() {
-            word_from.get_or_insert(i);
+        } else if b.is_ascii_alphanumeric() {
+            let digit = b.is_ascii_digit();
+            match run {
+                Some((_, d)) if d == digit => {}
+                _ => {
+                    end(run, i, words);
+                    run = Some((i, digit));
+                }
+            }
         } else {
-            word(word_from.take(), i, words);
+            end(run.take(), i, words);
             match b {
                 b'\\' => escaped = true,
                 b'"' => {
@@ -771,6 +790,12 @@ fn value_words(json: &[u8], words: &mut Vec<u64>) {
     }
     words.sort_unstable();
     words.dedup();
+    i >= json.len()
+}
+
+/// Whether a word of [`value_words`] is a run of digits.
+fn is_number(word: u64) -> bool {
+    word & 1 == 1
 }
 
 /// Share of word sets two tool calls need in common (Jaccard) to be the same attempt reworded,
@@ -778,31 +803,59 @@ fn value_words(json: &[u8], words: &mut Vec<u64>) {
 pub const SIMILAR_ACTIONS: f64 = 0.7;
 
 /// Whether two tool calls are one attempt reworded: the same tools, the very same (masked)
-/// result, and arguments whose words mostly agree (`grep -rn 'def f' src` and `grep -Rn "def f"
-/// ./src/` both finding nothing; a search reworded that returns the same hits). A call whose
-/// result changed, or that asks for other things, is not.
+/// result, and arguments whose words mostly agree (a search reworded that returns the same
+/// hits). A call whose result changed, or that asks for other things, is not. A result that
+/// says nothing (under [`SUBSTANTIAL_OUTCOME`] bytes: an empty output, `ok`) cannot show that
+/// two calls did the same thing, so then the words must be the same ones, only quoted,
+/// ordered or cased otherwise (`grep -rn 'def f' src` and `grep -Rn "def f" ./src/`, both
+/// finding nothing): a silent `sed -i` on `arg1` and another on `arg2` are two edits, an edit
+/// that adds to another's replacement is a new one (so a search with a qualifier added is not
+/// matched either), and two silent calls whose arguments were too long to read whole (two
+/// patches of one file) are not compared by words.
 fn similar_actions(x: &Step, y: &Step) -> bool {
     if !(x.is_tool() && x.names == y.names && x.outcome == y.outcome) {
         return false;
     }
     let (a, b) = (&x.words, &y.words);
-    if a.is_empty() || b.is_empty() {
+    if x.outcome_len < SUBSTANTIAL_OUTCOME {
+        return a.first().is_some_and(|w| *w != UNREAD) && a == b;
+    }
+    // With a result to go by, numbers are left out: the same lookup for page 2 and page 3
+    // that found the same hits was one attempt.
+    let (only_a, only_b, common) = overlap(a, b, |w| !is_number(w) && w != UNREAD);
+    if common + only_a == 0 || common + only_b == 0 {
         return false;
     }
-    let (mut i, mut j, mut common) = (0, 0, 0usize);
-    while i < a.len() && j < b.len() {
-        match a[i].cmp(&b[j]) {
-            std::cmp::Ordering::Less => i += 1,
-            std::cmp::Ordering::Greater => j += 1,
-            std::cmp::Ordering::Equal => {
+    common as f64 >= SIMILAR_ACTIONS * (common + only_a + only_b) as f64
+}
+
+/// Of two sorted word sets, the words `keep` keeps: how many only in `a`, only in `b`, in both.
+fn overlap(a: &[u64], b: &[u64], keep: impl Fn(u64) -> bool) -> (usize, usize, usize) {
+    let mut a = a.iter().copied().filter(|w| keep(*w)).peekable();
+    let mut b = b.iter().copied().filter(|w| keep(*w)).peekable();
+    let (mut only_a, mut only_b, mut common) = (0, 0, 0);
+    loop {
+        match (a.peek(), b.peek()) {
+            (Some(x), Some(y)) if x == y => {
                 common += 1;
-                i += 1;
-                j += 1;
+                a.next();
+                b.next();
             }
+            (Some(x), Some(y)) if x < y => {
+                only_a += 1;
+                a.next();
+            }
+            (Some(_), None) => {
+                only_a += 1;
+                a.next();
+            }
+            (_, Some(_)) => {
+                only_b += 1;
+                b.next();
+            }
+            (None, None) => return (only_a, only_b, common),
         }
     }
-    let union = a.len() + b.len() - common;
-    common as f64 >= SIMILAR_ACTIONS * union as f64
 }
 
 /// A message's text: the string, or its text parts joined.
@@ -1213,10 +1266,7 @@ mod tests {
         let reworded = session(&[
             (grep("grep -rn 'def load_plugins' src"), empty),
             (grep("grep -Rn \"def load_plugins\" ./src/"), empty),
-            (
-                grep("grep -rn 'def load_plugins' ./src --include=*.py"),
-                empty,
-            ),
+            (grep("grep -rn \"def load_plugins\" src/"), empty),
         ]);
         assert_eq!(in_request(&reworded).map(|l| l.repeats), Some(3));
         // Looking for three different things and finding none is not one attempt repeated.
@@ -1248,6 +1298,40 @@ mod tests {
             (edit("docs/usage.md"), ""),
         ]);
         assert_eq!(in_request(&edits), None);
+        // Seen in real coding-agent runs (mini-swe-agent): silent edits that differ in one
+        // identifier or one digit are edits of other things, however alike their words.
+        let ok = "<returncode>0</returncode><output></output>";
+        let sed = |n: u8| {
+            grep(&format!(
+                "sed -i 's/arg{n}_is_arr = isinstance(args\\[{n}\\], np.ndarray)/arg{n}_is_seq = \
+                 isinstance(args[{n}], (np.ndarray, Sequence))/' ./pyvista/core/grid.py"
+            ))
+        };
+        let seds = session(&[(sed(0), ok), (sed(1), ok), (sed(2), ok)]);
+        assert_eq!(in_request(&seds), None);
+        // And patches of one file, written silently: their first 64 words (the diff's header
+        // and context) agree, what they change does not.
+        let context: String = (0..40).map(|i| format!(" line{i} of context\n")).collect();
+        let patch = |change: &str| {
+            grep(&format!(
+                "cat > fix.patch << 'EOF'\n--- a/django/db/models/sql/compiler.py\n+++ \
+                 b/django/db/models/sql/compiler.py\n@@ -711,7 +711,12 @@\n{context}-    old\n\
+                 +    {change}\nEOF"
+            ))
+        };
+        let patches = session(&[
+            (patch("ordering = model_ordering"), ok),
+            (patch("ordering = parent_ordering"), ok),
+            (patch("if name == 'pk': ordering = []"), ok),
+        ]);
+        assert_eq!(in_request(&patches), None);
+        // The very same patch written again and again is still a loop.
+        let same = session(&[
+            (patch("ordering = model_ordering"), ok),
+            (patch("ordering = model_ordering"), ok),
+            (patch("ordering = model_ordering"), ok),
+        ]);
+        assert_eq!(in_request(&same).map(|l| l.repeats), Some(3));
     }
 
     #[test]

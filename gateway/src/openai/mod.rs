@@ -140,18 +140,47 @@ fn object_count(body: &[u8]) -> usize {
     count
 }
 
-/// The span (quotes included) of the string value of `key` in the JSON object `body`, when
-/// `key` appears exactly once among its top-level keys, written without escapes, with a string
-/// value, and no top-level key is written with escapes (one could spell `key` another way);
-/// `None` otherwise. For splicing a new value into a client's bytes.
-pub fn top_level_string(body: &[u8], key: &[u8]) -> Option<std::ops::Range<usize>> {
+/// Where some top-level fields of a JSON object are, for splicing new values into a client's
+/// bytes (see [`top_level`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopLevel<const N: usize> {
+    /// Each key's value (its bytes, quotes included for a string), `None` when absent.
+    pub values: [Option<std::ops::Range<usize>>; N],
+    /// The object's closing brace.
+    pub close: usize,
+}
+
+/// Where the top-level fields `keys` of the JSON object `body` are, when each of them appears
+/// at most once among its top-level keys and no top-level key is written with escapes (one
+/// could spell a key another way); `None` otherwise, or when `body` is not an object. `body`
+/// is valid JSON (it parsed); the scan jumps through strings ([`string_end`]).
+pub fn top_level<const N: usize>(body: &[u8], keys: [&[u8]; N]) -> Option<TopLevel<N>> {
     let skip_space = |mut j: usize| {
         while body.get(j).is_some_and(u8::is_ascii_whitespace) {
             j += 1;
         }
         j
     };
-    let (mut depth, mut i, mut expect_key, mut found) = (0usize, 0, false, None);
+    let mut values: [Option<std::ops::Range<usize>>; N] = std::array::from_fn(|_| None);
+    let start = skip_space(0);
+    if body.get(start) != Some(&b'{') {
+        return None;
+    }
+    // The value being read at depth 1: which key's, and where it starts.
+    let mut open: Option<(usize, usize)> = None;
+    let (mut depth, mut i, mut expect_key) = (0usize, start, false);
+    // The value being read ends before `at` (spacing trimmed).
+    let end_value = |values: &mut [Option<std::ops::Range<usize>>; N],
+                     open: &mut Option<(usize, usize)>,
+                     at: usize| {
+        if let Some((k, from)) = open.take() {
+            let mut to = at;
+            while to > from && body[to - 1].is_ascii_whitespace() {
+                to -= 1;
+            }
+            values[k] = Some(from..to);
+        }
+    };
     while i < body.len() {
         match body[i] {
             b'"' => {
@@ -165,18 +194,17 @@ pub fn top_level_string(body: &[u8], key: &[u8]) -> Option<std::ops::Range<usize
                     if body.get(colon) != Some(&b':') {
                         return None;
                     }
-                    let value = skip_space(colon + 1);
                     expect_key = false;
-                    if name == key {
-                        if found.is_some() || body.get(value) != Some(&b'"') {
+                    let value = skip_space(colon + 1);
+                    if let Some(k) = keys.iter().position(|key| *key == name) {
+                        if values[k].is_some() {
                             return None;
                         }
-                        let value_end = string_end(body, value)?;
-                        found = Some(value..value_end);
-                        i = value_end;
-                    } else {
-                        i = value;
+                        // Marked as seen at once; its end is set where the value ends.
+                        values[k] = Some(value..value);
+                        open = Some((k, value));
                     }
+                    i = value;
                     continue;
                 }
                 i = end;
@@ -184,15 +212,24 @@ pub fn top_level_string(body: &[u8], key: &[u8]) -> Option<std::ops::Range<usize
             }
             b'{' | b'[' => {
                 depth += 1;
-                expect_key = depth == 1 && body[i] == b'{';
+                expect_key = depth == 1;
             }
-            b'}' | b']' => depth = depth.checked_sub(1)?,
-            b',' => expect_key = depth == 1,
+            b'}' | b']' => {
+                depth = depth.checked_sub(1)?;
+                if depth == 0 {
+                    end_value(&mut values, &mut open, i);
+                    return Some(TopLevel { values, close: i });
+                }
+            }
+            b',' if depth == 1 => {
+                end_value(&mut values, &mut open, i);
+                expect_key = true;
+            }
             _ => {}
         }
         i += 1;
     }
-    found
+    None
 }
 
 /// Parse a request body as a JSON object.
@@ -273,9 +310,12 @@ mod tests {
     }
 
     #[test]
-    fn a_top_level_string_is_found_only_where_splicing_it_is_safe() {
+    fn top_level_fields_are_found_only_where_splicing_them_is_safe() {
         fn span(body: &str) -> Option<&str> {
-            top_level_string(body.as_bytes(), b"model").map(|r| &body[r])
+            top_level(body.as_bytes(), [b"model".as_slice()])
+                .and_then(|t| t.values[0].clone())
+                .filter(|r| body.as_bytes()[r.start] == b'"')
+                .map(|r| &body[r])
         }
         assert_eq!(
             span(
@@ -294,5 +334,30 @@ mod tests {
         ] {
             assert_eq!(span(refused), None, "{refused}");
         }
+        // Any value: numbers, objects, arrays, literals, spacing trimmed; and the closing brace.
+        let body = r#" { "a" : 12 , "n": [1, {"b": "}"}], "o" : {"x": null} ,"t":true } "#;
+        let Some(t) = top_level(body.as_bytes(), [b"a".as_slice(), b"n", b"o", b"t", b"z"]) else {
+            panic!("an object")
+        };
+        let got: Vec<Option<&str>> = t
+            .values
+            .iter()
+            .map(|r| r.clone().map(|r| &body[r]))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                Some("12"),
+                Some(r#"[1, {"b": "}"}]"#),
+                Some(r#"{"x": null}"#),
+                Some("true"),
+                None
+            ]
+        );
+        assert_eq!(&body[t.close..], "} ");
+        assert_eq!(
+            top_level(b"{}", [b"a".as_slice()]).map(|t| t.close),
+            Some(1)
+        );
     }
 }

@@ -118,10 +118,10 @@ pub struct ParsedRequest {
     body: Map<String, Value>,
     /// The body as received.
     raw: Bytes,
-    /// Whether `body` differs from `raw` in more than `model` (usage asked for a stream, a
-    /// clamped `max_tokens`): then the upstream body is `body` written out, else `raw` with the
-    /// upstream's model spliced in.
-    modified: bool,
+    /// Whether `body` asks a stream for usage where `raw` does not.
+    usage_added: bool,
+    /// The `max_tokens` written into `body` by a clamp.
+    clamp: Option<u64>,
     /// Client-facing model name.
     pub model: String,
     /// Whether the client asked for SSE.
@@ -261,9 +261,8 @@ impl ParsedRequest {
         let Value::Object(mut body) = value else {
             unreachable!("constructed from an object above")
         };
-        let mut modified = false;
-        if stream && !client_wants_usage {
-            modified = true;
+        let usage_added = stream && !client_wants_usage;
+        if usage_added {
             // Always learn usage from the upstream; the client's choice is applied on the way back.
             let options = body
                 .entry("stream_options")
@@ -284,7 +283,8 @@ impl ParsedRequest {
             body_bytes,
             body,
             raw,
-            modified,
+            usage_added,
+            clamp: None,
             encoded: None,
         })
     }
@@ -295,34 +295,95 @@ impl ParsedRequest {
     }
 
     /// The body to send upstream: the client's body with `model` replaced by the upstream's name
-    /// (and, for streams, `stream_options.include_usage` on). When nothing else changed, that is
-    /// the client's bytes with the new name spliced in (no re-serialising: an agent's history
-    /// is sent as it came); else the parsed body written out, once per upstream model, so a
-    /// retry on a replica of the same model reuses the bytes.
+    /// (and, for streams, `stream_options.include_usage` on; a clamp's `max_tokens`). Where
+    /// those are all that changed, that is the client's bytes with them spliced in (no
+    /// re-serialising: an agent's history is sent as it came; see [`Self::spliced`]); else the
+    /// parsed body written out, once per upstream model, so a retry on a replica of the same
+    /// model reuses the bytes.
     pub fn upstream_body(&mut self, upstream_model: &str) -> Bytes {
         if let Some((model, bytes)) = &self.encoded {
             if model == upstream_model {
                 return bytes.clone();
             }
         }
-        let spliced = (!self.modified)
-            .then(|| super::top_level_string(&self.raw, b"model"))
-            .flatten();
-        if let Some(span) = spliced {
-            // The client's bytes with the model replaced: one allocation, nothing kept (a
-            // second attempt splices again, which is cheaper than keeping a shared copy).
-            let mut out = Vec::with_capacity(self.raw.len() + upstream_model.len() + 2);
-            out.extend_from_slice(&self.raw[..span.start]);
-            // Writing a string into a Vec cannot fail.
-            let _ = serde_json::to_writer(&mut out, upstream_model);
-            out.extend_from_slice(&self.raw[span.end..]);
-            return Bytes::from(out);
+        if let Some(bytes) = self.spliced(upstream_model) {
+            return bytes;
         }
         self.body
             .insert("model".into(), Value::String(upstream_model.to_owned()));
         let bytes = Bytes::from(serde_json::to_vec(&self.body).unwrap_or_default());
         self.encoded = Some((upstream_model.to_owned(), bytes.clone()));
         bytes
+    }
+
+    /// The client's bytes with the upstream's model, and what the gateway adds, spliced in:
+    /// `model`'s string replaced; for a stream that did not ask for usage,
+    /// `"stream_options":{"include_usage":true}` added before the closing brace (only where the
+    /// client sent no `stream_options` of its own); a clamp written over the length field(s)
+    /// the client used, or added as `max_tokens`. `None` where a field is duplicated, a key is
+    /// written with escapes or `model` is not a string (the parsed body decides then). One
+    /// allocation, nothing kept (a second attempt splices again, which is cheaper than keeping
+    /// a shared copy).
+    fn spliced(&self, upstream_model: &str) -> Option<Bytes> {
+        use std::io::Write as _;
+        let raw = &self.raw[..];
+        let keys = [
+            b"model".as_slice(),
+            b"stream_options",
+            b"max_completion_tokens",
+            b"max_tokens",
+        ];
+        let super::TopLevel { values, close } = super::top_level(raw, keys)?;
+        let [model, options, max_completion, max] = values;
+        let model = model.filter(|r| raw.get(r.start) == Some(&b'"'))?;
+        if self.usage_added && options.is_some() {
+            return None;
+        }
+        // The edits, in the order they apply: a span replaced, or text added at the brace.
+        enum Edit {
+            Model,
+            Clamp(u64),
+            Added,
+        }
+        let mut edits: [Option<(std::ops::Range<usize>, Edit)>; 4] =
+            [Some((model, Edit::Model)), None, None, None];
+        if let Some(n) = self.clamp {
+            edits[1] = max_completion.map(|r| (r, Edit::Clamp(n)));
+            edits[2] = max.map(|r| (r, Edit::Clamp(n)));
+        }
+        let clamp_added = self
+            .clamp
+            .filter(|_| edits[1].is_none() && edits[2].is_none());
+        if self.usage_added || clamp_added.is_some() {
+            edits[3] = Some((close..close, Edit::Added));
+        }
+        edits.sort_by_key(|e| e.as_ref().map_or(usize::MAX, |(r, _)| r.start));
+        let mut out = Vec::with_capacity(raw.len() + upstream_model.len() + 64);
+        let mut at = 0;
+        for (range, edit) in edits.into_iter().flatten() {
+            out.extend_from_slice(&raw[at..range.start]);
+            // Writing into a Vec cannot fail.
+            match edit {
+                Edit::Model => {
+                    let _ = serde_json::to_writer(&mut out, upstream_model);
+                }
+                Edit::Clamp(n) => {
+                    let _ = write!(out, "{n}");
+                }
+                Edit::Added => {
+                    // After the last value (the object has one: `model`).
+                    if self.usage_added {
+                        out.extend_from_slice(br#","stream_options":{"include_usage":true}"#);
+                    }
+                    if let Some(n) = clamp_added {
+                        let _ = write!(out, r#","max_tokens":{n}"#);
+                    }
+                }
+            }
+            at = range.end;
+        }
+        out.extend_from_slice(&raw[at..]);
+        Some(Bytes::from(out))
     }
 
     /// Bound the completion length: write `max_tokens` into the field(s) the client used
@@ -340,7 +401,7 @@ impl ParsedRequest {
                 .insert("max_tokens".into(), Value::from(max_tokens));
         }
         self.max_tokens = Some(u32::try_from(max_tokens).unwrap_or(u32::MAX));
-        self.modified = true;
+        self.clamp = Some(max_tokens);
         self.encoded = None;
     }
 
@@ -713,6 +774,60 @@ mod tests {
             std::str::from_utf8(&st.upstream_body("real")).unwrap(),
             raw.replace(r#""fast""#, r#""real""#)
         );
+    }
+
+    #[test]
+    fn usage_for_a_stream_and_a_clamp_are_spliced_into_the_clients_bytes_too() {
+        let msgs = r#""messages": [{"role": "user", "content": "}{\"max_tokens\": 1}"}]"#;
+        let cases: [(String, Option<u64>); 6] = [
+            // A stream that did not ask for usage: usage added before the brace.
+            (
+                format!(r#"{{"model": "fast", "stream": true, {msgs}, "temperature": 0.50 }}"#),
+                None,
+            ),
+            // A clamp over the field the client used, and over both when it used both.
+            (
+                format!(r#"{{"model":"fast","max_tokens": 900 ,{msgs},"temperature": 0.50}}"#),
+                Some(7),
+            ),
+            (
+                format!(
+                    r#"{{"max_completion_tokens":900,"model":"fast",{msgs},"max_tokens":null,"temperature": 0.50}}"#
+                ),
+                Some(7),
+            ),
+            // A clamp where the client set no length: `max_tokens` added; with a stream too.
+            (
+                format!(r#"{{"model":"fast",{msgs},"temperature": 0.50}}"#),
+                Some(7),
+            ),
+            (
+                format!(r#"{{"model":"fast","stream":true,{msgs},"temperature": 0.50}}"#),
+                Some(7),
+            ),
+            // A stream whose own stream_options lack usage: the parsed body is written out.
+            (
+                format!(
+                    r#"{{"model":"fast","stream":true,"stream_options":{{"x":1}},{msgs},"temperature": 0.50}}"#
+                ),
+                None,
+            ),
+        ];
+        for (i, (raw, clamp)) in cases.iter().enumerate() {
+            let mut r = ParsedRequest::parse(Endpoint::Chat, raw.as_bytes()).unwrap();
+            if let Some(n) = clamp {
+                r.set_max_tokens(*n);
+            }
+            let up = r.upstream_body("real");
+            let text = std::str::from_utf8(&up).unwrap();
+            // The same body as the parsed one written out.
+            let mut expected = r.body().clone();
+            expected.insert("model".into(), json!("real"));
+            let got: Value = serde_json::from_slice(&up).unwrap();
+            assert_eq!(got, Value::Object(expected), "case {i}: {text}");
+            // Spliced: the client's spelling of the float is kept (written out, it is 0.5).
+            assert_eq!(text.contains("0.50"), i < 5, "case {i}: {text}");
+        }
     }
 
     #[test]

@@ -222,6 +222,7 @@ fn detect_steps(steps: &[Step], d: Detect<'_>) -> Option<Loop> {
         });
     }
     interrupted_run(steps, d.repeats)
+        .or_else(|| run_through_thoughts(steps, d.repeats))
         .or_else(|| reworded_lookups(steps, d.repeats))
         .or_else(|| asked_again(steps, d.repeats))
         .or_else(|| code_reoffered(steps, d.repeats))
@@ -329,6 +330,40 @@ fn interrupted_run(steps: &[Step], repeats: usize) -> Option<Loop> {
         repeats: count,
         period: 1,
         what: format!("{} (one other step between)", steps.last()?.what),
+    })
+}
+
+/// The tool names of a step that calls `think` alone (see [`run_through_thoughts`]).
+fn think_names() -> u64 {
+    FixedState::default().hash_one("think") | 1
+}
+
+/// The same step `repeats` times with only thoughts between: a `think` tool call (the
+/// reasoning scratchpad of tau-bench's agents and of Anthropic's published `think` tool) reads
+/// and changes nothing, so a run of the very same step separated by thoughts alone is a run
+/// (a failing booking resubmitted unchanged after each reworded thought). Anything else
+/// between breaks it: a calculation that comes back with a number, an edit, a reply.
+fn run_through_thoughts(steps: &[Step], repeats: usize) -> Option<Loop> {
+    let think = think_names();
+    let mut acting = steps.iter().rev().filter(|s| s.names != think);
+    let last = acting.next()?;
+    let mut run = 1;
+    for s in acting {
+        if !identical(s, last) {
+            break;
+        }
+        run += 1;
+    }
+    // Without a thought between, the run rule has already judged it.
+    let thoughts = steps
+        .iter()
+        .rev()
+        .take_while(|s| s.names == think || identical(s, last))
+        .any(|s| s.names == think);
+    (run >= repeats.max(MIN_REPEATS) && thoughts).then(|| Loop {
+        repeats: run,
+        period: 1,
+        what: format!("{} (only thoughts between)", last.what),
     })
 }
 
@@ -1559,6 +1594,47 @@ mod tests {
             let line = format!("    def {name}(text): return split(text)\n");
             m.push(said(&format!("[File: src/parse.py]\n{}", line.repeat(8))));
         }
+        assert_eq!(in_request(&m), None);
+    }
+
+    #[test]
+    fn the_same_failing_call_with_only_thoughts_between_is_a_loop() {
+        // tau-bench airline, task 8 trial 1 (gpt-4o): the same booking fails three times,
+        // each time after a reworded `think`, then the agent hands over to a human.
+        let book = (
+            call(
+                "book_reservation",
+                json!({"user_id": "u1", "flights": ["HAT069"], "paid": 1625}),
+            ),
+            "Error: payment amount does not add up, total price is 4875, but paid 1625",
+        );
+        let think = |t: &str| (call("think", json!({ "thought": t })), "");
+        let m = session(&[
+            book.clone(),
+            think("The payment may be wrong. I need to verify the segments."),
+            book.clone(),
+            think("I need to verify the correct flight segments and the total."),
+        ]);
+        assert_eq!(in_request(&m), None, "twice");
+        let mut three = m.clone();
+        three.extend(session(std::slice::from_ref(&book)).into_iter().skip(2));
+        let l = in_request(&three).unwrap();
+        assert_eq!((l.repeats, l.period), (3, 1));
+        assert!(l.what.contains("only thoughts between"), "{}", l.what);
+        // A calculation between comes back with something new: the agent is working on it
+        // (task 11 trial 2 recalculates and then books successfully).
+        let calc = (
+            call("calculate", json!({"expression": "158 + 141"})),
+            "299.0",
+        );
+        let m = session(&[
+            book.clone(),
+            think("recalculate"),
+            book.clone(),
+            think("the total may be off"),
+            calc,
+            book,
+        ]);
         assert_eq!(in_request(&m), None);
     }
 

@@ -455,8 +455,9 @@ async fn two_gateways_sharing_redis_see_one_session_window() {
 /// alone (the gateway under test has no static model, so near-duplicates are off): a
 /// non-answer reworded in new content words each time while the user objects, and a real
 /// transcript whose identical failing update comes back five times, interleaved with replies
-/// to the user and searches (not flagged at all; two identical failures alone, its
-/// `loop_start`, are what a progressing real run shows too). Measured with
+/// to the user and searches (flagged at its third identical failure, `loop_start + 6`; two
+/// identical failures alone, its `loop_start`, are what a progressing real run shows too).
+/// Measured with
 /// `cargo run -p e2e --example guard_fixtures -- --exact-only`; see docs/guard.md.
 const KNOWN_MISSES: &[&str] = &[
     "cs-refund-status-paraphrased-nonanswer",

@@ -106,6 +106,11 @@ pub struct Step {
     /// What came back is a short reply from the user with no digit in it (an objection, a
     /// "still wrong"), not a tool's or a harness's output, and no number that could move.
     plain_reply: bool,
+    /// A user message came back after this step (before the next assistant turn).
+    user_spoke: bool,
+    /// A tool said it failed ([`says_failed`]); read for the latest step only (false for the
+    /// others).
+    failed: bool,
 }
 
 impl Step {
@@ -223,6 +228,7 @@ fn detect_steps(steps: &[Step], d: Detect<'_>) -> Option<Loop> {
     }
     interrupted_run(steps, d.repeats)
         .or_else(|| run_through_thoughts(steps, d.repeats))
+        .or_else(|| resubmitted_after_the_user(steps, d.repeats))
         .or_else(|| reworded_lookups(steps, d.repeats))
         .or_else(|| asked_again(steps, d.repeats))
         .or_else(|| code_reoffered(steps, d.repeats))
@@ -367,6 +373,45 @@ fn run_through_thoughts(steps: &[Step], repeats: usize) -> Option<Loop> {
     })
 }
 
+/// The same failing call sent again after each word from the user: the last step is a tool
+/// call whose result says it failed ([`says_failed`]), and it and at least `repeats - 1` (at least 2) more among the earlier steps are the
+/// very same step (the same call, the same outcome), each pair of them with the user speaking
+/// in between. The user has been told, has answered, and the agent sends the call it already
+/// knows the answer to (tau-bench airline task 13: the same unavailable flight in the update
+/// five times while the user keeps asking for another change). One retry after the user
+/// answers is ordinary; the third identical call is not. A call that succeeds is not this (an
+/// agent re-reads a record to answer each new question), and without the user between, the
+/// run shapes judge it (an agent resubmitting between its own calculations is working).
+fn resubmitted_after_the_user(steps: &[Step], repeats: usize) -> Option<Loop> {
+    let (last, earlier) = steps.split_last()?;
+    if !last.failed {
+        return None;
+    }
+    let need = repeats.max(MIN_REPEATS);
+    let (mut count, mut user_since) = (1, false);
+    // From the newest back: each earlier occurrence counts when the user spoke after it,
+    // before the occurrence that followed.
+    for s in earlier.iter().rev() {
+        if identical(s, last) {
+            if !user_since {
+                return None;
+            }
+            count += 1;
+            if count >= need {
+                return Some(Loop {
+                    repeats: count,
+                    period: 1,
+                    what: format!("{} sent again after the user answered", last.what),
+                });
+            }
+            user_since = s.user_spoke;
+        } else {
+            user_since |= s.user_spoke;
+        }
+    }
+    None
+}
+
 /// A run broken once at the end of a sequence of `n` items compared by `same`: the last item
 /// and at least `repeats - 1` like it among the `repeats` before it (at least [`MIN_REPEATS`]).
 /// Returns how many.
@@ -502,6 +547,8 @@ fn ask(tail: &[Value], texts: bool) -> Option<Step> {
         given: Vec::new(),
         code: false,
         plain_reply: false,
+        user_spoke: false,
+        failed: false,
     })
 }
 
@@ -532,6 +579,7 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
         given: Vec<u64>,
         code: bool,
         plain: bool,
+        user_spoke: bool,
     }
     let close = |o: Open| Step {
         fingerprint: o.h.finish(),
@@ -549,12 +597,17 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
         given: o.given,
         code: o.code,
         plain_reply: o.plain && o.outcome_len > 0 && o.outcome_len <= PLAIN_REPLY,
+        user_spoke: o.user_spoke,
+        failed: false,
     };
     let mut out: Vec<Step> = Vec::new();
     let mut current: Option<Open> = None;
-    for m in messages {
+    // Where the latest assistant turn is.
+    let mut latest = 0;
+    for (i, m) in messages.iter().enumerate() {
         let role = m.get("role").and_then(Value::as_str).unwrap_or("");
         if role == "assistant" {
+            latest = i;
             if let Some(o) = current.take() {
                 out.push(close(o));
             }
@@ -588,6 +641,7 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
                 given: Vec::new(),
                 code,
                 plain: true,
+                user_spoke: false,
             });
         } else if let Some(o) = current.as_mut() {
             // What came back: tool results, or the user's (or a harness's) reply.
@@ -596,6 +650,7 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
             role.hash(&mut part);
             let content = text_of(m.get("content"));
             o.plain &= role == "user" && !content.bytes().any(|b| b.is_ascii_digit());
+            o.user_spoke |= role == "user";
             o.outcome_len += normalised(
                 &content,
                 &mut part,
@@ -612,9 +667,54 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
         }
     }
     if let Some(o) = current {
-        out.push(close(o));
+        let mut last = close(o);
+        last.failed = last.names != 0
+            && messages[latest + 1..].iter().any(|m| {
+                matches!(
+                    m.get("role").and_then(Value::as_str),
+                    Some("tool" | "function")
+                ) && says_failed(&text_of(m.get("content")))
+            });
+        out.push(last);
     }
     out
+}
+
+/// Bytes of a tool result read for [`says_failed`].
+const FAILURE_HEAD: usize = 256;
+
+/// Whether a tool result says the call failed: its first [`FAILURE_HEAD`] bytes name an error
+/// (`Error: flight HAT030 not available`, `{"ok": false, "error": …}`, `ERROR: column "x" does
+/// not exist`, a traceback, `permission denied`). Read for the latest step of a request only.
+fn says_failed(text: &str) -> bool {
+    static MARKERS: std::sync::OnceLock<Vec<memchr::memmem::Finder<'static>>> =
+        std::sync::OnceLock::new();
+    let markers = MARKERS.get_or_init(|| {
+        [
+            "error",
+            "fail",
+            "not available",
+            "not found",
+            "not enough",
+            "invalid",
+            "denied",
+            "unable",
+            "cannot",
+            "exception",
+            "traceback",
+            "does not exist",
+        ]
+        .into_iter()
+        .map(memchr::memmem::Finder::new)
+        .collect()
+    });
+    let head = &text.as_bytes()[..text.len().min(FAILURE_HEAD)];
+    let mut lower = [0u8; FAILURE_HEAD];
+    for (l, b) in lower.iter_mut().zip(head) {
+        *l = b.to_ascii_lowercase();
+    }
+    let lower = &lower[..head.len()];
+    markers.iter().any(|m| m.find(lower).is_some())
 }
 
 /// Hash an assistant turn's action into `h` and write its text to `text` (when kept); returns
@@ -1635,6 +1735,47 @@ mod tests {
             calc,
             book,
         ]);
+        assert_eq!(in_request(&m), None);
+    }
+
+    #[test]
+    fn the_same_failing_call_sent_again_after_each_user_answer_is_a_loop() {
+        // tau-bench airline, task 13: the update with the unavailable flight, again and again,
+        // while the user keeps asking for the change.
+        let update = |error: bool| {
+            (
+                call(
+                    "update_reservation_flights",
+                    json!({"reservation_id": "XEWRD9", "flights": ["HAT030", "HAT052"]}),
+                ),
+                if error {
+                    "Error: flight HAT030 not available on date 2024-05-13"
+                } else {
+                    r#"{"reservation_id": "XEWRD9", "flights": ["HAT030", "HAT052"], "cabin": "economy"}"#
+                },
+            )
+        };
+        let user = |said: &str| {
+            vec![
+                json!({"role": "assistant", "content": "It seems flight HAT030 is not available."}),
+                json!({"role": "user", "content": said}),
+            ]
+        };
+        let mut m = session(&[update(true)]);
+        m.extend(user("Actually I wanted HAT052, can you do that?"));
+        m.extend(session(&[update(true)]).into_iter().skip(2));
+        m.extend(user("Please focus on the Atlanta to Las Vegas flight."));
+        assert_eq!(in_request(&m), None, "one retry after the user answered");
+        m.extend(session(&[update(true)]).into_iter().skip(2));
+        let l = in_request(&m).unwrap();
+        assert_eq!((l.repeats, l.period), (3, 1));
+        assert!(l.what.contains("after the user answered"), "{}", l.what);
+        // A record read again for each new question succeeds each time: not this.
+        let mut m = session(&[update(false)]);
+        for said in ["And the cabin?", "And the dates?"] {
+            m.extend(user(said));
+            m.extend(session(&[update(false)]).into_iter().skip(2));
+        }
         assert_eq!(in_request(&m), None);
     }
 

@@ -111,6 +111,8 @@ pub struct Step {
     /// A tool said it failed ([`says_failed`]); read for the latest step only (false for the
     /// others).
     failed: bool,
+    /// Hash of what the tools answered (the outcome less what the user said).
+    tool_outcome: u64,
 }
 
 impl Step {
@@ -374,9 +376,9 @@ fn run_through_thoughts(steps: &[Step], repeats: usize) -> Option<Loop> {
 }
 
 /// The same failing call sent again after each word from the user: the last step is a tool
-/// call whose result says it failed ([`says_failed`]), and it and at least `repeats - 1` (at least 2) more among the earlier steps are the
-/// very same step (the same call, the same outcome), each pair of them with the user speaking
-/// in between. The user has been told, has answered, and the agent sends the call it already
+/// call whose result says it failed ([`says_failed`]), and the same call, answered the same way
+/// by the tools, came at least `repeats - 1` (at least 2) times before, each pair of them with
+/// the user speaking in between. The user has been told, has answered, and the agent sends the call it already
 /// knows the answer to (tau-bench airline task 13: the same unavailable flight in the update
 /// five times while the user keeps asking for another change). One retry after the user
 /// answers is ordinary; the third identical call is not. A call that succeeds is not this (an
@@ -389,11 +391,13 @@ fn resubmitted_after_the_user(steps: &[Step], repeats: usize) -> Option<Loop> {
     }
     let need = repeats.max(MIN_REPEATS);
     let (mut count, mut user_since) = (1, false);
-    // From the newest back: each earlier occurrence counts when the user spoke after it,
-    // before the occurrence that followed.
+    // From the newest back: each earlier occurrence counts when the user spoke after it (in
+    // what came back to it, or later), before the occurrence that followed.
     for s in earlier.iter().rev() {
-        if identical(s, last) {
-            if !user_since {
+        // The same call answered the same way by the tools (what the user said after it is
+        // not part of the call's answer).
+        if s.action == last.action && s.names == last.names && s.tool_outcome == last.tool_outcome {
+            if !(user_since || s.user_spoke) {
                 return None;
             }
             count += 1;
@@ -404,7 +408,7 @@ fn resubmitted_after_the_user(steps: &[Step], repeats: usize) -> Option<Loop> {
                     what: format!("{} sent again after the user answered", last.what),
                 });
             }
-            user_since = s.user_spoke;
+            user_since = false;
         } else {
             user_since |= s.user_spoke;
         }
@@ -549,6 +553,7 @@ fn ask(tail: &[Value], texts: bool) -> Option<Step> {
         plain_reply: false,
         user_spoke: false,
         failed: false,
+        tool_outcome: 0,
     })
 }
 
@@ -580,6 +585,7 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
         code: bool,
         plain: bool,
         user_spoke: bool,
+        tool_outcome: FoldHasher<'static>,
     }
     let close = |o: Open| Step {
         fingerprint: o.h.finish(),
@@ -599,6 +605,7 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
         plain_reply: o.plain && o.outcome_len > 0 && o.outcome_len <= PLAIN_REPLY,
         user_spoke: o.user_spoke,
         failed: false,
+        tool_outcome: o.tool_outcome.finish(),
     };
     let mut out: Vec<Step> = Vec::new();
     let mut current: Option<Open> = None;
@@ -642,6 +649,7 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
                 code,
                 plain: true,
                 user_spoke: false,
+                tool_outcome: FixedState::default().build_hasher(),
             });
         } else if let Some(o) = current.as_mut() {
             // What came back: tool results, or the user's (or a harness's) reply.
@@ -660,6 +668,9 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
             let part = part.finish();
             o.h.write_u64(part);
             o.outcome.write_u64(part);
+            if role != "user" {
+                o.tool_outcome.write_u64(part);
+            }
             if o.asks && role == "user" {
                 o.answered = true;
                 id_tokens(&content, &mut o.given);
@@ -1770,6 +1781,13 @@ mod tests {
         let l = in_request(&m).unwrap();
         assert_eq!((l.repeats, l.period), (3, 1));
         assert!(l.what.contains("after the user answered"), "{}", l.what);
+        // The user's word may come back with the tool's answer itself.
+        let mut m = session(&[update(true)]);
+        for _ in 0..2 {
+            m.push(json!({"role": "user", "content": "Try that again please."}));
+            m.extend(session(&[update(true)]).into_iter().skip(2));
+        }
+        assert_eq!(in_request(&m).map(|l| l.repeats), Some(3));
         // A record read again for each new question succeeds each time: not this.
         let mut m = session(&[update(false)]);
         for said in ["And the cabin?", "And the dates?"] {

@@ -27,12 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
 import adapt_real  # noqa: E402
 
 
-def git_dir(repo):
-    return os.path.join(repo, ".git") if os.path.isdir(os.path.join(repo, ".git")) else repo
-
-
 def ls(repo, commit):
-    out = subprocess.run(["git", "--git-dir", git_dir(repo), "ls-tree", "-r", "--name-only",
+    out = subprocess.run(["git", "--git-dir", adapt_real.git_dir(repo), "ls-tree", "-r", "--name-only",
                           commit], check=True, stdout=subprocess.PIPE).stdout.decode()
     return out.split("\n")
 
@@ -41,8 +37,8 @@ WRITTEN = set()
 
 
 def write(out, name, origin, messages):
-    """Write one session; 0 (and nothing written) when the same transcript was written already
-    (some runs are published twice under two names)."""
+    """Write one session and return its number of requests; None (nothing written) when the
+    same transcript was written already (some runs are published twice under two names)."""
     key = adapt_real.json.dumps(messages, sort_keys=True)
     if key in WRITTEN:
         return None

@@ -394,9 +394,9 @@ fn resubmitted_after_the_user(steps: &[Step], repeats: usize) -> Option<Loop> {
     // From the newest back: each earlier occurrence counts when the user spoke after it (in
     // what came back to it, or later), before the occurrence that followed.
     for s in earlier.iter().rev() {
-        // The same call answered the same way by the tools (what the user said after it is
-        // not part of the call's answer).
-        if s.action == last.action && s.names == last.names && s.tool_outcome == last.tool_outcome {
+        // The same call (its action hash covers the tool names) answered the same way by the
+        // tools (what the user said after it is not part of the call's answer).
+        if s.action == last.action && s.tool_outcome == last.tool_outcome {
             if !(user_since || s.user_spoke) {
                 return None;
             }

@@ -34,6 +34,32 @@ fn conversation(steps: usize) -> Map<String, Value> {
         .unwrap_or_default()
 }
 
+/// A customer-service chat of `turns` text replies, each answered by the user (the shape whose
+/// user messages the guard reads for objections); with `objecting`, the user's answers say the
+/// agent is not helping, so the earlier steps are read again.
+fn chat(turns: usize, objecting: bool) -> Map<String, Value> {
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are the support assistant of an online store."}),
+        json!({"role": "user", "content": "Hi, I returned a coffee grinder and have not got my money back."}),
+    ];
+    for i in 0..turns {
+        messages.push(json!({"role": "assistant", "content": format!(
+            "Thanks for waiting. I looked at order F44{i:02}: the return was received and the \
+             refund of ${}.00 was approved; refunds take 5-10 business days to reach the card.",
+            40 + i)}));
+        let said = if objecting {
+            format!("You're not answering me. Where is the money for order F44{i:02}?")
+        } else {
+            format!("OK. And what about order F44{:02}, the kettle?", i + 1)
+        };
+        messages.push(json!({"role": "user", "content": said}));
+    }
+    json!({"model": "fast", "messages": messages})
+        .as_object()
+        .cloned()
+        .unwrap_or_default()
+}
+
 fn measure(name: &str, body: &Map<String, Value>) {
     let messages = body
         .get("messages")
@@ -120,6 +146,8 @@ async fn measure_step(sessions: usize, body: &Map<String, Value>) -> anyhow::Res
 async fn main() -> anyhow::Result<()> {
     measure("2-message request", &conversation(0));
     measure("60-message request", &conversation(29));
+    measure("60-message chat", &chat(29, false));
+    measure("60-message chat, the user objecting", &chat(29, true));
     for sessions in [1, 10_000] {
         measure_step(sessions, &conversation(0)).await?;
     }

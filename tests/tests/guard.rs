@@ -452,17 +452,12 @@ async fn two_gateways_sharing_redis_see_one_session_window() {
 }
 
 /// Looping fixtures the detector does not yet catch within 3 requests with exact signals
-/// alone (the gateway under test has no static model, so near-duplicates are off): a
-/// non-answer reworded in new content words each time while the user objects, and a real
-/// transcript whose identical failing update comes back five times, interleaved with replies
-/// to the user and searches (flagged at its third identical failure, `loop_start + 6`; two
-/// identical failures alone, its `loop_start`, are what a progressing real run shows too).
-/// Measured with
-/// `cargo run -p e2e --example guard_fixtures -- --exact-only`; see docs/guard.md.
-const KNOWN_MISSES: &[&str] = &[
-    "cs-refund-status-paraphrased-nonanswer",
-    "real-tau-airline-task13-same-failing-update",
-];
+/// alone (the gateway under test has no static model, so near-duplicates are off). None today:
+/// the last two (a non-answer reworded while the customer objects, and tau-bench task 13's
+/// identical failing update) are caught by the "repeating while the user objects" shape. A
+/// fixture listed here that is caught fails the test, so the list cannot go stale. Measured
+/// with `cargo run -p e2e --example guard_fixtures -- --exact-only`; see docs/guard.md.
+const KNOWN_MISSES: &[&str] = &[];
 
 #[tokio::test]
 async fn agent_session_fixtures_replayed_through_the_gateway_flag_loops_and_not_progress() {

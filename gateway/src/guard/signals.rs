@@ -108,11 +108,20 @@ pub struct Step {
     plain_reply: bool,
     /// A user message came back after this step (before the next assistant turn).
     user_spoke: bool,
-    /// A tool said it failed ([`says_failed`]); read for the latest step only (false for the
-    /// others).
+    /// A tool said it failed ([`says_failed`]); read for the latest step, and for the steps
+    /// of [`OBJECTION_STEPS`] when the user objects (false for the others).
     failed: bool,
     /// Hash of what the tools answered (the outcome less what the user said).
     tool_outcome: u64,
+    /// Where the assistant turn is, and the last user message after it (indices into the
+    /// messages read).
+    at: usize,
+    user_at: Option<usize>,
+    /// The user's message after this step says the agent is not helping ([`objects`]); read
+    /// only when the latest one does, for the steps of [`OBJECTION_STEPS`].
+    objected: bool,
+    /// A text reply's content words ([`content_words`]); read like `objected`.
+    content: Vec<u64>,
 }
 
 impl Step {
@@ -155,7 +164,8 @@ impl Conversation {
     /// comparison (without, [`Step::text`] is empty).
     pub fn read(messages: &[Value], texts: bool) -> Self {
         let tail = &messages[messages.len().saturating_sub(WINDOW)..];
-        let steps = steps(tail, texts);
+        let mut steps = steps(tail, texts);
+        read_objections(tail, &mut steps);
         // Steps start at assistant turns: none means nothing was answered yet.
         let ask = if steps.is_empty() {
             ask(tail, texts)
@@ -234,6 +244,7 @@ fn detect_steps(steps: &[Step], d: Detect<'_>) -> Option<Loop> {
         .or_else(|| reworded_lookups(steps, d.repeats))
         .or_else(|| asked_again(steps, d.repeats))
         .or_else(|| code_reoffered(steps, d.repeats))
+        .or_else(|| repeated_while_user_objects(steps, d.repeats))
 }
 
 /// Identifiers read from one message, at most.
@@ -318,6 +329,63 @@ fn code_reoffered(steps: &[Step], repeats: usize) -> Option<Loop> {
         repeats: last.len(),
         period: 1,
         what: "the same code block offered again while the user objects".to_owned(),
+    })
+}
+
+/// Content words that reworded replies must all share to say the same thing.
+const SHARED_WORDS: usize = 4;
+
+/// The agent repeats itself and the user says so ([`objects`]: "you're not answering",
+/// "there's some confusion", "actually, I wanted …"):
+/// - among the last [`OBJECTION_STEPS`] steps, a tool call that failed was made the very same
+///   way at least `repeats - 1` times (at least 2), and the user objected after the first of
+///   them (tau-bench airline task 13: the update with an unavailable flight fails, the user
+///   says "Actually, I wanted HAT052", the same update fails again); or
+/// - the last `repeats` steps (at least 3) are text replies, each answered by the user, all
+///   but at most one of those answers object (the latest among them), and the replies share at
+///   least [`SHARED_WORDS`] content words: the same non-answer reworded to a customer who
+///   keeps saying it is not one.
+///
+/// A user's objection alone is not a loop (the agent may take it and move on), nor are
+/// similar replies to a user who keeps asking for more, nor a failing call retried once
+/// without the user objecting (real progressing runs do that).
+fn repeated_while_user_objects(steps: &[Step], repeats: usize) -> Option<Loop> {
+    let last = steps.last()?;
+    let k = repeats.max(MIN_REPEATS);
+    let window = &steps[steps.len().saturating_sub(OBJECTION_STEPS)..];
+    let objection = window.iter().rposition(|s| s.objected)?;
+    for (i, x) in window.iter().enumerate().take(objection + 1) {
+        if !(x.is_tool() && x.failed) {
+            continue;
+        }
+        let count = 1 + window[i + 1..].iter().filter(|y| identical(x, y)).count();
+        if count + 1 >= k {
+            return Some(Loop {
+                repeats: count,
+                period: 1,
+                what: format!("{} failing the same way while the user objects", x.what),
+            });
+        }
+    }
+    if !last.objected {
+        return None;
+    }
+    let replies = last_repeats(steps, repeats)?;
+    let answered = replies.iter().all(|s| !s.is_tool() && s.user_at.is_some());
+    let objections = replies.iter().filter(|s| s.objected).count();
+    if !answered || objections + 1 < replies.len() {
+        return None;
+    }
+    let (first, rest) = replies.split_first()?;
+    let shared = first
+        .content
+        .iter()
+        .filter(|w| rest.iter().all(|s| s.content.binary_search(w).is_ok()))
+        .count();
+    (shared >= SHARED_WORDS).then(|| Loop {
+        repeats: replies.len(),
+        period: 1,
+        what: "assistant reply saying the same thing while the user objects".to_owned(),
     })
 }
 
@@ -554,6 +622,10 @@ fn ask(tail: &[Value], texts: bool) -> Option<Step> {
         user_spoke: false,
         failed: false,
         tool_outcome: 0,
+        at: 0,
+        user_at: None,
+        objected: false,
+        content: Vec::new(),
     })
 }
 
@@ -586,6 +658,8 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
         plain: bool,
         user_spoke: bool,
         tool_outcome: FoldHasher<'static>,
+        at: usize,
+        user_at: Option<usize>,
     }
     let close = |o: Open| Step {
         fingerprint: o.h.finish(),
@@ -606,6 +680,10 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
         user_spoke: o.user_spoke,
         failed: false,
         tool_outcome: o.tool_outcome.finish(),
+        at: o.at,
+        user_at: o.user_at,
+        objected: false,
+        content: Vec::new(),
     };
     let mut out: Vec<Step> = Vec::new();
     let mut current: Option<Open> = None;
@@ -650,6 +728,8 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
                 plain: true,
                 user_spoke: false,
                 tool_outcome: FixedState::default().build_hasher(),
+                at: i,
+                user_at: None,
             });
         } else if let Some(o) = current.as_mut() {
             // What came back: tool results, or the user's (or a harness's) reply.
@@ -659,6 +739,9 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
             let content = text_of(m.get("content"));
             o.plain &= role == "user" && !content.bytes().any(|b| b.is_ascii_digit());
             o.user_spoke |= role == "user";
+            if role == "user" {
+                o.user_at = Some(i);
+            }
             o.outcome_len += normalised(
                 &content,
                 &mut part,
@@ -679,29 +762,104 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
     }
     if let Some(o) = current {
         let mut last = close(o);
-        last.failed = last.names != 0
-            && messages[latest + 1..].iter().any(|m| {
-                matches!(
-                    m.get("role").and_then(Value::as_str),
-                    Some("tool" | "function")
-                ) && says_failed(&text_of(m.get("content")))
-            });
+        last.failed = tool_failed(&messages[latest + 1..]);
         out.push(last);
     }
     out
 }
 
-/// Bytes of a tool result read for [`says_failed`].
-const FAILURE_HEAD: usize = 256;
+/// Whether a tool answering among `outcome` (the messages after a tool call, up to the next
+/// assistant turn) says it failed.
+fn tool_failed(outcome: &[Value]) -> bool {
+    outcome.iter().any(|m| {
+        matches!(
+            m.get("role").and_then(Value::as_str),
+            Some("tool" | "function")
+        ) && says_failed(&text_of(m.get("content")))
+    })
+}
 
-/// Whether a tool result says the call failed: its first [`FAILURE_HEAD`] bytes name an error
-/// (`Error: flight HAT030 not available`, `{"ok": false, "error": …}`, `ERROR: column "x" does
-/// not exist`, a traceback, `permission denied`). Read for the latest step of a request only.
+/// Steps read again when the user objects: the latest few (a session window's worth).
+const OBJECTION_STEPS: usize = 8;
+
+/// Which of the last [`OBJECTION_STEPS`] steps of `messages` the user objected to
+/// ([`objects`]), and, when one was, what the rule for it needs of those steps: which tool
+/// calls failed, the text replies' content words. A conversation where the user does not
+/// object costs one scan of the head of each user message among those steps.
+fn read_objections(messages: &[Value], steps: &mut [Step]) {
+    let n = steps.len();
+    let window = n.saturating_sub(OBJECTION_STEPS);
+    let mut any = false;
+    for s in &mut steps[window..] {
+        s.objected = s
+            .user_at
+            .is_some_and(|i| objects(&text_of(messages[i].get("content"))));
+        any |= s.objected;
+    }
+    if !any {
+        return;
+    }
+    let ends: Vec<usize> = steps
+        .iter()
+        .skip(1)
+        .map(|s| s.at)
+        .chain([messages.len()])
+        .collect();
+    for (k, s) in steps.iter_mut().enumerate().skip(window) {
+        if s.is_tool() {
+            s.failed = tool_failed(&messages[s.at + 1..ends[k]]);
+        } else {
+            s.content = content_words(&masked_edges(&text_of(messages[s.at].get("content"))));
+        }
+    }
+}
+
+/// Phrases looked for, case-insensitively, at the head of a message.
+struct Lexicon {
+    phrases: &'static [&'static str],
+    /// Bytes read from the start of a message (at most [`Lexicon::LONGEST_HEAD`]).
+    head: usize,
+    finders: std::sync::OnceLock<Vec<memchr::memmem::Finder<'static>>>,
+}
+
+impl Lexicon {
+    const LONGEST_HEAD: usize = 512;
+
+    const fn new(phrases: &'static [&'static str], head: usize) -> Self {
+        assert!(head <= Self::LONGEST_HEAD);
+        Self {
+            phrases,
+            head,
+            finders: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Whether the first `head` bytes of `text`, lowercased, hold any of the phrases (each
+    /// lowercase).
+    fn says(&self, text: &str) -> bool {
+        let finders = self.finders.get_or_init(|| {
+            self.phrases
+                .iter()
+                .map(|w| memchr::memmem::Finder::new(w.as_bytes()))
+                .collect()
+        });
+        let head = &text.as_bytes()[..text.len().min(self.head)];
+        let mut lower = [0u8; Self::LONGEST_HEAD];
+        for (l, b) in lower.iter_mut().zip(head) {
+            *l = b.to_ascii_lowercase();
+        }
+        let lower = &lower[..head.len()];
+        finders.iter().any(|f| f.find(lower).is_some())
+    }
+}
+
+/// Whether a tool result says the call failed: its first 256 bytes name an error (`Error:
+/// flight HAT030 not available`, `{"ok": false, "error": …}`, `ERROR: column "x" does not
+/// exist`, a traceback, `permission denied`). Read for the latest step of a request, and for
+/// the recent ones when the user objects ([`read_objections`]).
 fn says_failed(text: &str) -> bool {
-    static MARKERS: std::sync::OnceLock<Vec<memchr::memmem::Finder<'static>>> =
-        std::sync::OnceLock::new();
-    let markers = MARKERS.get_or_init(|| {
-        [
+    static FAILED: Lexicon = Lexicon::new(
+        &[
             "error",
             "fail",
             "not available",
@@ -714,18 +872,63 @@ fn says_failed(text: &str) -> bool {
             "exception",
             "traceback",
             "does not exist",
-        ]
-        .into_iter()
-        .map(memchr::memmem::Finder::new)
-        .collect()
-    });
-    let head = &text.as_bytes()[..text.len().min(FAILURE_HEAD)];
-    let mut lower = [0u8; FAILURE_HEAD];
-    for (l, b) in lower.iter_mut().zip(head) {
-        *l = b.to_ascii_lowercase();
-    }
-    let lower = &lower[..head.len()];
-    markers.iter().any(|m| m.find(lower).is_some())
+        ],
+        256,
+    );
+    FAILED.says(text)
+}
+
+/// Whether a user's message says the agent is not helping: that it repeats itself ("you keep
+/// saying", "I already told you"), does not answer ("you're not answering", "that's not what
+/// I asked", "useless") or has misunderstood ("there's some confusion", "a mix-up", "actually,
+/// I wanted …"), in its first 512 bytes. Not "still failing" or "wrong": a coding user
+/// reporting the next error is moving the work on.
+fn objects(text: &str) -> bool {
+    static OBJECTS: Lexicon = Lexicon::new(
+        &[
+            "you keep
+/// saying",
+            "you're not answering",
+            "that's not what
+/// I asked",
+            "there's some confusion",
+            "not answering",
+            "not what i asked",
+            "not what i meant",
+            "not what i said",
+            "already told you",
+            "already said",
+            "already gave you",
+            "already asked",
+            "you keep",
+            "same thing",
+            "same answer",
+            "repeating yourself",
+            "you just said",
+            "useless",
+            "not helpful",
+            "doesn't help",
+            "does not help",
+            "didn't help",
+            "not listening",
+            "misunderstanding",
+            "misunderstood",
+            "confusion",
+            "confused",
+            "mix-up",
+            "mixup",
+            "answer my question",
+            "that's not right",
+            "that is not right",
+            "actually, i want",
+            "actually i want",
+            "i meant",
+            "as i said",
+            "like i said",
+        ],
+        512,
+    );
+    OBJECTS.says(text)
 }
 
 /// Hash an assistant turn's action into `h` and write its text to `text` (when kept); returns
@@ -1125,8 +1328,19 @@ const GIST_WORD: [bool; 256] = {
 /// api key" have one gist; "reset the API key" and "delete the API key" do not, nor do two
 /// routes in opposite directions). Returns the number of content words.
 fn gist_into(out: &[u8], h: &mut FoldHasher) -> usize {
-    let is_word = |c: u8| GIST_WORD[usize::from(c)];
     let mut count = 0;
+    each_content_word(out, |w| {
+        h.write(w);
+        h.write_u8(b' ');
+        count += 1;
+    });
+    count
+}
+
+/// Each content word of masked text `out`, lowercased, in order (see [`gist_into`]); a word
+/// longer than 64 bytes is given in 64-byte pieces.
+fn each_content_word(out: &[u8], mut f: impl FnMut(&[u8])) {
+    let is_word = |c: u8| GIST_WORD[usize::from(c)];
     let mut i = 0;
     while i < out.len() {
         if !is_word(out[i]) {
@@ -1143,26 +1357,53 @@ fn gist_into(out: &[u8], h: &mut FoldHasher) -> usize {
             continue;
         }
         if w.len() <= LONGEST_FUNCTION_WORD {
-            // Short: lowercased into one integer, whose bytes are also what is hashed (a word
-            // with a non-ASCII byte matches no function word, all ASCII).
+            // Short: lowercased into one integer (a word with a non-ASCII byte matches no
+            // function word, all ASCII).
             let lower = packed_lower(w);
             if FUNCTION_WORDS.binary_search(&lower).is_ok() {
                 continue;
             }
-            h.write(&lower.to_le_bytes()[..w.len()]);
+            f(&lower.to_le_bytes()[..w.len()]);
         } else {
             let mut buf = [0u8; 64];
             for chunk in w.chunks(buf.len()) {
                 let b = &mut buf[..chunk.len()];
                 b.copy_from_slice(chunk);
                 b.make_ascii_lowercase();
-                h.write(b);
+                f(b);
             }
         }
-        h.write_u8(b' ');
-        count += 1;
     }
-    count
+}
+
+/// Content words of a reply read, at most.
+const CONTENT_WORDS: usize = 256;
+
+/// The set of a text's content words (masked text `out`; sorted hashes), crudely stemmed
+/// ("refunds" is "refund", "approved" is "approv") so that a reworded reply saying the same
+/// thing keeps its words. Numbers and masks are left out (every reply has some).
+fn content_words(out: &[u8]) -> Vec<u64> {
+    let mut words = Vec::new();
+    each_content_word(out, |w| {
+        let number = |c: &u8| c.is_ascii_digit() || matches!(c, b'#' | b'<' | b'>');
+        if words.len() >= CONTENT_WORDS || w.iter().any(number) {
+            return;
+        }
+        let mut w = w;
+        if w.len() > 3 && w.ends_with(b"s") && !w.ends_with(b"ss") {
+            w = &w[..w.len() - 1];
+        }
+        if w.len() > 5 {
+            w = w
+                .strip_suffix(b"ed")
+                .or_else(|| w.strip_suffix(b"ing"))
+                .unwrap_or(w);
+        }
+        words.push(FixedState::default().hash_one(w));
+    });
+    words.sort_unstable();
+    words.dedup();
+    words
 }
 
 /// Words next to a number that make it a measure of progress (kept in the shape).
@@ -1403,6 +1644,78 @@ mod tests {
             m.push(result(r.as_ref()));
         }
         m
+    }
+
+    #[test]
+    fn repeating_while_the_user_objects_is_a_loop_and_objecting_alone_is_not() {
+        let say = |role: &str, text: &str| json!({"role": role, "content": text});
+        // The same non-answer, reworded, to a customer who says it is not one.
+        let replies = [
+            "Refunds go back to your original payment method and take 5-10 business days after approval.",
+            "I understand. Once a refund is approved it returns to the original payment method; it takes 5-10 business days.",
+            "Sorry for the wait! Approved refunds normally take 5 to 10 business days to reach the payment method.",
+        ];
+        let users = [
+            "Where is my money?",
+            "You're not answering me. Was it sent?",
+            "That's not what I asked. I need a reference for my bank.",
+        ];
+        let mut chat = vec![say("user", "I returned a grinder, where is my refund?")];
+        for (r, u) in replies.iter().zip(users) {
+            chat.push(say("assistant", r));
+            chat.push(say("user", u));
+        }
+        let found = in_request(&chat).unwrap();
+        assert!(found.what.contains("while the user objects"), "{found:?}");
+        // The same replies to a user who asks for more, or different replies to one who
+        // objects, are not a loop.
+        let mut asking = chat.clone();
+        asking[4] = say("user", "And how long for a card?");
+        asking[6] = say("user", "And for a bank transfer?");
+        assert_eq!(in_request(&asking), None);
+        let mut helped = chat.clone();
+        helped[3] = say("assistant", "Let me check with the payments team.");
+        helped[5] = say(
+            "assistant",
+            "The transfer reference is RF-2291; your bank can trace it.",
+        );
+        assert_eq!(in_request(&helped), None);
+
+        // The same failing call twice, then the user says there is a misunderstanding.
+        let update = call("update_reservation", json!({"flight": "HAT030"}));
+        let failing = "Error: flight HAT030 not available";
+        let mut calls = vec![
+            say("user", "Change my flight to HAT052."),
+            update.clone(),
+            result(failing),
+            say(
+                "assistant",
+                "HAT030 is not available. Shall I search another?",
+            ),
+            say("user", "I wanted HAT052, from Atlanta."),
+            update.clone(),
+            result(failing),
+            say("assistant", "There is still an issue with HAT030."),
+            say(
+                "user",
+                "I think there might be a misunderstanding: Atlanta to Las Vegas.",
+            ),
+        ];
+        let found = in_request(&calls).unwrap();
+        assert_eq!((found.repeats, found.period), (2, 1), "{found:?}");
+        assert!(found.what.contains("update_reservation"), "{found:?}");
+        // Without the objection, or when the call succeeded, it is not.
+        let last = calls.len() - 1;
+        calls[last] = say("user", "Please use Atlanta to Las Vegas.");
+        assert_eq!(in_request(&calls), None);
+        // The user objecting between the two failures is the same loop.
+        calls[4] = say("user", "Actually, I wanted HAT052, from Atlanta.");
+        assert!(in_request(&calls).is_some());
+        calls[4] = say("user", "I wanted HAT052, from Atlanta.");
+        calls[last] = say("user", "I think there might be a misunderstanding.");
+        calls[2] = result("{\"status\": \"updated\"}");
+        calls[6] = result("{\"status\": \"updated\"}");
+        assert_eq!(in_request(&calls), None);
     }
 
     #[test]
@@ -1773,7 +2086,9 @@ mod tests {
             ]
         };
         let mut m = session(&[update(true)]);
-        m.extend(user("Actually I wanted HAT052, can you do that?"));
+        // (A user correcting the agent, "Actually, I wanted …", is an objection: see
+        // `repeating_while_the_user_objects_is_a_loop_and_objecting_alone_is_not`.)
+        m.extend(user("I'd like HAT052, can you do that?"));
         m.extend(session(&[update(true)]).into_iter().skip(2));
         m.extend(user("Please focus on the Atlanta to Las Vegas flight."));
         assert_eq!(in_request(&m), None, "one retry after the user answered");

@@ -42,15 +42,23 @@ fn chat(turns: usize, objecting: bool) -> Map<String, Value> {
         json!({"role": "system", "content": "You are the support assistant of an online store."}),
         json!({"role": "user", "content": "Hi, I returned a coffee grinder and have not got my money back."}),
     ];
+    const ITEMS: [&str; 8] = [
+        "kettle", "toaster", "lamp", "rug", "blender", "vase", "chair", "grinder",
+    ];
+    const STATES: [&str; 4] = [
+        "is on its way back to our warehouse",
+        "was received and inspected",
+        "is waiting for the courier to collect it",
+        "was refunded to the card",
+    ];
     for i in 0..turns {
+        let (item, next) = (ITEMS[i % ITEMS.len()], ITEMS[(i + 1) % ITEMS.len()]);
         messages.push(json!({"role": "assistant", "content": format!(
-            "Thanks for waiting. I looked at order F44{i:02}: the return was received and the \
-             refund of ${}.00 was approved; refunds take 5-10 business days to reach the card.",
-            40 + i)}));
+            "I looked at the {item}: it {} (ticket {}).", STATES[i % STATES.len()], 7000 + 13 * i)}));
         let said = if objecting {
-            format!("You're not answering me. Where is the money for order F44{i:02}?")
+            format!("You're not answering me. What happened to the {item}?")
         } else {
-            format!("OK. And what about order F44{:02}, the kettle?", i + 1)
+            format!("OK. And the {next}, what about that one?")
         };
         messages.push(json!({"role": "user", "content": said}));
     }

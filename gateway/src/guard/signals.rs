@@ -886,12 +886,6 @@ fn says_failed(text: &str) -> bool {
 fn objects(text: &str) -> bool {
     static OBJECTS: Lexicon = Lexicon::new(
         &[
-            "you keep
-/// saying",
-            "you're not answering",
-            "that's not what
-/// I asked",
-            "there's some confusion",
             "not answering",
             "not what i asked",
             "not what i meant",

@@ -13,7 +13,10 @@
 # guard off). Without BODY_FILE every request is a new question in one of 1,000 sessions per wrk
 # thread (x-session-id), so nothing repeats; with it, the file's JSON body is sent as is (its
 # `model` must be `fast`). BUDGETS=1 sets a day budget and rate limits for the tenant, so the
-# budget step (and its prompt token count) runs. Needs: wrk, python3.
+# budget step (and its prompt token count) runs. PIN=1 runs the gateways on CPU 0 and the
+# upstream and wrk on CPU 1, so the gateway under test has a core to itself and the others do
+# not take turns with it (on a 2-core machine the ratio is then the gateway's own cost, far less
+# noisy than sharing both cores). Needs: wrk, python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,11 +30,17 @@ EXTRA_A=${EXTRA_A:-$EXTRA}
 EXTRA_B=${EXTRA_B:-$EXTRA}
 LEDGER=${LEDGER:-enabled = false}
 P_UP=${P_UP:-19501}
+GW_CPU=()
+LOAD_CPU=()
+if [ "${PIN:-0}" = 1 ]; then
+  GW_CPU=(taskset -c 0)
+  LOAD_CPU=(taskset -c 1)
+fi
 
 command -v wrk >/dev/null || { echo "needs wrk: apt-get install wrk" >&2; exit 1; }
 . bench/common.sh
 
-"$(min_upstream)" --port "$P_UP" --threads 1 >"$WORK/up.log" 2>&1 &
+"${LOAD_CPU[@]}" "$(min_upstream)" --port "$P_UP" --threads 1 >"$WORK/up.log" 2>&1 &
 PIDS+=($!)
 wait_port "$P_UP"
 
@@ -42,7 +51,7 @@ for v in A B; do
   bin=${!v}
   extra=EXTRA_$v
   { gateway_toml "$port" "$P_UP" "$WORK/$v.db" "$LEDGER"; echo "${!extra}"; } >"$WORK/$v.toml"
-  RUST_LOG=warn "$bin" serve --config "$WORK/$v.toml" >"$WORK/$v.log" 2>&1 &
+  RUST_LOG=warn "${GW_CPU[@]}" "$bin" serve --config "$WORK/$v.toml" >"$WORK/$v.log" 2>&1 &
   GW_PID[$v]=$!
   PIDS+=($!)
   wait_port "$port"
@@ -76,9 +85,9 @@ for r in $(seq 1 "$ROUNDS"); do
   for v in A B; do
     url=$(cat "$WORK/$v.url")
     pid=${GW_PID[$v]}
-    wrk -t2 -c"$CONNS" -d2s -s "$WORK/$v.lua" "$url" >/dev/null
+    "${LOAD_CPU[@]}" wrk -t2 -c"$CONNS" -d2s -s "$WORK/$v.lua" "$url" >/dev/null
     before=$(awk '{print $14 + $15}' "/proc/$pid/stat")
-    read -r n secs errors < <(wrk -t2 -c"$CONNS" -d"$DURATION" -s "$WORK/$v.lua" "$url" | awk '/^WRK/ {print $2, $3, $4}')
+    read -r n secs errors < <("${LOAD_CPU[@]}" wrk -t2 -c"$CONNS" -d"$DURATION" -s "$WORK/$v.lua" "$url" | awk '/^WRK/ {print $2, $3, $4}')
     after=$(awk '{print $14 + $15}' "/proc/$pid/stat")
     ticks=$(getconf CLK_TCK)
     echo "$r $v $n $secs $errors $((after - before)) $ticks" | tee -a "$WORK/results" >&2

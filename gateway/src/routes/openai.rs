@@ -148,13 +148,15 @@ async fn proxy(state: AppState, key: Arc<ApiKey>, req: Request, endpoint: Endpoi
         (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => Err(e),
     };
     // The pipeline runs on a tracked task: a client hang-up drops this future, not the work.
+    // Boxed: the pipeline's future is kilobytes, and the runtime moves a task's future and
+    // its stage by value (into the task cell, out as the output) several times per request.
     let task_state = state.clone();
-    let handle = state.tasks.spawn(async move {
+    let handle = state.tasks.spawn(Box::pin(async move {
         match body {
             Ok(body) => pipeline::run(task_state, ctx, endpoint, body).await,
             Err(e) => pipeline::reject_early(&task_state, &ctx, endpoint, e).await,
         }
-    });
+    }));
     handle
         .await
         .unwrap_or_else(|e| ApiError::internal(e).into_response())

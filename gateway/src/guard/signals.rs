@@ -371,7 +371,9 @@ fn repeated_while_user_objects(steps: &[Step], repeats: usize) -> Option<Loop> {
         return None;
     }
     let replies = last_repeats(steps, repeats)?;
-    let answered = replies.iter().all(|s| !s.is_tool() && s.user_at.is_some());
+    let answered = replies
+        .iter()
+        .all(|s| !s.is_tool() && !s.code && s.user_at.is_some());
     let objections = replies.iter().filter(|s| s.objected).count();
     if !answered || objections + 1 < replies.len() {
         return None;
@@ -779,6 +781,9 @@ fn tool_failed(outcome: &[Value]) -> bool {
     })
 }
 
+/// The longest user message read as a person objecting, bytes.
+const OBJECTION_TURN: usize = 512;
+
 /// Steps read again when the user objects: the latest few (a session window's worth).
 const OBJECTION_STEPS: usize = 8;
 
@@ -791,9 +796,13 @@ fn read_objections(messages: &[Value], steps: &mut [Step]) {
     let window = n.saturating_sub(OBJECTION_STEPS);
     let mut any = false;
     for s in &mut steps[window..] {
-        s.objected = s
-            .user_at
-            .is_some_and(|i| objects(&text_of(messages[i].get("content"))));
+        s.objected = s.user_at.is_some_and(|i| {
+            let text = text_of(messages[i].get("content"));
+            // A person's turn is short; a harness's observation sent as a user message (a
+            // coding agent's command output, where `confusion_matrix` or "useless" can be
+            // code) is not read as one.
+            text.len() <= OBJECTION_TURN && objects(&text)
+        });
         any |= s.objected;
     }
     if !any {
@@ -1706,6 +1715,24 @@ mod tests {
         calls[4] = say("user", "Actually, I wanted HAT052, from Atlanta.");
         assert!(in_request(&calls).is_some());
         calls[4] = say("user", "I wanted HAT052, from Atlanta.");
+
+        // A coding agent's observations, sent as user messages, are not a person objecting:
+        // command output that mentions `confusion_matrix` after similar replies is progress.
+        let mut coding = vec![say("user", "Fix the crash in sklearn's confusion_matrix.")];
+        for (i, file) in ["metrics.py", "_classification.py", "test_metrics.py"]
+            .iter()
+            .enumerate()
+        {
+            coding.push(say(
+                "assistant",
+                &format!("THOUGHT: look at the confusion matrix code in {file}.\n```bash\ngrep -n confusion {file}\n```"),
+            ));
+            coding.push(say(
+                "user",
+                &format!("<returncode>0</returncode>\n<output>{}: def confusion_matrix(y_true, y_pred): # the same thing as before, confusion {i}\n</output>", 100 + i),
+            ));
+        }
+        assert_eq!(in_request(&coding), None);
         calls[last] = say("user", "I think there might be a misunderstanding.");
         calls[2] = result("{\"status\": \"updated\"}");
         calls[6] = result("{\"status\": \"updated\"}");

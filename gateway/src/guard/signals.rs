@@ -106,15 +106,13 @@ pub struct Step {
     /// What came back is a short reply from the user with no digit in it (an objection, a
     /// "still wrong"), not a tool's or a harness's output, and no number that could move.
     plain_reply: bool,
-    /// A user message came back after this step (before the next assistant turn).
-    user_spoke: bool,
     /// A tool said it failed ([`says_failed`]); read for the latest step, and for the steps
     /// of [`OBJECTION_STEPS`] when the user objects (false for the others).
     failed: bool,
     /// Hash of what the tools answered (the outcome less what the user said).
     tool_outcome: u64,
-    /// Where the assistant turn is, and the last user message after it (indices into the
-    /// messages read).
+    /// Where the assistant turn is, and the last user message after it, before the next
+    /// assistant turn (indices into the messages read; `None`: the user did not speak).
     at: usize,
     user_at: Option<usize>,
     /// The user's message after this step says the agent is not helping ([`objects`]); read
@@ -128,6 +126,11 @@ impl Step {
     /// Whether the action was a tool call.
     pub fn is_tool(&self) -> bool {
         self.names != 0
+    }
+
+    /// Whether a user message came back after this step.
+    fn user_spoke(&self) -> bool {
+        self.user_at.is_some()
     }
 
     /// The text compared for near-duplicates (empty unless read with texts).
@@ -467,7 +470,7 @@ fn resubmitted_after_the_user(steps: &[Step], repeats: usize) -> Option<Loop> {
         // The same call (its action hash covers the tool names) answered the same way by the
         // tools (what the user said after it is not part of the call's answer).
         if s.action == last.action && s.tool_outcome == last.tool_outcome {
-            if !(user_since || s.user_spoke) {
+            if !(user_since || s.user_spoke()) {
                 return None;
             }
             count += 1;
@@ -480,7 +483,7 @@ fn resubmitted_after_the_user(steps: &[Step], repeats: usize) -> Option<Loop> {
             }
             user_since = false;
         } else {
-            user_since |= s.user_spoke;
+            user_since |= s.user_spoke();
         }
     }
     None
@@ -621,7 +624,6 @@ fn ask(tail: &[Value], texts: bool) -> Option<Step> {
         given: Vec::new(),
         code: false,
         plain_reply: false,
-        user_spoke: false,
         failed: false,
         tool_outcome: 0,
         at: 0,
@@ -658,7 +660,6 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
         given: Vec<u64>,
         code: bool,
         plain: bool,
-        user_spoke: bool,
         tool_outcome: FoldHasher<'static>,
         at: usize,
         user_at: Option<usize>,
@@ -679,7 +680,6 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
         given: o.given,
         code: o.code,
         plain_reply: o.plain && o.outcome_len > 0 && o.outcome_len <= PLAIN_REPLY,
-        user_spoke: o.user_spoke,
         failed: false,
         tool_outcome: o.tool_outcome.finish(),
         at: o.at,
@@ -689,12 +689,9 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
     };
     let mut out: Vec<Step> = Vec::new();
     let mut current: Option<Open> = None;
-    // Where the latest assistant turn is.
-    let mut latest = 0;
     for (i, m) in messages.iter().enumerate() {
         let role = m.get("role").and_then(Value::as_str).unwrap_or("");
         if role == "assistant" {
-            latest = i;
             if let Some(o) = current.take() {
                 out.push(close(o));
             }
@@ -728,7 +725,6 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
                 given: Vec::new(),
                 code,
                 plain: true,
-                user_spoke: false,
                 tool_outcome: FixedState::default().build_hasher(),
                 at: i,
                 user_at: None,
@@ -740,7 +736,6 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
             role.hash(&mut part);
             let content = text_of(m.get("content"));
             o.plain &= role == "user" && !content.bytes().any(|b| b.is_ascii_digit());
-            o.user_spoke |= role == "user";
             if role == "user" {
                 o.user_at = Some(i);
             }
@@ -764,7 +759,7 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
     }
     if let Some(o) = current {
         let mut last = close(o);
-        last.failed = tool_failed(&messages[latest + 1..]);
+        last.failed = tool_failed(&messages[last.at + 1..]);
         out.push(last);
     }
     out
@@ -808,15 +803,12 @@ fn read_objections(messages: &[Value], steps: &mut [Step]) {
     if !any {
         return;
     }
-    let ends: Vec<usize> = steps
-        .iter()
-        .skip(1)
-        .map(|s| s.at)
-        .chain([messages.len()])
-        .collect();
-    for (k, s) in steps.iter_mut().enumerate().skip(window) {
+    for k in window..n {
+        // What came back to a step ends where the next assistant turn starts.
+        let end = steps.get(k + 1).map_or(messages.len(), |next| next.at);
+        let s = &mut steps[k];
         if s.is_tool() {
-            s.failed = tool_failed(&messages[s.at + 1..ends[k]]);
+            s.failed = tool_failed(&messages[s.at + 1..end]);
         } else {
             s.content = content_words(&masked_edges(&text_of(messages[s.at].get("content"))));
         }
@@ -1332,17 +1324,19 @@ const GIST_WORD: [bool; 256] = {
 /// routes in opposite directions). Returns the number of content words.
 fn gist_into(out: &[u8], h: &mut FoldHasher) -> usize {
     let mut count = 0;
-    each_content_word(out, |w| {
-        h.write(w);
-        h.write_u8(b' ');
-        count += 1;
+    each_content_word(out, |piece, word_ends| {
+        h.write(piece);
+        if word_ends {
+            h.write_u8(b' ');
+            count += 1;
+        }
     });
     count
 }
 
-/// Each content word of masked text `out`, lowercased, in order (see [`gist_into`]); a word
-/// longer than 64 bytes is given in 64-byte pieces.
-fn each_content_word(out: &[u8], mut f: impl FnMut(&[u8])) {
+/// Each content word of masked text `out`, lowercased, in order (see [`gist_into`]), with
+/// whether the word ends there: a word longer than 64 bytes is given in 64-byte pieces.
+fn each_content_word(out: &[u8], mut f: impl FnMut(&[u8], bool)) {
     let is_word = |c: u8| GIST_WORD[usize::from(c)];
     let mut i = 0;
     while i < out.len() {
@@ -1366,14 +1360,15 @@ fn each_content_word(out: &[u8], mut f: impl FnMut(&[u8])) {
             if FUNCTION_WORDS.binary_search(&lower).is_ok() {
                 continue;
             }
-            f(&lower.to_le_bytes()[..w.len()]);
+            f(&lower.to_le_bytes()[..w.len()], true);
         } else {
             let mut buf = [0u8; 64];
-            for chunk in w.chunks(buf.len()) {
+            let mut chunks = w.chunks(buf.len()).peekable();
+            while let Some(chunk) = chunks.next() {
                 let b = &mut buf[..chunk.len()];
                 b.copy_from_slice(chunk);
                 b.make_ascii_lowercase();
-                f(b);
+                f(b, chunks.peek().is_none());
             }
         }
     }
@@ -1384,12 +1379,16 @@ const CONTENT_WORDS: usize = 256;
 
 /// The set of a text's content words (masked text `out`; sorted hashes), crudely stemmed
 /// ("refunds" is "refund", "approved" is "approv") so that a reworded reply saying the same
-/// thing keeps its words. Numbers and masks are left out (every reply has some).
+/// thing keeps its words. Numbers and masks are left out (every reply has some), and so are
+/// runs longer than 64 bytes (a token, a path: no word of prose).
 fn content_words(out: &[u8]) -> Vec<u64> {
     let mut words = Vec::new();
-    each_content_word(out, |w| {
+    // Whether the piece at hand starts its word.
+    let mut starts = true;
+    each_content_word(out, |w, word_ends| {
+        let whole = std::mem::replace(&mut starts, word_ends) && word_ends;
         let number = |c: &u8| c.is_ascii_digit() || matches!(c, b'#' | b'<' | b'>');
-        if words.len() >= CONTENT_WORDS || w.iter().any(number) {
+        if !whole || words.len() >= CONTENT_WORDS || w.iter().any(number) {
             return;
         }
         let mut w = w;
@@ -2366,6 +2365,13 @@ mod tests {
         assert_ne!(ask("status of order 1182?"), ask("status of order 1183?"));
         // An ask of function words alone is compared as written.
         assert_ne!(ask("what is it?"), ask("what was it?"));
+        // A word longer than 64 bytes is one word, not its pieces.
+        let long = "k".repeat(128);
+        assert_ne!(
+            ask(&format!("decode {long}")),
+            ask(&format!("decode {} {}", &long[..64], &long[64..]))
+        );
+        assert_eq!(ask(&format!("decode {long}")), ask(&format!("Decode {long}?")));
     }
 
     #[test]

@@ -2371,7 +2371,10 @@ mod tests {
             ask(&format!("decode {long}")),
             ask(&format!("decode {} {}", &long[..64], &long[64..]))
         );
-        assert_eq!(ask(&format!("decode {long}")), ask(&format!("Decode {long}?")));
+        assert_eq!(
+            ask(&format!("decode {long}")),
+            ask(&format!("Decode {long}?"))
+        );
     }
 
     #[test]

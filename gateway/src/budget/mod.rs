@@ -376,6 +376,11 @@ pub fn emission_us(per_minute: u64) -> f64 {
 pub trait Clock: Send + Sync + std::fmt::Debug + 'static {
     /// Now.
     fn now(&self) -> DateTime<Utc>;
+
+    /// Now, in milliseconds since the Unix epoch (what a hot path compares; no calendar).
+    fn now_ms(&self) -> i64 {
+        self.now().timestamp_millis()
+    }
 }
 
 /// The system clock.
@@ -385,6 +390,12 @@ pub struct SystemClock;
 impl Clock for SystemClock {
     fn now(&self) -> DateTime<Utc> {
         Utc::now()
+    }
+
+    fn now_ms(&self) -> i64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
     }
 }
 
@@ -409,7 +420,11 @@ impl ManualClock {
 
 impl Clock for ManualClock {
     fn now(&self) -> DateTime<Utc> {
-        DateTime::from_timestamp_millis(self.0.load(Ordering::SeqCst)).unwrap_or_default()
+        DateTime::from_timestamp_millis(self.now_ms()).unwrap_or_default()
+    }
+
+    fn now_ms(&self) -> i64 {
+        self.0.load(Ordering::SeqCst)
     }
 }
 

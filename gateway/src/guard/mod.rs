@@ -168,7 +168,7 @@ impl Guard {
             .messages
             .map(|m| signals::Conversation::read(m, near.is_some()));
         let in_request = conversation.as_ref().and_then(|c| c.detect(detect));
-        let now = self.clock.now().timestamp_millis();
+        let now = self.clock.now_ms();
         let key = SessionKey::new(req.tenant_id, req.session);
         let turn = conversation
             .as_ref()
@@ -240,7 +240,7 @@ impl Guard {
         client: &retries::ClientRetry,
         fingerprint: &str,
     ) -> RetryVerdict {
-        let now = self.clock.now().timestamp_millis();
+        let now = self.clock.now_ms();
         let rule = self.config.retry_rule();
         let repeated_key = match &client.idempotency_key {
             Some(idem) => self
@@ -313,7 +313,7 @@ impl Guard {
         if self.config.retry_after_error_secs == 0 {
             return;
         }
-        let now = self.clock.now().timestamp_millis();
+        let now = self.clock.now_ms();
         let ttl = self.after_error_ms();
         if let Err(e) = self
             .store

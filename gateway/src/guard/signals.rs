@@ -1542,42 +1542,84 @@ fn ceil(s: &str, mut i: usize) -> usize {
     i
 }
 
+/// What [`mask`] makes of a byte.
+const OTHER: u8 = 0;
+const SPACE: u8 = 1;
+const LETTER: u8 = 2;
+const DIGIT: u8 = 3;
+
+const MASK_CLASS: [u8; 256] = {
+    let mut t = [OTHER; 256];
+    let mut i = 0;
+    while i < 256 {
+        let c = i as u8;
+        t[i] = if c.is_ascii_whitespace() {
+            SPACE
+        } else if c.is_ascii_digit() {
+            DIGIT
+        } else if c.is_ascii_alphabetic() {
+            LETTER
+        } else {
+            OTHER
+        };
+        i += 1;
+    }
+    t
+};
+
 /// The masking itself, token by token (runs of ASCII letters and digits, and the separators
-/// that join numbers into times and decimals), written to `out`.
+/// that join numbers into times and decimals), written to `out`. One pass: each byte is
+/// classed by a table and copied as it is read; a word that turns out to be a number or an id
+/// is taken back and its mask written instead.
 fn mask(text: &str, out: &mut Vec<u8>) {
     let b = text.as_bytes();
+    let class = |i: usize| MASK_CLASS[usize::from(b[i])];
+    // The output is never longer than the input.
+    out.reserve(b.len());
     let mut i = 0;
     let mut space = false;
     while i < b.len() {
-        let c = b[i];
-        if c.is_ascii_whitespace() {
-            space = true;
-            i += 1;
-            continue;
+        match class(i) {
+            SPACE => {
+                space = true;
+                i += 1;
+                continue;
+            }
+            OTHER => {
+                if std::mem::take(&mut space) {
+                    out.push(b' ');
+                }
+                out.push(b[i]);
+                i += 1;
+                continue;
+            }
+            _ => {}
         }
-        if space {
+        if std::mem::take(&mut space) {
             out.push(b' ');
-            space = false;
         }
-        if !c.is_ascii_alphanumeric() {
-            out.push(c);
-            i += 1;
-            continue;
-        }
-        // One pass over the word: its end and its digits.
+        // One pass over the word: copied, its end found and its digits counted.
         let start = i;
+        let at = out.len();
         let mut digits = 0;
-        while let Some(&c) = b.get(i) {
-            if !c.is_ascii_alphanumeric() {
+        while i < b.len() {
+            let k = class(i);
+            if k < LETTER {
                 break;
             }
-            digits += usize::from(c.is_ascii_digit());
+            digits += usize::from(k == DIGIT);
+            out.push(b[i]);
             i += 1;
         }
         // A uuid's first group is a word of 8 hex digits followed by a dash.
         if i - start == 8 && b.get(i) == Some(&b'-') && is_uuid(&b[start..]) {
+            out.truncate(at);
             out.extend_from_slice(b"<id>");
             i = start + 36;
+            continue;
+        }
+        if digits == 0 {
+            // Letters alone: kept as copied.
             continue;
         }
         let word = &b[start..i];
@@ -1592,17 +1634,16 @@ fn mask(text: &str, out: &mut Vec<u8>) {
                 joined = true;
             }
             if joined || word.len() >= 7 {
+                out.truncate(at);
                 out.extend_from_slice(b"<n>");
-            } else {
-                out.extend_from_slice(word);
             }
-        } else if digits > 0
-            && (word.len() >= 8 || (word.len() >= 4 && word.iter().all(u8::is_ascii_hexdigit)))
-        {
+        } else if word.len() >= 8 || (word.len() >= 4 && word.iter().all(u8::is_ascii_hexdigit)) {
             // A hex run (a hash) or a long run of letters and digits: a generated id.
+            out.truncate(at);
             out.extend_from_slice(b"<id>");
-        } else if digits > 0 {
+        } else {
             // Letters and digits (`30Z`, `01T10`, `req42x`): the digits are masked.
+            out.truncate(at);
             let mut in_digits = false;
             for &c in word {
                 if c.is_ascii_digit() {
@@ -1615,8 +1656,6 @@ fn mask(text: &str, out: &mut Vec<u8>) {
                     in_digits = false;
                 }
             }
-        } else {
-            out.extend_from_slice(word);
         }
     }
 }

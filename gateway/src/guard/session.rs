@@ -117,7 +117,7 @@ fn derived(key_id: &str, body: &Map<String, Value>) -> String {
             }
         }
     }
-    format!("drv_{}", hex::encode(&w.0.finalize()[..8]))
+    format!("drv_{}", crate::keys::lower_hex(&w.0.finalize()[..8]))
 }
 
 #[cfg(test)]

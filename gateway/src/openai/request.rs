@@ -450,7 +450,7 @@ impl ParsedRequest {
         entries.sort_by(|a, b| a.0.cmp(b.0));
         let mut hasher = HashWriter(sha2::Sha256::new());
         let _ = serde_json::to_writer(&mut hasher, &View(entries));
-        hex::encode(&hasher.0.finalize()[..16])
+        crate::keys::lower_hex(&hasher.0.finalize()[..16])
     }
 
     /// What the tier router reads: the text of the latest user message (a chat) or the prompt
@@ -634,7 +634,7 @@ fn count_input(input: &Value, tokenizer: &Tokenizer) -> usize {
 pub fn fingerprint_bytes(bytes: &[u8]) -> String {
     use sha2::{Digest, Sha256};
     let digest = Sha256::digest(bytes);
-    hex::encode(&digest[..16])
+    crate::keys::lower_hex(&digest[..16])
 }
 
 #[cfg(test)]

@@ -1579,24 +1579,19 @@ fn mask(text: &str, out: &mut Vec<u8>) {
     let mut i = 0;
     let mut space = false;
     while i < b.len() {
-        match class(i) {
-            SPACE => {
-                space = true;
-                i += 1;
-                continue;
-            }
-            OTHER => {
-                if std::mem::take(&mut space) {
-                    out.push(b' ');
-                }
-                out.push(b[i]);
-                i += 1;
-                continue;
-            }
-            _ => {}
+        let kind = class(i);
+        if kind == SPACE {
+            space = true;
+            i += 1;
+            continue;
         }
         if std::mem::take(&mut space) {
             out.push(b' ');
+        }
+        if kind == OTHER {
+            out.push(b[i]);
+            i += 1;
+            continue;
         }
         // One pass over the word: copied, its end found and its digits counted.
         let start = i;
@@ -1604,7 +1599,7 @@ fn mask(text: &str, out: &mut Vec<u8>) {
         let mut digits = 0;
         while i < b.len() {
             let k = class(i);
-            if k < LETTER {
+            if !matches!(k, LETTER | DIGIT) {
                 break;
             }
             digits += usize::from(k == DIGIT);

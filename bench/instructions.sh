@@ -7,11 +7,13 @@
 #   bench/instructions.sh                                 # guard off (A) vs guard on (B), plain path
 #   EXTRA_B=$'[cache]\nmode = "exact"' bench/instructions.sh
 #   BIN_A=/tmp/old BIN_B=/tmp/new bench/instructions.sh   # two builds' directories, same config
+#   LEDGER='spool_dir = "/tmp/spool"' BUDGETS=1 EXTRA_A=... bench/instructions.sh  # cost control on
 #
 # Each gateway runs under `valgrind --tool=callgrind`; WARM requests, then the counters are
 # zeroed, then N requests, each a new question in one of 1,000 sessions (x-session-id), and the
 # counters dumped. Prints instructions (user space, every thread of the process) per request for
-# A and B and their difference; with KEEP=DIR the callgrind files stay in DIR for
+# A and B and their difference (BUDGETS=1 sets a day budget and rate limits for the tenant, as
+# bench/ab-min.sh does); with KEEP=DIR the callgrind files stay in DIR for
 # `callgrind_annotate --inclusive=yes DIR/A.out`. Needs valgrind (apt-get install valgrind), python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -68,6 +70,12 @@ for v in A B; do
   for _ in $(seq 1 600); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.2; done
   url="http://127.0.0.1:$port"
   key=$(bench_key "$url" "${!bin}")
+  if [ "${BUDGETS:-0}" = 1 ]; then
+    GATEWAY_URL=$url GATEWAY_ADMIN_TOKEN=$ADMIN "${!bin}/gatewayctl" budgets set --tenant bench \
+      --window day --tokens 1000000000000 --usd 1000000 >/dev/null
+    GATEWAY_URL=$url GATEWAY_ADMIN_TOKEN=$ADMIN "${!bin}/gatewayctl" limits set --tenant bench \
+      --rpm 1000000000 --tpm 1000000000000 >/dev/null
+  fi
   send "$url" "$key" "$WARM" 0
   callgrind_control -z "$pid" >/dev/null
   send "$url" "$key" "$N" "$WARM"

@@ -50,7 +50,9 @@ for v in A B; do
   port=$((port + 1))
   bin=${!v}
   extra=EXTRA_$v
-  { gateway_toml "$port" "$P_UP" "$WORK/$v.db" "$LEDGER"; echo "${!extra}"; } >"$WORK/$v.toml"
+  # Each gateway journals and spools in a directory of its own (the default, ./spool, would be
+  # shared by both).
+  { gateway_toml "$port" "$P_UP" "$WORK/$v.db" "$LEDGER"$'\n'"spool_dir = \"$WORK/spool-$v\""; echo "${!extra}"; } >"$WORK/$v.toml"
   RUST_LOG=warn "${GW_CPU[@]}" "$bin" serve --config "$WORK/$v.toml" >"$WORK/$v.log" 2>&1 &
   GW_PID[$v]=$!
   PIDS+=($!)

@@ -186,7 +186,13 @@ impl Vocab {
             // Every character starts some alternative, so the next piece starts where the last
             // one ended: an anchored search (no reverse scan for where the match starts).
             let input = Input::new(text).range(at..).anchored(Anchored::Yes);
-            let m = self.split.find(input)?;
+            let Some(m) = self.split.find(input) else {
+                // Unreachable (every character starts an alternative), but should a character
+                // ever match none, the rest is one more piece rather than left uncounted.
+                let rest = (at < text.len()).then(|| &text[at..]);
+                at = text.len();
+                return rest;
+            };
             let piece = &text[m.range()];
             let mut end = m.end();
             if end < text.len() {

@@ -60,10 +60,7 @@ for v in A B; do
   url="http://127.0.0.1:$port"
   key=$(bench_key "$url")
   if [ "${BUDGETS:-0}" = 1 ]; then
-    GATEWAY_URL=$url GATEWAY_ADMIN_TOKEN=$ADMIN "$BIN/gatewayctl" budgets set --tenant bench \
-      --window day --tokens 1000000000000 --usd 1000000 >/dev/null
-    GATEWAY_URL=$url GATEWAY_ADMIN_TOKEN=$ADMIN "$BIN/gatewayctl" limits set --tenant bench \
-      --rpm 1000000000 --tpm 1000000000000 >/dev/null
+    bench_budgets "$url"
   fi
   if [ -n "${BODY_FILE:-}" ]; then
     cat >"$WORK/$v.lua" <<EOF

@@ -56,9 +56,7 @@ lease_requests = 0"
 # A day budget (tokens and USD) and a per-minute rate limit, far above what the run uses, so
 # every request does the full reserve + commit and none is refused.
 for g in memory:$P_MEM redis:$P_REDIS redis-no-lease:$P_RPR; do
-  export GATEWAY_URL="http://127.0.0.1:${g#*:}"
-  "$BIN/gatewayctl" budgets set --tenant bench --window day --tokens 1000000000000 --usd 1000000 >/dev/null
-  "$BIN/gatewayctl" limits set --tenant bench --rpm 1000000000 --tpm 1000000000000 >/dev/null
+  bench_budgets "http://127.0.0.1:${g#*:}"
 done
 
 cat >"$WORK/post.lua" <<'EOF'

@@ -139,6 +139,17 @@ bench_key() {
     python3 -c 'import json,sys; print(json.load(sys.stdin)["key"])'
 }
 
+# bench_budgets URL [BIN_DIR]: give tenant `bench` on the gateway at URL a day budget (tokens
+# and USD) and rate limits far above what any run uses, so every request does the budget step
+# (reserve, prompt token count, commit) and none is refused; with BIN_DIR's gatewayctl.
+bench_budgets() {
+  local ctl="${2:-$BIN}/gatewayctl"
+  GATEWAY_URL=$1 GATEWAY_ADMIN_TOKEN=$ADMIN "$ctl" budgets set --tenant bench \
+    --window day --tokens 1000000000000 --usd 1000000 >/dev/null
+  GATEWAY_URL=$1 GATEWAY_ADMIN_TOKEN=$ADMIN "$ctl" limits set --tenant bench \
+    --rpm 1000000000 --tpm 1000000000000 >/dev/null
+}
+
 # start_gateway NAME PORT UPSTREAM_PORT EXTRA_TOML: a gateway with the ledger off (see
 # gateway_toml), with tenant `bench` and its key in $WORK/NAME.key. EXTRA_TOML is appended to the
 # config.

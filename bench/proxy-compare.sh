@@ -95,10 +95,7 @@ for name in $CONFIGS; do
   url="http://127.0.0.1:${PORT[$name]}"
   bench_key "$url" >"$WORK/$name.key"
   if [ "$name" != plain ]; then
-    GATEWAY_URL=$url GATEWAY_ADMIN_TOKEN=$ADMIN "$BIN/gatewayctl" budgets set --tenant bench \
-      --window day --tokens 1000000000000 --usd 1000000 >/dev/null
-    GATEWAY_URL=$url GATEWAY_ADMIN_TOKEN=$ADMIN "$BIN/gatewayctl" limits set --tenant bench \
-      --rpm 1000000000 --tpm 1000000000000 >/dev/null
+    bench_budgets "$url"
   fi
 done
 

@@ -119,7 +119,9 @@ struct Vocab {
     split: meta::Regex,
 }
 
-/// Pieces of at least this many bytes go to tiktoken's own merge (its heap-based one).
+/// Pieces of at least this many bytes go to tiktoken's own merge (its heap-based one); so would
+/// a one-byte piece missing from the ranks (every byte is a token in both vocabularies, but
+/// `byte_pair_split` asserts on one byte, and a request must never reach that assertion).
 const LONG_PIECE: usize = 100;
 
 /// tiktoken's `cl100k_base` split pattern, less its `\s+(?!\S)` look-ahead (its possessive
@@ -213,7 +215,7 @@ impl Vocab {
             let bytes = piece.as_bytes();
             if let Some(&rank) = self.ranks.get(bytes) {
                 out.push(rank);
-            } else if bytes.len() >= LONG_PIECE {
+            } else if !(2..LONG_PIECE).contains(&bytes.len()) {
                 out.extend((self.long)().encode_ordinary(piece));
             } else {
                 let parts = tiktoken_rs::byte_pair_split(bytes, &self.ranks);
@@ -228,7 +230,7 @@ impl Vocab {
                 let bytes = piece.as_bytes();
                 if self.ranks.contains_key(bytes) {
                     1
-                } else if bytes.len() >= LONG_PIECE {
+                } else if !(2..LONG_PIECE).contains(&bytes.len()) {
                     (self.long)().encode_ordinary(piece).len()
                 } else {
                     tiktoken_rs::byte_pair_split(bytes, &self.ranks).len()

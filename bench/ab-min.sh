@@ -8,7 +8,8 @@
 #   EXTRA_B=$'[guard]\nenabled = true' bench/ab-min.sh GW GW   # one build: guard off vs on
 #   BODY_FILE=agent.json BUDGETS=1 CONNS=16 bench/ab-min.sh GW_A GW_B   # a fixed (large) body
 #
-# Both gateways run the whole time (one SQLite store each; ledger `LEDGER`, default off). Each
+# Both gateways run the whole time (one SQLite store each; ledger `LEDGER`, default off, or
+# `LEDGER_A` / `LEDGER_B` for each: the body of its [ledger] section). Each
 # gets the TOML of `EXTRA_A` / `EXTRA_B` after its base configuration (default `EXTRA`: cache off,
 # guard off). Without BODY_FILE every request is a new question in one of 1,000 sessions per wrk
 # thread (x-session-id), so nothing repeats; with it, the file's JSON body is sent as is (its
@@ -50,9 +51,10 @@ for v in A B; do
   port=$((port + 1))
   bin=${!v}
   extra=EXTRA_$v
+  ledger=LEDGER_$v
   # Each gateway journals and spools in a directory of its own (the default, ./spool, would be
   # shared by both).
-  { gateway_toml "$port" "$P_UP" "$WORK/$v.db" "$LEDGER"$'\n'"spool_dir = \"$WORK/spool-$v\""; echo "${!extra}"; } >"$WORK/$v.toml"
+  { gateway_toml "$port" "$P_UP" "$WORK/$v.db" "${!ledger:-$LEDGER}"$'\n'"spool_dir = \"$WORK/spool-$v\""; echo "${!extra}"; } >"$WORK/$v.toml"
   RUST_LOG=warn "${GW_CPU[@]}" "$bin" serve --config "$WORK/$v.toml" >"$WORK/$v.log" 2>&1 &
   GW_PID[$v]=$!
   PIDS+=($!)

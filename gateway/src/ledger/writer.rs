@@ -215,11 +215,17 @@ impl Task {
                     continue;
                 }
             }
-            let deadline = tokio::time::Instant::now() + self.flush;
+            // The batch is what arrives within `flush` of its first row: one timer, then the
+            // queue drained at once. Waiting on the queue row by row instead woke this task
+            // and re-armed its timer for every row the request path queued. A queue already
+            // holding a full batch is written at once, so the batch size caps nothing.
+            if rx.len() + 1 < self.batch_rows {
+                tokio::time::sleep(self.flush).await;
+            }
             while batch.len() < self.batch_rows {
-                match tokio::time::timeout_at(deadline, rx.recv()).await {
-                    Ok(Some(e)) => batch.push(e),
-                    Ok(None) | Err(_) => break,
+                match rx.try_recv() {
+                    Ok(e) => batch.push(e),
+                    Err(_) => break,
                 }
             }
             self.metrics.queue.set(rx.len() as i64);

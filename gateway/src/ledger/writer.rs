@@ -1,5 +1,6 @@
-//! The ledger writer: a bounded queue in front of one task that writes batches (by size or
-//! time) and never slows or loses a request's row.
+//! The ledger writer: a bounded queue in front of one task that writes batches (what arrives
+//! within `flush_ms` of a batch's first row, at most `batch_rows`) and never slows or loses a
+//! request's row.
 //!
 //! - `record` (on the request path) only `try_send`s; if the queue is full the row goes straight
 //!   to the spool file instead of waiting.

@@ -7,6 +7,14 @@
 #   bench/cache-throughput.sh                # 20 s per measurement
 #   DURATION=30s CONNS=32 bench/cache-throughput.sh
 #
+# What a semantic miss costs (issue 19, item 3): UPSTREAM=min puts the minimal upstream
+# (gateway/examples/min_upstream.rs) in place of the simulator and measures it directly first;
+# GATE=T adds a run with the semantic layer's first stage on (cache.semantic.gate_overlap = T);
+# SUFFIX=0 sends each question as it is instead of with a " (n)" counter (real questions share no
+# such token). Every semantic gateway loads the model at start (preload).
+#
+#   UPSTREAM=min GATE=0.15 SUFFIX=0 REPEAT=0 CONNS=1 DURATION=10s BIN=DIR bench/cache-throughput.sh
+#
 # Questions are the `a` side of ../shared/data/qqp-dev.jsonl (real, varied questions), sent with
 # temperature 0 and max_tokens 16. Each wrk connection draws a new question with probability 0.7,
 # and otherwise repeats one of the 200 most recent ones. Hit counts come from the gateway's own
@@ -22,6 +30,10 @@ P_UP=${P_UP:-19301}
 P_OFF=${P_OFF:-19302}
 P_EXACT=${P_EXACT:-19303}
 P_SEM=${P_SEM:-19304}
+P_GATE=${P_GATE:-19305}
+UPSTREAM=${UPSTREAM:-sim}
+GATE=${GATE:-}
+SUFFIX=${SUFFIX:-1}
 
 command -v wrk >/dev/null || { echo "needs wrk: apt-get install wrk" >&2; exit 1; }
 scripts/fetch-model.sh >/dev/null
@@ -41,6 +53,7 @@ cat >"$WORK/load.lua" <<'EOF'
 local questions = {}
 for line in io.lines(os.getenv("QUESTIONS")) do questions[#questions + 1] = line end
 local repeat_share = tonumber(os.getenv("REPEAT"))
+local suffix = os.getenv("SUFFIX") ~= "0"
 local key = os.getenv("KEY")
 local threads = 0
 function setup(thread) thread:set("tid", threads); threads = threads + 1 end
@@ -56,7 +69,8 @@ function request()
     q = recent[math.random(#recent)]
   else
     next_q = next_q + 1
-    q = questions[(next_q % #questions) + 1] .. " (" .. next_q .. ")"
+    q = questions[(next_q % #questions) + 1]
+    if suffix then q = q .. " (" .. next_q .. ")" end
     recent[#recent % 200 + 1] = q
   end
   local body = '{"model":"fast","temperature":0,"max_tokens":16,"messages":[{"role":"user","content":"' .. escape(q) .. '"}]}'
@@ -65,7 +79,11 @@ function request()
 end
 EOF
 
-"$SIM_BIN/gateway" simulate --profile small --model sim-small --port "$P_UP" >"$WORK/sim.log" 2>&1 &
+if [ "$UPSTREAM" = min ]; then
+  "$(min_upstream)" --port "$P_UP" --threads 1 >"$WORK/upstream.log" 2>&1 &
+else
+  "$SIM_BIN/gateway" simulate --profile small --model sim-small --port "$P_UP" >"$WORK/sim.log" 2>&1 &
+fi
 PIDS+=($!)
 wait_port "$P_UP"
 
@@ -74,24 +92,36 @@ metric() { # PORT LAYER RESULT
     awk -v l="$2" -v r="$3" '$0 ~ "^gateway_cache_lookups_total\\{layer=\""l"\",result=\""r"\"\\}" {print $2}'
 }
 
-printf '| cache | requests/s | p50 ms | p99 ms | exact hits | semantic hits | semantic skipped |\n|---|---|---|---|---|---|---|\n' >"$WORK/table.md"
-run() { # NAME PORT MODE
+printf '| cache | requests/s | p50 ms | p99 ms | exact hits | semantic hits | semantic misses embedded | semantic misses gated | semantic skipped |\n|---|---|---|---|---|---|---|---|---|\n' >"$WORK/table.md"
+load() { # NAME PORT KEY
+  QUESTIONS="$WORK/questions.txt" REPEAT="$REPEAT" SUFFIX="$SUFFIX" KEY=$3 \
+    wrk -t"$(( CONNS < 2 ? 1 : 2 ))" -c"$CONNS" -d"$DURATION" --latency -s "$WORK/load.lua" "http://127.0.0.1:$2" >"$WORK/$1.wrk"
+}
+if [ "$UPSTREAM" = min ]; then
+  load direct "$P_UP" none
+  printf '| direct (no gateway) | %s | %s | %s | | | | | |\n' "$(awk '/^Requests\/sec/ {print $2}' "$WORK/direct.wrk")" \
+    "$(awk '$1 == "50%" {print $2}' "$WORK/direct.wrk")" "$(awk '$1 == "99%" {print $2}' "$WORK/direct.wrk")" >>"$WORK/table.md"
+fi
+run() { # NAME PORT MODE [EXTRA_TOML]
   start_gateway "$1" "$2" "$P_UP" "[cache]
-mode = \"$3\""
+mode = \"$3\"
+[cache.semantic]
+preload = true
+${4:-}"
   if [ "$3" = semantic ]; then
     for _ in $(seq 1 600); do
       curl -s "http://127.0.0.1:$2/metrics" | grep -q '^gateway_cache_semantic_ready 1' && break
       sleep 0.5
     done
   fi
-  QUESTIONS="$WORK/questions.txt" REPEAT="$REPEAT" KEY=$(cat "$WORK/$1.key") \
-    wrk -t2 -c"$CONNS" -d"$DURATION" --latency -s "$WORK/load.lua" "http://127.0.0.1:$2" >"$WORK/$1.wrk"
+  load "$1" "$2" "$(cat "$WORK/$1.key")"
   local rps p50 p99
   rps=$(awk '/^Requests\/sec/ {print $2}' "$WORK/$1.wrk")
   p50=$(awk '$1 == "50%" {print $2}' "$WORK/$1.wrk")
   p99=$(awk '$1 == "99%" {print $2}' "$WORK/$1.wrk")
-  printf '| %s | %s | %s | %s | %s | %s | %s |\n' "$1" "$rps" "$p50" "$p99" \
-    "$(metric "$2" exact hit)" "$(metric "$2" semantic hit)" "$(metric "$2" semantic skipped)" >>"$WORK/table.md"
+  printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s |\n' "$1" "$rps" "$p50" "$p99" \
+    "$(metric "$2" exact hit)" "$(metric "$2" semantic hit)" "$(metric "$2" semantic miss)" \
+    "$(metric "$2" semantic gated)" "$(metric "$2" semantic skipped)" >>"$WORK/table.md"
   grep -q 'Non-2xx' "$WORK/$1.wrk" && { echo "$1: errors:"; cat "$WORK/$1.wrk"; }
   return 0
 }
@@ -99,5 +129,8 @@ mode = \"$3\""
 run off "$P_OFF" off
 run exact "$P_EXACT" exact
 run semantic "$P_SEM" semantic
-echo "connections $CONNS, $DURATION each, repeat share $REPEAT, upstream: simulated small profile"
+if [ -n "$GATE" ]; then
+  run semantic-gate "$P_GATE" semantic "gate_overlap = $GATE"
+fi
+echo "connections $CONNS, $DURATION each, repeat share $REPEAT, upstream: $UPSTREAM, suffix $SUFFIX"
 cat "$WORK/table.md"

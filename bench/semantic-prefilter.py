@@ -20,6 +20,12 @@ namespace of distinct, varied questions, as in the benchmark).
     cargo run --release -p embedder --example dump_pair_vectors -- /tmp/sample-pairs.jsonl /tmp/sample
     python3 bench/semantic-prefilter.py analyse /tmp/sample-pairs.jsonl /tmp/sample
 
+The token-overlap gate against the shipped verifier's own hits (`gate`; the sample there is the
+one above plus every cai-prompts pair, 5,326 pairs; `pair_scores` takes ~3 min):
+
+    cargo run --release -p embedder --example pair_scores -- /tmp/sample-pairs.jsonl > /tmp/scores.jsonl
+    python3 bench/semantic-prefilter.py gate /tmp/scores.jsonl embedder/assets/verifier.json
+
 Needs numpy. The sample: 2,500 pairs of ../shared/data/qqp-dev.jsonl and 2,500 of
 ../shared/data/pairs-dev.jsonl, seed 7.
 """
@@ -119,8 +125,77 @@ def analyse(pairs_path, prefix):
         print(f"| {name} | {cells} |")
 
 
+def gate(scores_path, verifier_path):
+    """How many of the shipped verifier's own hits a token-overlap gate keeps, per source and
+    precision setting, and how many questions of a varied namespace it still sends on."""
+    import numpy as np
+
+    rows = [json.loads(line) for line in open(scores_path)]
+    verifier = json.load(open(verifier_path))
+    idf_df, docs = verifier["stats"]["idf"]["df"], verifier["stats"]["idf"]["docs"]
+
+    def weight(t):
+        d = idf_df[t] if t < len(idf_df) else 0
+        return np.log((docs + 1) / (d + 1))
+
+    def jaccard(a, b):
+        a, b = set(a), set(b)
+        union = sum(weight(t) for t in a | b)
+        return sum(weight(t) for t in a & b) / union if union else 0.0
+
+    def lowest(target):
+        pts = [p for p in verifier["curve"] if p["precision"] >= target and p["recall"] > 0]
+        return min(p["threshold"] for p in pts)
+
+    settings = [(m, lowest(m)) for m in (0.80, 0.85, 0.90)]
+    src = np.array([r["source"] for r in rows])
+    p = np.array([r["p"] for r in rows])
+    # A stored question is handed to the verifier only above `cache.semantic.min_cosine`.
+    p[np.array([r["cos"] for r in rows]) < 0.7] = 0.0
+    dup = np.array([bool(r["duplicate"]) for r in rows])
+    jac = np.array([jaccard(r["ids_a"], r["ids_b"]) for r in rows])
+    gates = (0.1, 0.15, 0.2, 0.25, 0.3)
+    print("Verifier hits (true / false; transformer cosine >= 0.7 and probability >= the setting's")
+    print("threshold) and the share of the true ones a gate at IDF Jaccard >= t keeps / the false ones left:")
+    print()
+    print("| source | min precision | hits true / false | " + " | ".join(f"t = {t}" for t in gates) + " |")
+    print("|---|---|---|" + "---|" * len(gates))
+    for s in sorted(set(src)):
+        for m, thr in settings:
+            hit = (src == s) & (p >= thr)
+            if not hit.any():
+                continue
+            tp, fp = (hit & dup).sum(), (hit & ~dup).sum()
+            cells = " | ".join(
+                f"{(hit & dup & (jac >= t)).sum() / max(tp, 1):.3f} / {(hit & ~dup & (jac >= t)).sum()}"
+                for t in gates)
+            print(f"| {s} | {m:.2f} (p >= {thr:.3f}) | {tp} / {fp} | {cells} |")
+    # Selectivity: one namespace of varied questions (the QQP `a` sides).
+    texts = [r["ids_a"] for r in rows if r["source"] == "qqp"][:QUERIES]
+    vocab = sorted({t for x in texts for t in x})
+    col = {t: i for i, t in enumerate(vocab)}
+    w = np.array([weight(t) for t in vocab])
+    inc = np.zeros((len(texts), len(vocab)))
+    for i, x in enumerate(texts):
+        for t in set(x):
+            inc[i, col[t]] = 1.0
+    inter = (inc * w) @ inc.T
+    total = inc @ w
+    jm = inter / np.maximum(total[:, None] + total[None, :] - inter, 1e-9)
+    np.fill_diagonal(jm, 0)
+    best = jm.max(1)
+    print()
+    for size in (100, 500, 1000, len(texts)):
+        sub = jm[:size, :size].max(1)
+        print(f"namespace of {size} QQP questions: share with a candidate at " +
+              ", ".join(f"t={t}: {np.mean(sub >= t):.2f}" for t in gates))
+    _ = best
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "sample":
         sample(sys.argv[2:])
+    elif sys.argv[1] == "gate":
+        gate(sys.argv[2], sys.argv[3])
     else:
         analyse(sys.argv[2], sys.argv[3])

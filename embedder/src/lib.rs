@@ -4,6 +4,8 @@
 //! - `cuda` (feature `cuda`): the transformer, the static table and the vector index on an
 //!   NVIDIA GPU (CUDA libraries loaded at run time; NVRTC kernels, cuBLAS products).
 //! - [`eval`]: precision / recall / hit rate of a similarity threshold on labelled pairs.
+//! - [`gate`]: the semantic cache's first stage (rarity-weighted token overlap with stored
+//!   questions; a lookup sharing too little with all of them is a miss without the transformer).
 //! - [`index`]: the semantic cache's vector index (namespaced, LRU + TTL, brute-force scan).
 //! - [`verifier`]: the second-stage verifier of cache hits (pair features, linear models stacked
 //!   under gradient-boosted trees, grouped cross-validation).
@@ -19,6 +21,7 @@ pub mod bert;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod eval;
+pub mod gate;
 pub mod index;
 pub mod learn;
 pub mod semantic;

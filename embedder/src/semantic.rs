@@ -106,7 +106,6 @@ pub struct SemanticIndex {
     entries: HashMap<EntryId, Stored>,
     verifier: Verifier,
     table: StaticEmbedder,
-    next_id: EntryId,
 }
 
 impl std::fmt::Debug for SemanticIndex {
@@ -125,7 +124,6 @@ impl SemanticIndex {
             entries: HashMap::new(),
             verifier,
             table,
-            next_id: 1,
         }
     }
 
@@ -196,10 +194,22 @@ impl SemanticIndex {
         }
     }
 
-    /// Store a question (`text` and its vectors) answered by the caller's `key`.
-    pub fn insert(&mut self, ns: u64, text: String, vectors: TextVectors, key: u128, now_ms: i64) {
-        let id = self.next_id;
-        self.next_id += 1;
+    /// Whether entry `id` is still held (not evicted nor replaced).
+    pub fn contains(&self, id: EntryId) -> bool {
+        self.index.contains(id)
+    }
+
+    /// Store a question (`text` and its vectors) answered by the caller's `key`, as entry `id`
+    /// (the caller's, unique: an id given again replaces its entry).
+    pub fn insert(
+        &mut self,
+        ns: u64,
+        id: EntryId,
+        text: String,
+        vectors: TextVectors,
+        key: u128,
+        now_ms: i64,
+    ) {
         self.index.insert(ns, id, &vectors.0, now_ms);
         self.entries.insert(
             id,

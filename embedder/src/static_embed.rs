@@ -116,6 +116,11 @@ impl StaticEmbedder {
         })
     }
 
+    /// The tokenizer (the model's, without truncation or padding).
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
     /// Dimension of the vectors.
     pub fn dim(&self) -> usize {
         self.dim

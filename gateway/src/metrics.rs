@@ -89,7 +89,8 @@ pub mod names {
     /// Leases of this replica not yet closed.
     pub const BUDGET_LEASES_LIVE: &str = "gateway_budget_leases_live";
 
-    /// Cache lookups by layer (exact, shared, semantic) and result (hit, miss, skipped, error).
+    /// Cache lookups by layer (exact, shared, semantic) and result (hit, miss, skipped, error;
+    /// `gated`: a semantic miss decided by the first stage, without an embedding).
     pub const CACHE_LOOKUPS: &str = "gateway_cache_lookups_total";
     /// USD micro-dollars cache hits saved, by tenant.
     pub const CACHE_SAVED: &str = "gateway_cache_saved_micros_total";
@@ -373,6 +374,7 @@ impl Metrics {
             ("exact", "miss"),
             ("semantic", "hit"),
             ("semantic", "miss"),
+            ("semantic", "gated"),
             ("semantic", "skipped"),
         ] {
             cache_lookups.with_label_values(&[layer, result]);

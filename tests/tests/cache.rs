@@ -548,6 +548,55 @@ async fn an_answer_clamped_by_a_budget_is_not_cached() {
     app.stop().await;
 }
 
+/// The first stage (`cache.semantic.gate_overlap`): a question sharing none of its rare words
+/// with what its namespace holds is a miss without an embedding, counted as `gated`; a
+/// paraphrase sent right after the answer it matches is still looked up and hits.
+#[tokio::test]
+async fn the_first_stage_decides_unrelated_questions_without_the_model() {
+    let (app, sim) = semantic_app(|c| {
+        c.cache.semantic.lookup_timeout_ms = 5_000;
+        c.cache.semantic.gate_overlap = 0.15;
+    })
+    .await;
+    let (ok, out) = app
+        .ctl(&["cache", "set", "--tenant", "acme", "--min-precision", "0.9"])
+        .await;
+    assert!(ok, "{out}");
+    let steps = [
+        ("How can I learn to cook Italian food at home?", "miss"),
+        (
+            "How do I learn to cook Italian food at home?",
+            "hit-semantic",
+        ),
+        ("What is the capital of Australia?", "miss"),
+        ("Why does my bicycle tyre keep going flat?", "miss"),
+    ];
+    for (question, expected) in steps {
+        let r = app.chat(deterministic(question)).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(cache_header(&r), expected, "{question}");
+    }
+    assert_eq!(sim.sim.requests(), 3);
+    let m = app.metrics().await;
+    let count = |result: &str| {
+        let line =
+            format!("gateway_cache_lookups_total{{layer=\"semantic\",result=\"{result}\"}} ");
+        m.lines()
+            .find_map(|l| l.strip_prefix(&line))
+            .map_or(0, |v| v.trim().parse::<u64>().unwrap())
+    };
+    // The first question found an empty namespace (a miss without a lookup); the paraphrase
+    // was embedded and hit; the two unrelated questions never reached the model.
+    assert_eq!(count("hit"), 1, "{m}");
+    assert_eq!(count("gated"), 2, "{m}");
+    assert_eq!(count("skipped"), 0, "{m}");
+    assert!(
+        m.contains("gateway_cache_semantic_seconds_count 1"),
+        "one embedded lookup: {m}"
+    );
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn a_saturated_semantic_layer_is_skipped_not_waited_for() {
     let sim = Sim::zero("sim-small").await;

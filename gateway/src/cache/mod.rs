@@ -524,6 +524,12 @@ impl Cache {
             self.calibration.record(&lookup.tenant_id, None);
             return None;
         }
+        if s.gate_miss(q.ns, &q.text) {
+            // No stored question shares enough of its rare words to be a hit.
+            lookups.with_label_values(&["semantic", "gated"]).inc();
+            self.calibration.record(&lookup.tenant_id, None);
+            return None;
+        }
         let started = Instant::now();
         let Some(result) = s.lookup(q.ns, &q.text, q.threshold).await else {
             lookups.with_label_values(&["semantic", "skipped"]).inc();

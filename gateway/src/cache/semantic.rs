@@ -11,15 +11,19 @@
 //! A question whose namespace holds nothing yet (a new system prompt, new sampling parameters)
 //! cannot hit, so it is not embedded on the request's path: [`Semantic::maybe_populated`] says
 //! so without asking the thread, and the answer's question is embedded afterwards, off the
-//! request path, when it is indexed.
+//! request path, when it is indexed. Nor is one that shares too few of its rare words with every
+//! stored question of its namespace ([`Semantic::gate_miss`], the first stage:
+//! [`embedder::gate`]), decided on the request's own thread in microseconds.
 
+use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use embedder::bert::{BertEmbedder, Embed, TextVectors};
+use embedder::gate::{Gate, TokenGate};
 use embedder::index::{CpuIndex, VectorIndex};
 use embedder::semantic::{Search, SemanticIndex, Verdict, SHIPPED_VERIFIER};
 use embedder::static_embed::StaticEmbedder;
@@ -50,6 +54,8 @@ enum Job {
     },
     Insert {
         ns: u64,
+        /// The entry's id: increasing in the order inserts are sent.
+        id: u64,
         text: String,
         /// The question's vectors when its lookup computed them; else embedded by the worker.
         vectors: Option<Arc<TextVectors>>,
@@ -92,10 +98,15 @@ impl Populated {
 pub struct Semantic {
     tx: mpsc::Sender<Job>,
     populated: Populated,
-    queued: Arc<AtomicUsize>,
+    queued: Arc<Queued>,
     /// The worker's recent time per embedded text, microseconds (a moving average).
     per_text_us: Arc<AtomicU64>,
     verifier: Arc<OnceLock<Verifier>>,
+    /// The first stage, once the layer is loaded (absent when `gate_overlap` is 0).
+    gate: Arc<OnceLock<Arc<TokenGate>>>,
+    /// The next entry id; held while an insert is recorded in the gate and sent, so the worker
+    /// sees ids in increasing order.
+    next_id: Mutex<u64>,
     max_queue: usize,
     timeout: Duration,
 }
@@ -129,15 +140,17 @@ impl Semantic {
             return Ok(None);
         }
         let (tx, rx) = mpsc::channel();
-        let queued = Arc::new(AtomicUsize::new(0));
+        let queued = Arc::new(Queued::default());
         let per_text_us = Arc::new(AtomicU64::new(0));
         let verifier = Arc::new(OnceLock::new());
+        let gate = Arc::new(OnceLock::new());
         let worker = Worker {
             gpu,
             config: config.clone(),
             queued: Arc::clone(&queued),
             per_text_us: Arc::clone(&per_text_us),
             verifier: Arc::clone(&verifier),
+            gate: Arc::clone(&gate),
             metrics,
         };
         let spawned = std::thread::Builder::new()
@@ -153,6 +166,8 @@ impl Semantic {
             queued,
             per_text_us,
             verifier,
+            gate,
+            next_id: Mutex::new(1),
             max_queue: config.max_queue,
             timeout: Duration::from_millis(config.lookup_timeout_ms),
         }))
@@ -177,12 +192,14 @@ impl Semantic {
     /// Embed `text` and find its best verified match in `ns`; `None` when skipped (not ready,
     /// queue full, a wait already too long, too slow).
     pub async fn lookup(&self, ns: u64, text: &str, threshold: f32) -> Option<Looked> {
-        let queued = self.queued.load(Ordering::Relaxed);
-        if !self.ready() || queued >= self.max_queue || self.wait_too_long(queued) {
+        let lookups = self.queued.lookups.load(Ordering::Relaxed);
+        // The worker takes lookups before inserts, so at most one insert is ahead of this one.
+        let ahead = lookups + usize::from(self.queued.inserts.load(Ordering::Relaxed) > 0);
+        if !self.ready() || lookups >= self.max_queue || self.wait_too_long(ahead) {
             return None;
         }
         let (reply, rx) = oneshot::channel();
-        self.queued.fetch_add(1, Ordering::Relaxed);
+        self.queued.lookups.fetch_add(1, Ordering::Relaxed);
         let job = Job::Lookup {
             ns,
             text: text.to_owned(),
@@ -190,20 +207,20 @@ impl Semantic {
             reply,
         };
         if self.tx.send(job).is_err() {
-            self.queued.fetch_sub(1, Ordering::Relaxed);
+            self.queued.lookups.fetch_sub(1, Ordering::Relaxed);
             return None;
         }
         tokio::time::timeout(self.timeout, rx).await.ok()?.ok()
     }
 
-    /// Whether a lookup behind `queued` jobs would wait past half the lookup timeout at the
+    /// Whether a lookup behind `ahead` texts would wait past half the lookup timeout at the
     /// worker's recent time per text: then it is skipped at once instead of timing out later
     /// (the worker embeds a batch at a time, so this errs on the long side).
     /// An idle worker always takes the lookup, so the time per text is measured again after a
     /// burst however slow the burst made it look.
-    fn wait_too_long(&self, queued: usize) -> bool {
-        queued > 0
-            && predicted_wait(queued, self.per_text_us.load(Ordering::Relaxed)) > self.timeout / 2
+    fn wait_too_long(&self, ahead: usize) -> bool {
+        ahead > 0
+            && predicted_wait(ahead, self.per_text_us.load(Ordering::Relaxed)) > self.timeout / 2
     }
 
     /// Whether namespace `ns` may hold entries (`false`: a lookup cannot hit, skip it).
@@ -211,27 +228,58 @@ impl Semantic {
         self.populated.may_hold(ns)
     }
 
+    /// Whether the first stage finds that `text` shares too little with every question stored
+    /// in `ns` for any to be a hit (`false` when it cannot tell, or is off).
+    pub fn gate_miss(&self, ns: u64, text: &str) -> bool {
+        self.gate
+            .get()
+            .is_some_and(|gate| gate.check(ns, text) == Gate::Miss)
+    }
+
     /// Index a fresh answer's question (embedded by the worker when `vectors` is `None`).
-    /// Best effort: dropped when the worker already has `max_queue` jobs waiting, so a burst of
-    /// answers cannot queue without bound.
+    /// Best effort: dropped when `max_queue` inserts are already waiting, so a burst of answers
+    /// cannot queue without bound.
     pub fn insert(&self, ns: u64, text: String, vectors: Option<Arc<TextVectors>>, key: u128) {
         // Marked even when the insert is dropped: a "may hold" that costs at most a lookup.
         self.populated.mark(ns);
-        if self.queued.fetch_add(1, Ordering::Relaxed) >= self.max_queue {
-            self.queued.fetch_sub(1, Ordering::Relaxed);
+        let inserts = &self.queued.inserts;
+        if inserts.fetch_add(1, Ordering::Relaxed) >= self.max_queue {
+            inserts.fetch_sub(1, Ordering::Relaxed);
             return;
+        }
+        let gate = self.gate.get();
+        let tokens = gate.and_then(|g| g.tokens(&text));
+        let Ok(mut next_id) = self.next_id.lock() else {
+            inserts.fetch_sub(1, Ordering::Relaxed);
+            return;
+        };
+        let id = *next_id;
+        *next_id += 1;
+        // In the gate before the worker indexes it: a lookup sent after this insert, which
+        // the worker answers after indexing it, must not be stopped by the gate.
+        if let (Some(gate), Some(tokens)) = (gate, tokens) {
+            gate.insert(ns, id, tokens);
         }
         let sent = self.tx.send(Job::Insert {
             ns,
+            id,
             text,
             vectors,
             key,
             at: Instant::now(),
         });
+        drop(next_id);
         if sent.is_err() {
-            self.queued.fetch_sub(1, Ordering::Relaxed);
+            inserts.fetch_sub(1, Ordering::Relaxed);
         }
     }
+}
+
+/// Jobs sent to the worker and not yet done, by kind.
+#[derive(Debug, Default)]
+struct Queued {
+    lookups: AtomicUsize,
+    inserts: AtomicUsize,
 }
 
 /// The wait of a job behind `queued` others at `per_text_us` each (itself included).
@@ -250,6 +298,14 @@ fn moving_average(average: u64, sample: u64) -> u64 {
 
 /// An embedding model and a vector index, on one device.
 type Backend = (Box<dyn Embed>, Box<dyn VectorIndex>);
+
+/// What the worker loads: the model, the index with its verifier, and the first stage.
+type Loaded = (
+    Box<dyn Embed>,
+    SemanticIndex,
+    Verifier,
+    Option<Arc<TokenGate>>,
+);
 
 /// The GPU to use, when this build and machine have one.
 #[cfg(feature = "cuda")]
@@ -297,9 +353,10 @@ fn cpu_backend(dir: &Path, capacity: usize) -> Result<Backend, String> {
 struct Worker {
     gpu: Option<usize>,
     config: SemanticConfig,
-    queued: Arc<AtomicUsize>,
+    queued: Arc<Queued>,
     per_text_us: Arc<AtomicU64>,
     verifier: Arc<OnceLock<Verifier>>,
+    gate: Arc<OnceLock<Arc<TokenGate>>>,
     metrics: Metrics,
 }
 
@@ -321,7 +378,7 @@ pub(crate) fn static_table(dir: &Path) -> Result<StaticEmbedder, String> {
 }
 
 impl Worker {
-    fn load(&self) -> Result<(Box<dyn Embed>, SemanticIndex, Verifier), String> {
+    fn load(&self) -> Result<Loaded, String> {
         let dir = &self.config.model_dir;
         let table = static_table(dir)?;
         let (model, index) = backend(dir, self.gpu, self.config.capacity)?;
@@ -331,13 +388,20 @@ impl Worker {
             None => SHIPPED_VERIFIER.to_owned(),
         };
         let verifier = Verifier::from_json(&json)?;
+        let gate = (self.config.gate_overlap > 0.0).then(|| {
+            Arc::new(TokenGate::new(
+                table.tokenizer().clone(),
+                &verifier.stats.idf,
+                self.config.gate_overlap,
+            ))
+        });
         let semantic = SemanticIndex::new(index, verifier.clone(), table);
-        Ok((model, semantic, verifier))
+        Ok((model, semantic, verifier, gate))
     }
 
     fn run(self, rx: &mpsc::Receiver<Job>) {
         let started = Instant::now();
-        let (bert, mut index, verifier) = match self.load() {
+        let (bert, mut index, verifier, gate) = match self.load() {
             Ok(loaded) => loaded,
             Err(e) => {
                 tracing::error!(error = %e, "semantic cache off: could not load it");
@@ -346,6 +410,9 @@ impl Worker {
         };
         let epoch = Instant::now();
         let now_ms = |at: Instant| i64::try_from(at.duration_since(epoch).as_millis()).unwrap_or(0);
+        if let Some(gate) = &gate {
+            let _ = self.gate.set(Arc::clone(gate));
+        }
         let _ = self.verifier.set(verifier);
         self.metrics.cache_semantic_ready.set(1);
         tracing::info!(
@@ -353,61 +420,50 @@ impl Worker {
             device = bert.device(),
             "semantic cache ready"
         );
-        while let Ok(first) = rx.recv() {
-            let mut jobs = vec![first];
-            while jobs.len() < self.config.batch {
-                match rx.try_recv() {
-                    Ok(job) => jobs.push(job),
-                    Err(_) => break,
+        let mut queue = WorkQueue::default();
+        loop {
+            if queue.is_empty() {
+                match rx.recv() {
+                    Ok(job) => queue.push(job),
+                    Err(_) => return,
                 }
             }
-            let mut lookups = Vec::new();
-            let mut unembedded = Vec::new();
-            for job in jobs {
-                match job {
-                    Job::Insert {
-                        ns,
-                        text,
-                        vectors: Some(vectors),
-                        key,
-                        at,
-                    } => {
-                        self.queued.fetch_sub(1, Ordering::Relaxed);
-                        let vectors = Arc::unwrap_or_clone(vectors);
-                        index.insert(ns, text, vectors, key, now_ms(at));
-                    }
-                    Job::Insert {
-                        ns,
-                        text,
-                        vectors: None,
-                        key,
-                        at,
-                    } => {
-                        self.queued.fetch_sub(1, Ordering::Relaxed);
-                        unembedded.push((ns, text, key, at));
-                    }
-                    Job::Lookup {
-                        ns,
-                        text,
-                        threshold,
-                        reply,
-                    } => {
-                        self.queued.fetch_sub(1, Ordering::Relaxed);
-                        // The caller gave up waiting: skip the work.
-                        if !reply.is_closed() {
-                            lookups.push((ns, text, threshold, reply));
-                        }
-                    }
+            while let Ok(job) = rx.try_recv() {
+                queue.push(job);
+            }
+            // Inserts whose vectors their lookup computed cost nothing to index.
+            for (ns, id, text, vectors, key, at) in queue.embedded.drain(..) {
+                self.queued.inserts.fetch_sub(1, Ordering::Relaxed);
+                index.insert(ns, id, text, vectors, key, now_ms(at));
+            }
+            if let Some(gate) = &gate {
+                // Entries the index no longer holds (evicted, or never embedded) leave the gate
+                // from time to time; those still on their way to the index stay.
+                if gate.len() > 2 * index.len() + 64 {
+                    let done = queue.done_below();
+                    gate.retain(|id| id >= done || index.contains(id));
                 }
             }
+            let (lookups, unembedded) = queue.next_batch(self.config.batch);
+            self.queued
+                .lookups
+                .fetch_sub(lookups.len(), Ordering::Relaxed);
+            self.queued
+                .inserts
+                .fetch_sub(unembedded.len(), Ordering::Relaxed);
+            // The caller gave up waiting: skip the work.
+            let lookups: Vec<_> = lookups
+                .into_iter()
+                .filter(|(_, _, _, reply)| !reply.is_closed())
+                .collect();
             if lookups.is_empty() && unembedded.is_empty() {
                 continue;
             }
-            // One batch for both: questions to index first (a lookup queued after them must
-            // see them), then the lookups.
+            // One batch for both: questions to index first (a lookup sent after them must see
+            // them), then the lookups.
             let texts: Vec<&str> = unembedded
                 .iter()
-                .map(|(_, t, _, _)| t.as_str())
+                .map(|(_, _, t, _, _)| t.as_str())
                 .chain(lookups.iter().map(|(_, t, _, _)| t.as_str()))
                 .collect();
             let embedding = Instant::now();
@@ -425,8 +481,9 @@ impl Worker {
                     continue;
                 }
             };
-            for ((ns, text, key, at), vectors) in unembedded.into_iter().zip(embedded.by_ref()) {
-                index.insert(ns, text, vectors, key, now_ms(at));
+            for ((ns, id, text, key, at), vectors) in unembedded.into_iter().zip(embedded.by_ref())
+            {
+                index.insert(ns, id, text, vectors, key, now_ms(at));
             }
             let now = now_ms(Instant::now());
             for ((ns, text, threshold, reply), vectors) in lookups.into_iter().zip(embedded) {
@@ -446,6 +503,79 @@ impl Worker {
     }
 }
 
+/// A lookup taken off the channel: namespace, question, threshold, where to answer.
+type LookupJob = (u64, String, f32, oneshot::Sender<Looked>);
+/// An insert to embed: namespace, entry id, question, answer key, when it was answered.
+type InsertJob = (u64, u64, String, u128, Instant);
+
+/// The worker's own queue: it takes every job waiting on the channel, then embeds the lookups
+/// first, so answers waiting to be indexed never make a request wait for more than one of them.
+#[derive(Default)]
+struct WorkQueue {
+    lookups: VecDeque<LookupJob>,
+    /// Inserts to embed, oldest first (ids increasing).
+    inserts: VecDeque<InsertJob>,
+    /// Inserts that came with their vectors.
+    embedded: Vec<(u64, u64, String, TextVectors, u128, Instant)>,
+    /// The newest insert id taken off the channel (they are sent in increasing order).
+    newest: u64,
+}
+
+impl WorkQueue {
+    fn is_empty(&self) -> bool {
+        self.lookups.is_empty() && self.inserts.is_empty() && self.embedded.is_empty()
+    }
+
+    fn push(&mut self, job: Job) {
+        if let Job::Insert { id, .. } = &job {
+            self.newest = self.newest.max(*id);
+        }
+        match job {
+            Job::Lookup {
+                ns,
+                text,
+                threshold,
+                reply,
+            } => self.lookups.push_back((ns, text, threshold, reply)),
+            Job::Insert {
+                ns,
+                id,
+                text,
+                vectors: Some(vectors),
+                key,
+                at,
+            } => self
+                .embedded
+                .push((ns, id, text, Arc::unwrap_or_clone(vectors), key, at)),
+            Job::Insert {
+                ns,
+                id,
+                text,
+                vectors: None,
+                key,
+                at,
+            } => self.inserts.push_back((ns, id, text, key, at)),
+        }
+    }
+
+    /// What to embed next: up to `batch` lookups with the oldest waiting insert (an answer a
+    /// lookup sent right after it may match), or one insert alone.
+    fn next_batch(&mut self, batch: usize) -> (Vec<LookupJob>, Vec<InsertJob>) {
+        let take = self.lookups.len().min(batch.max(1));
+        let lookups: Vec<LookupJob> = self.lookups.drain(..take).collect();
+        let inserts = self.inserts.pop_front().into_iter().collect();
+        (lookups, inserts)
+    }
+
+    /// Every insert id below this one is done (indexed, or failed to embed): the oldest still
+    /// to embed, or the next one the channel can bring. Only right after the last batch.
+    fn done_below(&self) -> u64 {
+        self.inserts
+            .front()
+            .map_or(self.newest + 1, |(_, id, _, _, _)| *id)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -460,6 +590,60 @@ mod tests {
         let half = Duration::from_millis(250) / 2;
         assert!(predicted_wait(7, 15_000) <= half);
         assert!(predicted_wait(8, 15_000) > half);
+    }
+
+    fn insert(id: u64) -> Job {
+        Job::Insert {
+            ns: 1,
+            id,
+            text: format!("q{id}"),
+            vectors: None,
+            key: u128::from(id),
+            at: Instant::now(),
+        }
+    }
+
+    fn lookup(text: &str) -> Job {
+        Job::Lookup {
+            ns: 1,
+            text: text.into(),
+            threshold: 0.5,
+            reply: oneshot::channel().0,
+        }
+    }
+
+    #[test]
+    fn lookups_go_first_with_at_most_the_oldest_insert() {
+        let mut q = WorkQueue::default();
+        assert_eq!(q.done_below(), 1);
+        for job in [
+            insert(1),
+            insert(2),
+            lookup("a"),
+            insert(3),
+            lookup("b"),
+            lookup("c"),
+        ] {
+            q.push(job);
+        }
+        let (lookups, inserts) = q.next_batch(2);
+        let texts: Vec<&str> = lookups.iter().map(|l| l.1.as_str()).collect();
+        assert_eq!(texts, ["a", "b"]);
+        assert_eq!(inserts.iter().map(|i| i.1).collect::<Vec<_>>(), [1]);
+        assert_eq!(q.done_below(), 2, "insert 2 still waits");
+        let (lookups, inserts) = q.next_batch(2);
+        assert_eq!(lookups.len(), 1);
+        assert_eq!(inserts[0].1, 2);
+        // No lookup waiting: one insert at a time.
+        let (lookups, inserts) = q.next_batch(2);
+        assert!(lookups.is_empty());
+        assert_eq!(inserts[0].1, 3);
+        assert!(q.is_empty());
+        assert_eq!(
+            q.done_below(),
+            4,
+            "everything taken off the channel is done"
+        );
     }
 
     #[test]

@@ -179,6 +179,12 @@ impl Config {
                 "must start with sqlite:// or postgres://",
             ));
         }
+        if !(0.0..1.0).contains(&self.cache.semantic.gate_overlap) {
+            return Err(invalid(
+                "cache.semantic.gate_overlap",
+                "must be in [0, 1) (0 turns the first stage off)",
+            ));
+        }
         if self.store.key_refresh_ms == 0 {
             return Err(invalid("store.key_refresh_ms", "must be greater than 0"));
         }
@@ -461,6 +467,13 @@ mod tests {
         );
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("prices.m.input"), "{e}");
+
+        for bad in [1.0, -0.1, f32::NAN] {
+            let mut c = valid();
+            c.cache.semantic.gate_overlap = bad;
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains("cache.semantic.gate_overlap"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -11,7 +11,8 @@
 # (gateway/examples/min_upstream.rs) in place of the simulator and measures it directly first;
 # GATE=T adds a run with the semantic layer's first stage on (cache.semantic.gate_overlap = T);
 # SUFFIX=0 sends each question as it is instead of with a " (n)" counter (real questions share no
-# such token). Every semantic gateway loads the model at start (preload).
+# such token). Every semantic gateway loads the model at start (preload); SEMANTIC_TOML adds
+# lines to its [cache.semantic] section (e.g. "threads = 2").
 #
 #   UPSTREAM=min GATE=0.15 SUFFIX=0 REPEAT=0 CONNS=1 DURATION=10s BIN=DIR bench/cache-throughput.sh
 #
@@ -34,6 +35,7 @@ P_GATE=${P_GATE:-19305}
 UPSTREAM=${UPSTREAM:-sim}
 GATE=${GATE:-}
 SUFFIX=${SUFFIX:-1}
+SEMANTIC_TOML=${SEMANTIC_TOML:-}
 
 command -v wrk >/dev/null || { echo "needs wrk: apt-get install wrk" >&2; exit 1; }
 scripts/fetch-model.sh >/dev/null
@@ -107,6 +109,7 @@ run() { # NAME PORT MODE [EXTRA_TOML]
 mode = \"$3\"
 [cache.semantic]
 preload = true
+$SEMANTIC_TOML
 ${4:-}"
   if [ "$3" = semantic ]; then
     for _ in $(seq 1 600); do

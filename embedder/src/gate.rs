@@ -16,7 +16,8 @@
 //! bounded: past [`MAX_CANDIDATES`] candidates the gate lets the lookup through.
 //!
 //! The gate only ever errs towards the transformer: an entry it still holds after the index
-//! dropped it, or a query it cannot tokenise, lets the lookup through.
+//! dropped it, a query it cannot tokenise, or postings being written at that moment let the
+//! lookup through.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::RwLock;
@@ -170,7 +171,8 @@ impl TokenGate {
             return Gate::Through;
         }
         weighted.sort_unstable_by(|a, b| b.0.total_cmp(&a.0));
-        let Ok(p) = self.postings.read() else {
+        // Never wait on a request's thread: while the postings are being pruned, let it through.
+        let Ok(p) = self.postings.try_read() else {
             return Gate::Through;
         };
         // A stored question sharing none of the prefix shares at most the rest of the weight,

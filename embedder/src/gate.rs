@@ -159,12 +159,17 @@ impl TokenGate {
 
     /// Whether a lookup of `text` in namespace `ns` may find a hit.
     pub fn check(&self, ns: u64, text: &str) -> Gate {
+        match self.tokens(text) {
+            Some(tokens) => self.check_tokens(ns, &tokens),
+            None => Gate::Through,
+        }
+    }
+
+    /// [`TokenGate::check`] for a question already tokenised ([`TokenGate::tokens`]).
+    pub fn check_tokens(&self, ns: u64, tokens: &[u32]) -> Gate {
         if self.threshold <= 0.0 {
             return Gate::Through;
         }
-        let Some(tokens) = self.tokens(text) else {
-            return Gate::Through;
-        };
         let mut weighted: Vec<(f32, u32)> = tokens.iter().map(|&t| (self.weight(t), t)).collect();
         let total: f32 = weighted.iter().map(|w| w.0).sum();
         if total <= 0.0 {
@@ -194,7 +199,7 @@ impl TokenGate {
                 let Some(entry) = p.entries.get(id) else {
                     continue;
                 };
-                if self.overlap(&tokens, total, entry) >= self.threshold {
+                if self.overlap(tokens, total, entry) >= self.threshold {
                     return Gate::Through;
                 }
             }

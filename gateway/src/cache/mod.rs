@@ -87,6 +87,9 @@ pub struct SemanticQuery {
     pub threshold: f32,
     /// The question's vectors, once embedded (kept to index the fresh answer).
     pub vectors: Option<Arc<embedder::bert::TextVectors>>,
+    /// The question's token ids, once the first stage read them (kept to record the fresh
+    /// answer in it).
+    pub tokens: Option<Vec<u32>>,
 }
 
 /// A request's cache plan, from [`Cache::plan`] to [`Cache::fill`].
@@ -469,6 +472,7 @@ impl Cache {
                             text,
                             threshold,
                             vectors: None,
+                            tokens: None,
                         })
                     }
                     _ => None,
@@ -524,7 +528,8 @@ impl Cache {
             self.calibration.record(&lookup.tenant_id, None);
             return None;
         }
-        if s.gate_miss(q.ns, &q.text) {
+        q.tokens = s.gate_tokens(&q.text);
+        if q.tokens.as_deref().is_some_and(|t| s.gate_miss(q.ns, t)) {
             // No stored question shares enough of its rare words to be a hit.
             lookups.with_label_values(&["semantic", "gated"]).inc();
             self.calibration.record(&lookup.tenant_id, None);
@@ -563,7 +568,7 @@ impl Cache {
         }
         self.exact.insert(lookup.key, Arc::new(entry));
         if let (Some(s), Some(q)) = (self.semantic(), lookup.semantic) {
-            s.insert(q.ns, q.text, q.vectors, lookup.key);
+            s.insert(q.ns, q.text, q.vectors, q.tokens, lookup.key);
         }
     }
 }

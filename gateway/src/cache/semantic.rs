@@ -228,18 +228,32 @@ impl Semantic {
         self.populated.may_hold(ns)
     }
 
-    /// Whether the first stage finds that `text` shares too little with every question stored
-    /// in `ns` for any to be a hit (`false` when it cannot tell, or is off).
-    pub fn gate_miss(&self, ns: u64, text: &str) -> bool {
-        self.gate
-            .get()
-            .is_some_and(|gate| gate.check(ns, text) == Gate::Miss)
+    /// The question's distinct token ids for the first stage (`None` when it is off, or the
+    /// text cannot be tokenised): computed once per request, for its check and its insert.
+    pub fn gate_tokens(&self, text: &str) -> Option<Vec<u32>> {
+        self.gate.get()?.tokens(text)
     }
 
-    /// Index a fresh answer's question (embedded by the worker when `vectors` is `None`).
+    /// Whether the first stage finds that the question (its [`Semantic::gate_tokens`]) shares
+    /// too little with every question stored in `ns` for any to be a hit.
+    pub fn gate_miss(&self, ns: u64, tokens: &[u32]) -> bool {
+        self.gate
+            .get()
+            .is_some_and(|gate| gate.check_tokens(ns, tokens) == Gate::Miss)
+    }
+
+    /// Index a fresh answer's question (embedded by the worker when `vectors` is `None`; its
+    /// gate tokens computed here when `tokens` is `None`).
     /// Best effort: dropped when `max_queue` inserts are already waiting, so a burst of answers
     /// cannot queue without bound.
-    pub fn insert(&self, ns: u64, text: String, vectors: Option<Arc<TextVectors>>, key: u128) {
+    pub fn insert(
+        &self,
+        ns: u64,
+        text: String,
+        vectors: Option<Arc<TextVectors>>,
+        tokens: Option<Vec<u32>>,
+        key: u128,
+    ) {
         // Marked even when the insert is dropped: a "may hold" that costs at most a lookup.
         self.populated.mark(ns);
         let inserts = &self.queued.inserts;
@@ -248,7 +262,7 @@ impl Semantic {
             return;
         }
         let gate = self.gate.get();
-        let tokens = gate.and_then(|g| g.tokens(&text));
+        let tokens = gate.and_then(|g| tokens.or_else(|| g.tokens(&text)));
         let Ok(mut next_id) = self.next_id.lock() else {
             inserts.fetch_sub(1, Ordering::Relaxed);
             return;

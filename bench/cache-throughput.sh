@@ -12,7 +12,9 @@
 # GATE=T adds a run with the semantic layer's first stage on (cache.semantic.gate_overlap = T);
 # SUFFIX=0 sends each question as it is instead of with a " (n)" counter (real questions share no
 # such token). Every semantic gateway loads the model at start (preload); SEMANTIC_TOML adds
-# lines to its [cache.semantic] section (e.g. "threads = 2").
+# lines to its [cache.semantic] section (e.g. "threads = 2", or 'device = "cuda"' with a
+# `--features cuda` build). MODEL=DIR takes the model from DIR instead of fetching it (the GPU
+# bundle's fp16 copy); MODES lists the gateway runs (default "off exact semantic").
 #
 #   UPSTREAM=min GATE=0.15 SUFFIX=0 REPEAT=0 CONNS=1 DURATION=10s BIN=DIR bench/cache-throughput.sh
 #
@@ -37,8 +39,15 @@ GATE=${GATE:-}
 SUFFIX=${SUFFIX:-1}
 SEMANTIC_TOML=${SEMANTIC_TOML:-}
 
+MODES=${MODES:-off exact semantic}
+
 command -v wrk >/dev/null || { echo "needs wrk: apt-get install wrk" >&2; exit 1; }
-scripts/fetch-model.sh >/dev/null
+if [ -n "${MODEL:-}" ]; then
+  SEMANTIC_TOML="model_dir = \"$MODEL\"
+$SEMANTIC_TOML"
+else
+  scripts/fetch-model.sh >/dev/null
+fi
 . bench/common.sh
 
 python3 - "$PAIRS" "$WORK/questions.txt" <<'EOF'
@@ -90,7 +99,7 @@ PIDS+=($!)
 wait_port "$P_UP"
 
 metric() { # PORT LAYER RESULT
-  curl -s "http://127.0.0.1:$1/metrics" |
+  http_get "http://127.0.0.1:$1/metrics" |
     awk -v l="$2" -v r="$3" '$0 ~ "^gateway_cache_lookups_total\\{layer=\""l"\",result=\""r"\"\\}" {print $2}'
 }
 
@@ -112,10 +121,14 @@ preload = true
 $SEMANTIC_TOML
 ${4:-}"
   if [ "$3" = semantic ]; then
-    for _ in $(seq 1 600); do
-      curl -s "http://127.0.0.1:$2/metrics" | grep -q '^gateway_cache_semantic_ready 1' && break
+    local ready=0
+    for _ in $(seq 1 240); do
+      http_get "http://127.0.0.1:$2/metrics" | grep -q '^gateway_cache_semantic_ready 1' && { ready=1; break; }
       sleep 0.5
     done
+    # Which device the layer runs on (or why it did not load), from the gateway's log.
+    grep -E 'semantic cache|semantic' "$WORK/$1.log" | tail -3
+    [ "$ready" = 1 ] || { echo "$1: the semantic layer was not ready after 120 s" >&2; exit 1; }
   fi
   load "$1" "$2" "$(cat "$WORK/$1.key")"
   local rps p50 p99
@@ -129,9 +142,14 @@ ${4:-}"
   return 0
 }
 
-run off "$P_OFF" off
-run exact "$P_EXACT" exact
-run semantic "$P_SEM" semantic
+for mode in $MODES; do
+  case $mode in
+    off) run off "$P_OFF" off ;;
+    exact) run exact "$P_EXACT" exact ;;
+    semantic) run semantic "$P_SEM" semantic ;;
+    *) echo "MODES: unknown mode $mode (off, exact, semantic)" >&2; exit 1 ;;
+  esac
+done
 if [ -n "$GATE" ]; then
   run semantic-gate "$P_GATE" semantic "gate_overlap = $GATE"
 fi

@@ -19,6 +19,15 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# http_get URL: the body of a GET, with curl where there is one, else Python (the GPU machine).
+http_get() {
+  if command -v curl >/dev/null; then
+    curl -s "$1"
+  else
+    python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' "$1" 2>/dev/null
+  fi
+}
+
 wait_port() { for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 never opened" >&2; exit 1; }
 
 # min_upstream: the path of the minimal upstream (gateway/examples/min_upstream.rs): BIN's when
@@ -151,13 +160,17 @@ bench_budgets() {
 }
 
 # start_gateway NAME PORT UPSTREAM_PORT EXTRA_TOML: a gateway with the ledger off (see
-# gateway_toml), with tenant `bench` and its key in $WORK/NAME.key. EXTRA_TOML is appended to the
-# config.
+# gateway_toml), with tenant `bench` and its key in $WORK/NAME.key (its log level: GATEWAY_LOG,
+# default warn). EXTRA_TOML is appended to the config.
 start_gateway() {
   { gateway_toml "$2" "$3" "$WORK/$1.db" "enabled = false"; echo "$4"; } >"$WORK/$1.toml"
-  RUST_LOG=warn "$BIN/gateway" serve --config "$WORK/$1.toml" >"$WORK/$1.log" 2>&1 &
+  RUST_LOG=${GATEWAY_LOG:-warn} "$BIN/gateway" serve --config "$WORK/$1.toml" >"$WORK/$1.log" 2>&1 &
   PIDS+=($!)
-  wait_port "$2"
+  if ! (wait_port "$2"); then
+    echo "gateway $1 did not start; its log:" >&2
+    tail -20 "$WORK/$1.log" >&2
+    exit 1
+  fi
   export GATEWAY_URL="http://127.0.0.1:$2" GATEWAY_ADMIN_TOKEN=$ADMIN
   bench_key "$GATEWAY_URL" >"$WORK/$1.key"
 }

@@ -4,14 +4,22 @@
 # libraries, PyTorch and sentence-transformers, and it receives the working tree plus named
 # folders, 64 MiB in all. Writes the git-ignored folder gpu-bundle/ (GPU_BUNDLE_DIR to change):
 #
-#   bin.tar.xz      the CUDA-featured release programs, stripped and xz-compressed: the
-#                   embedder's unit tests (embedder_unit), the GPU/CPU parity tests (gpu_parity),
-#                   the vector dump for the sentence-transformers comparison (gpu_embed) and the
-#                   benchmark (gpu_bench); built for x86-64 like that machine
-#   model/          all-MiniLM-L6-v2 with its weights in fp16 (45 MB instead of 91) and the
-#                   tokenizer, config and sentence-transformers files
+#   payload.tar.xz  xz-compressed (LZMA's extreme preset: the fp16 weights shrink by a tenth):
+#                   bin/, the CUDA-featured release programs, stripped: the embedder's unit tests
+#                   (embedder_unit), the GPU/CPU parity tests (gpu_parity), the vector dump for
+#                   the sentence-transformers comparison (gpu_embed) and the benchmark
+#                   (gpu_bench), built for x86-64 like that machine; model/, all-MiniLM-L6-v2 with
+#                   its weights in fp16 (45 MB instead of 91; as byte planes, scripts/gpu/planes.py,
+#                   which xz packs into 39 MB) and the tokenizer, config and sentence-transformers
+#                   files
 #   run.sh          the check to run there (scripts/gpu/run.sh), with st_parity.py, cuda-libs.sh
 #                   and the parity texts
+#
+# With GPU_BUNDLE_GATEWAY=1 (the default; CI's dry run sets 0 to spare a release build), also
+# the end-to-end figures of the semantic cache on the GPU (issue 19, item 3): the payload then
+# holds bin/gw/ (the gateway built with `--features cuda`, gatewayctl, the minimal upstream),
+# bin/tools/ (this machine's wrk with its LuaJIT library) and questions.jsonl (the questions of
+# ../shared/data/qqp-dev.jsonl); run.sh runs bench/cache-throughput.sh there with them.
 #
 # Prints the bundle's size with the working tree's and fails above 60 MiB. Then, with a lent
 # machine: run `gpu-bundle/run.sh` there, carrying gpu-bundle (docs/benchmarks.md, "GPU").
@@ -20,6 +28,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DEST=${GPU_BUNDLE_DIR:-gpu-bundle}
+GATEWAY=${GPU_BUNDLE_GATEWAY:-1}
+PAIRS=${PAIRS:-../shared/data/qqp-dev.jsonl}
 LIMIT_MIB=60
 TARGET=${CARGO_TARGET_DIR:-target}
 
@@ -28,7 +38,7 @@ MODEL=${MODEL_DIR:-models/all-MiniLM-L6-v2}
 
 STAGE=$(mktemp -d)
 trap 'rm -rf "$STAGE"' EXIT
-mkdir -p "$STAGE/bin"
+mkdir -p "$STAGE/payload/bin" "$STAGE/payload/model/1_Pooling"
 
 # Build the programs; cargo says where each executable is.
 executables() {
@@ -48,29 +58,60 @@ for line in sys.stdin:
     --message-format=json-render-diagnostics
   cargo build --release --locked -p embedder --features cuda --example gpu_embed \
     --example gpu_bench --message-format=json-render-diagnostics
+  if [ "$GATEWAY" = 1 ]; then
+    cargo build --release --locked -p gateway --features cuda --bins --example min_upstream \
+      --message-format=json-render-diagnostics
+  fi
 } | executables >"$STAGE/executables"
-for want in embedder_unit gpu_parity gpu_embed gpu_bench; do
-  path=$(awk -v n="$want" '$1 == n { print $2 }' "$STAGE/executables" | tail -1)
+# take NAME DEST: copy the built executable NAME to $STAGE/payload/bin/DEST, stripped.
+take() {
+  local path
+  path=$(awk -v n="$1" '$1 == n { print $2 }' "$STAGE/executables" | tail -1)
   if [ -z "$path" ]; then
-    echo "the build produced no $want" >&2
+    echo "the build produced no $1" >&2
     exit 1
   fi
-  cp "$path" "$STAGE/bin/$want"
-  strip "$STAGE/bin/$want"
+  mkdir -p "$(dirname "$STAGE/payload/bin/$2")"
+  cp "$path" "$STAGE/payload/bin/$2"
+  strip "$STAGE/payload/bin/$2"
+}
+for want in embedder_unit gpu_parity gpu_embed gpu_bench; do
+  take "$want" "$want"
 done
+if [ "$GATEWAY" = 1 ]; then
+  take gateway gw/gateway
+  take gatewayctl gw/gatewayctl
+  take min_upstream gw/examples/min_upstream
+  # The GPU machine has no wrk: take this machine's, with the LuaJIT library it links.
+  wrk=$(command -v wrk) || { echo "GPU_BUNDLE_GATEWAY=1 needs wrk here: apt-get install wrk" >&2; exit 1; }
+  mkdir -p "$STAGE/payload/bin/tools"
+  cp "$wrk" "$STAGE/payload/bin/tools/wrk"
+  luajit=$(ldd "$wrk" | awk '/libluajit/ { print $3 }')
+  [ -n "$luajit" ] && cp -L "$luajit" "$STAGE/payload/bin/tools/"
+fi
 
+python3 scripts/gpu/fp16.py "$MODEL/model.safetensors" "$STAGE/model.safetensors"
+python3 scripts/gpu/planes.py split "$STAGE/model.safetensors" "$STAGE/payload/model/model.planes"
+for f in tokenizer.json config.json modules.json sentence_bert_config.json 1_Pooling/config.json; do
+  cp "$MODEL/$f" "$STAGE/payload/model/$f"
+done
+if [ "$GATEWAY" = 1 ]; then
+  # Only the questions (the `a` side) travel: bench/cache-throughput.sh reads nothing else.
+  python3 -c '
+import json, sys
+with open(sys.argv[2], "w") as out:
+    for line in open(sys.argv[1]):
+        out.write(json.dumps({"a": json.loads(line)["a"]}) + "\n")
+' "$PAIRS" "$STAGE/payload/questions.jsonl"
+fi
 rm -rf "$DEST"
-mkdir -p "$DEST/model/1_Pooling"
+mkdir -p "$DEST"
 python3 -c '
 import lzma, sys, tarfile
 with tarfile.open(sys.argv[1], "w:xz", preset=9 | lzma.PRESET_EXTREME) as t:
     t.add(sys.argv[2], arcname=".")
-' "$DEST/bin.tar.xz" "$STAGE/bin"
-python3 scripts/gpu/fp16.py "$MODEL/model.safetensors" "$DEST/model/model.safetensors"
-for f in tokenizer.json config.json modules.json sentence_bert_config.json 1_Pooling/config.json; do
-  cp "$MODEL/$f" "$DEST/model/$f"
-done
-cp scripts/gpu/run.sh scripts/gpu/st_parity.py scripts/gpu/cuda-libs.sh "$DEST/"
+' "$DEST/payload.tar.xz" "$STAGE/payload"
+cp scripts/gpu/run.sh scripts/gpu/st_parity.py scripts/gpu/cuda-libs.sh scripts/gpu/planes.py "$DEST/"
 cp embedder/tests/fixtures/parity-texts.json "$DEST/"
 {
   echo "GPU bundle built $(date -u +%Y-%m-%dT%H:%MZ) from $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- embedder scripts/gpu || echo ' (with uncommitted changes)')"

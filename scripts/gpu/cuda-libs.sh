@@ -19,8 +19,11 @@ cuda_libs_on_path() {
     done < <(find "$site/nvidia" -maxdepth 3 -type d -name lib 2>/dev/null | sort -r)
   done < <(python3 -c 'import site, sys; print("\n".join(site.getsitepackages() + [site.getusersitepackages()] + sys.path[1:]))' 2>/dev/null | sort -u)
   local lib_dirs=() lib dir
-  for lib in libcuda.so libnvrtc.so libcublas.so; do
-    if ldconfig -p 2>/dev/null | grep -q "$lib"; then
+  # The versions the programs are built for (cudarc's CUDA 13 bindings): a registered CUDA 12
+  # toolkit must not hide pip's CUDA 13 libraries. NVRTC also needs its builtins library beside
+  # it on the path, which its own folder provides.
+  for lib in libcuda.so.1 libnvrtc.so.13 libcublas.so.13; do
+    if ldconfig -p 2>/dev/null | grep -q -F "$lib "; then
       continue
     fi
     for dir in "${candidates[@]}"; do

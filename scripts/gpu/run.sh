@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU bundle's check, run ON the GPU machine (no Rust, no network needed): copied into
 # gpu-bundle/ by scripts/gpu-bundle.sh, which also puts there the CUDA-featured programs
-# (bin.tar.xz), the model in fp16 (model/) and the parity texts.
+# and the model in fp16 (payload.tar.xz) and the parity texts.
 #
 #   gpu-bundle/run.sh            # writes logs and the vectors under $OUT (or a temp folder)
 #
@@ -13,6 +13,12 @@
 #    against the copy-bandwidth floor;
 # 5. our GPU and CPU vectors against sentence-transformers itself on the same texts (fp32, TF32
 #    off): st_parity.py;
+# 6. when the bundle holds the gateway (GPU_BUNDLE_GATEWAY=1): the semantic cache end to end,
+#    bench/cache-throughput.sh from the working tree beside the bundle, every request a new
+#    question (misses), at 1 and 16 connections, with the layer on the GPU and then on this
+#    machine's CPU (the static table is distilled there first);
+# 7. compute-sanitizer's memcheck over the parity tests (every kernel launched), where the
+#    machine has it;
 # then one summary table. Each step has its own time limit; all of it stays well under 10 min.
 #
 # Without a GPU it says so, checks that the bundle's programs start here (each says why it skips
@@ -39,18 +45,32 @@ fi
 source ./cuda-libs.sh
 cuda_libs_on_path
 
-BIN=$(mktemp -d)
-trap 'rm -rf "$BIN"' EXIT
+PAYLOAD=$(mktemp -d)
+trap 'rm -rf "$PAYLOAD"' EXIT
 python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
-  bin.tar.xz "$BIN" || { echo "cannot unpack bin.tar.xz"; exit 1; }
-export MODEL_DIR="$HERE/model"
+  payload.tar.xz "$PAYLOAD" || { echo "cannot unpack payload.tar.xz"; exit 1; }
+BIN=$PAYLOAD/bin
+export MODEL_DIR="$PAYLOAD/model"
+python3 planes.py join "$MODEL_DIR/model.planes" "$MODEL_DIR/model.safetensors" &&
+  rm "$MODEL_DIR/model.planes" || { echo "cannot rebuild the model's weights"; exit 1; }
 
 names=() results=()
 # step NAME SECONDS COMMAND...: run it under a time limit, log to $OUT/NAME.log, record how it
 # ended: ok, failed (exit code), timed out, or skipped (a program said why it did not use a GPU).
+# A step never runs past DEADLINE_S seconds after the start (default 540, inside one 600 s call):
+# its limit is cut to what is left, and with under 10 s left it is not run.
+START=$SECONDS
+DEADLINE_S=${DEADLINE_S:-540}
 step() {
   local name=$1 limit=$2 rc
   shift 2
+  local left=$((DEADLINE_S - (SECONDS - START)))
+  if [ "$left" -lt 10 ]; then
+    names+=("$name")
+    results+=("not run: the ${DEADLINE_S} s deadline was reached")
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   echo
   echo "== $name"
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
@@ -75,6 +95,9 @@ if [ "$gpu" != yes ]; then
   step parity-start 120 "$BIN/gpu_parity" --test-threads=1 --nocapture
   step vectors-start 120 "$BIN/gpu_embed" "$MODEL_DIR" parity-texts.json "$OUT/vectors.json"
   step bench-start 60 "$BIN/gpu_bench" "$MODEL_DIR"
+  if [ -x "$BIN/gw/gateway" ]; then
+    step gateway-start 30 "$BIN/gw/gateway" --version
+  fi
   echo
   for i in "${!names[@]}"; do
     echo "${names[$i]}: ${results[$i]}"
@@ -84,12 +107,34 @@ if [ "$gpu" != yes ]; then
   exit 0
 fi
 
-# Limits add up to 570 s, inside one 600 s call; expected in all: about 3 minutes.
+# Each step has its limit, and all of them together the deadline above; expected in all: about
+# 3 minutes, 6 with the gateway's steps.
 step unit 60 "$BIN/embedder_unit" cuda:: --test-threads=1 --nocapture
 step parity 150 "$BIN/gpu_parity" --test-threads=1 --nocapture
 step vectors 60 "$BIN/gpu_embed" "$MODEL_DIR" parity-texts.json "$OUT/vectors.json"
 step bench 150 "$BIN/gpu_bench" "$MODEL_DIR"
 step sentence-transformers 150 python3 st_parity.py "$OUT/vectors.json" "$MODEL_DIR"
+
+if [ -x "$BIN/gw/gateway" ] && [ -f "$PAYLOAD/questions.jsonl" ]; then
+  step distill 120 "$BIN/gw/gateway" embed distill --model "$MODEL_DIR"
+  # gateway_run NAME CONNS PORT_BASE MODES DEVICE: one bench/cache-throughput.sh run, misses only.
+  gateway_run() {
+    step "$1" 100 env PATH="$BIN/tools:$PATH" LD_LIBRARY_PATH="$BIN/tools:${LD_LIBRARY_PATH:-}" \
+      BIN="$BIN/gw" MODEL="$MODEL_DIR" PAIRS="$PAYLOAD/questions.jsonl" UPSTREAM=min SUFFIX=0 \
+      REPEAT=0 CONNS="$2" DURATION=6s P_UP="$3"1 P_OFF="$3"2 P_EXACT="$3"3 P_SEM="$3"4 \
+      MODES="$4" SEMANTIC_TOML="device = \"$5\"" GATEWAY_LOG=info ../bench/cache-throughput.sh
+  }
+  gateway_run gateway-gpu-c1 1 1930 "off exact semantic" cuda
+  gateway_run gateway-gpu-c16 16 1931 "exact semantic" cuda
+  gateway_run gateway-cpu-c1 1 1932 semantic cpu
+  gateway_run gateway-cpu-c16 16 1933 semantic cpu
+fi
+sanitizer=$(command -v compute-sanitizer ||
+  ls /usr/local/cuda*/bin/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null | head -1)
+if [ -n "$sanitizer" ]; then
+  step memcheck 120 "$sanitizer" --tool memcheck --error-exitcode 1 \
+    "$BIN/gpu_parity" --test-threads=1
+fi
 
 echo
 echo "## GPU bundle: summary"
@@ -104,6 +149,13 @@ grep -h -E 'worst sentence cosine|searches agree|GPU vs CPU' "$OUT/parity.log" 2
 grep -h -E '^\| our ' "$OUT/sentence-transformers.log" 2>/dev/null
 echo
 grep -h -E '^\|' "$OUT/bench.log" 2>/dev/null
+for f in "$OUT"/gateway-*.log; do
+  [ -f "$f" ] || continue
+  echo
+  echo "$(basename "$f" .log): $(grep -h -E '^connections ' "$f")"
+  grep -h -E 'semantic cache ready|semantic cache off' "$f" | head -1 | cut -c1-200
+  grep -h -E '^\|' "$f"
+done
 status=0
 for r in "${results[@]}"; do
   [ "$r" = ok ] || status=1

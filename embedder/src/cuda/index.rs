@@ -195,9 +195,9 @@ impl GpuIndex {
         self.flush()
     }
 
-    /// Time one scan kernel on the device (CUDA events around the launch alone), in
-    /// milliseconds: the search of `query` in `ns` without the copies, the host merge or any
-    /// change to the index.
+    /// Time one scan kernel on the device (CUDA events around the launch and the 4-byte clear of
+    /// its output counter before it), in milliseconds: the search of `query` in `ns` without the
+    /// query's upload, the copies back, the host merge or any change to the index.
     pub fn time_scan(
         &mut self,
         ns: u64,

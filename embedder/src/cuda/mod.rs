@@ -84,8 +84,11 @@ pub use self::static_table::GpuStatic;
 
 use crate::bert::EmbedError;
 
-/// The CUDA version of cudarc's bindings (the workspace's `cudarc` feature `cuda-13000`): the
-/// libraries are looked for as `libX.so.13` first (then `.so.12`, `.so.11`, unversioned).
+/// The CUDA version of cudarc's bindings (the workspace's `cudarc` feature `cuda-13000`). cudarc
+/// opens each library by name, the unversioned `libX.so` first, then `libX.so.13`, `.so.12` and
+/// older: an unversioned link of another CUDA version on the loader path wins. So
+/// `scripts/gpu/cuda-libs.sh` puts CUDA 13's folders first on `LD_LIBRARY_PATH` when the loader
+/// cache lacks the `.so.13` libraries, and [`versions`] reports what was loaded.
 pub const CUDA_BINDINGS: &str = "13.0";
 
 /// Largest forward pass of [`GpuEmbedder`], in (padded) tokens; a larger call runs as several

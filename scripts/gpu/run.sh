@@ -23,6 +23,10 @@
 #
 # Without a GPU it says so, checks that the bundle's programs start here (each says why it skips
 # the GPU), and exits 0. On a GPU machine it exits 1 if any step failed or skipped the GPU.
+#
+# REHEARSE=1 runs the GPU machine's steps here, without a GPU, to try this script before the one
+# lent run: the GPU programs say why they skip, the gateway's "cuda" runs use the CPU, and each
+# gateway measurement lasts GW_DURATION (default 6s). It then exits 1 (steps skipped the GPU).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-$(mktemp -d)}
@@ -35,6 +39,12 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   gpu="no nvidia-smi on this machine"
 elif ! nvidia-smi -L >/dev/null 2>&1; then
   gpu="nvidia-smi finds no usable NVIDIA GPU"
+fi
+cuda_device=cuda
+if [ "${REHEARSE:-0}" = 1 ]; then
+  echo "rehearsal: the GPU machine's steps without a GPU ($gpu); the gateway's cuda runs use the CPU"
+  gpu=rehearsal
+  cuda_device=cpu
 fi
 if [ "$gpu" = yes ]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem \
@@ -87,7 +97,7 @@ step() {
   results+=("$result")
 }
 
-if [ "$gpu" != yes ]; then
+if [ "$gpu" != yes ] && [ "$gpu" != rehearsal ]; then
   echo "no GPU here ($gpu): the CUDA path is not checked. Checking that the bundle's programs"
   echo "start on this machine instead."
   # The unit tests need no GPU; their NVRTC test compiles the kernels where NVRTC is found.
@@ -121,11 +131,11 @@ if [ -x "$BIN/gw/gateway" ] && [ -f "$PAYLOAD/questions.jsonl" ]; then
   gateway_run() {
     step "$1" 100 env PATH="$BIN/tools:$PATH" LD_LIBRARY_PATH="$BIN/tools:${LD_LIBRARY_PATH:-}" \
       BIN="$BIN/gw" MODEL="$MODEL_DIR" PAIRS="$PAYLOAD/questions.jsonl" UPSTREAM=min SUFFIX=0 \
-      REPEAT=0 CONNS="$2" DURATION=6s P_UP="$3"1 P_OFF="$3"2 P_EXACT="$3"3 P_SEM="$3"4 \
-      MODES="$4" SEMANTIC_TOML="device = \"$5\"" GATEWAY_LOG=info ../bench/cache-throughput.sh
+      REPEAT=0 CONNS="$2" DURATION="${GW_DURATION:-6s}" P_UP="$3"1 P_OFF="$3"2 P_EXACT="$3"3 P_SEM="$3"4 \
+      MODES="$4" SEMANTIC_TOML="device = \"$5\"" GATEWAY_LOG=info NO_COLOR=1 ../bench/cache-throughput.sh
   }
-  gateway_run gateway-gpu-c1 1 1930 "off exact semantic" cuda
-  gateway_run gateway-gpu-c16 16 1931 "exact semantic" cuda
+  gateway_run gateway-gpu-c1 1 1930 "off exact semantic" "$cuda_device"
+  gateway_run gateway-gpu-c16 16 1931 "exact semantic" "$cuda_device"
   gateway_run gateway-cpu-c1 1 1932 semantic cpu
   gateway_run gateway-cpu-c16 16 1933 semantic cpu
 fi

@@ -87,7 +87,9 @@ if [ "$GATEWAY" = 1 ]; then
   mkdir -p "$STAGE/payload/bin/tools"
   cp "$wrk" "$STAGE/payload/bin/tools/wrk"
   luajit=$(ldd "$wrk" | awk '/libluajit/ { print $3 }')
-  [ -n "$luajit" ] && cp -L "$luajit" "$STAGE/payload/bin/tools/"
+  if [ -n "$luajit" ]; then
+    cp -L "$luajit" "$STAGE/payload/bin/tools/"
+  fi
 fi
 
 python3 scripts/gpu/fp16.py "$MODEL/model.safetensors" "$STAGE/model.safetensors"

@@ -178,10 +178,11 @@ fn segments(dir: &Path) -> io::Result<Vec<(u64, PathBuf)>> {
 
 #[cfg(test)]
 #[expect(clippy::unwrap_used, reason = "tests")]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn event(id: &str) -> UsageEvent {
+    /// A ledger row with id `id` (also used by the writer's tests).
+    pub(crate) fn event(id: &str) -> UsageEvent {
         let mut e: UsageEvent = serde_json::from_value(serde_json::json!({
             "request_id": id, "started_at": "2026-12-01T00:00:00Z", "tenant_id": "t",
             "tenant_name": "t", "key_id": "k", "tags": {}, "endpoint": "chat",

@@ -220,8 +220,12 @@ impl Task {
             // queue drained at once. Waiting on the queue row by row instead woke this task
             // and re-armed its timer for every row the request path queued. A queue already
             // holding a full batch is written at once, so the batch size caps nothing.
+            // A shutdown ends the wait: the batch is written now and the next turn drains the rest.
             if rx.len() + 1 < self.batch_rows {
-                tokio::time::sleep(self.flush).await;
+                tokio::select! {
+                    () = tokio::time::sleep(self.flush) => {}
+                    () = stop.cancelled() => {}
+                }
             }
             while batch.len() < self.batch_rows {
                 match rx.try_recv() {
@@ -355,5 +359,41 @@ impl Task {
             ),
         }
         self.metrics.spooled.set(self.spool.rows() as i64);
+    }
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "tests")]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_shutdown_writes_a_waiting_batch_without_waiting_out_the_flush() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("ledger.db").display());
+        let ledger = super::super::open(&url).await.unwrap();
+        let config = LedgerConfig {
+            spool_dir: dir.path().join("spool"),
+            flush_ms: 60_000,
+            ..LedgerConfig::default()
+        };
+        let metrics = Metrics::new().unwrap();
+        let (sink, writer) = LedgerWriter::start(Arc::clone(&ledger), &config, &metrics).unwrap();
+        sink.record(super::super::journal::tests::event("r1"));
+        // The writer has the row and waits for the rest of its batch (a minute).
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(ledger.count().await.unwrap(), 0, "nothing written yet");
+        let started = Instant::now();
+        writer.shutdown().await;
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "shutdown waited {:?}",
+            started.elapsed()
+        );
+        assert_eq!(
+            ledger.count().await.unwrap(),
+            1,
+            "the waiting row was written"
+        );
     }
 }

@@ -120,7 +120,7 @@ target_key() { case $1 in direct | nginx | floor) echo none ;; *) cat "$WORK/$1.
 drain() {
   [ -f "$WORK/gw-$1.pid" ] || return 0
   for _ in $(seq 1 600); do
-    depth=$(curl -s "http://127.0.0.1:${PORT[$1]}/metrics" | awk '/^gateway_ledger_queue_depth / {print $2}')
+    depth=$(http_get "http://127.0.0.1:${PORT[$1]}/metrics" | awk '/^gateway_ledger_queue_depth / {print $2}')
     [ "${depth:-0}" = 0 ] && return 0
     sleep 0.2
   done
@@ -152,7 +152,7 @@ print(d["summary"]["requestsPerSec"], sum(codes.values()), sum(v for k, v in cod
 done
 
 for name in $CONFIGS; do
-  spooled=$(curl -s "http://127.0.0.1:${PORT[$name]}/metrics" |
+  spooled=$(http_get "http://127.0.0.1:${PORT[$name]}/metrics" |
     awk '/^gateway_ledger_rows_total\{outcome="(spooled|overflow_spooled)"\}/ {s += $2} END {print s + 0}')
   echo "spooled $name $spooled" >>"$WORK/results"
 done

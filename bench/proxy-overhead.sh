@@ -96,7 +96,7 @@ for name in direct nginx gateway gateway-noledger; do
     # Let the ledger gateway write its queued rows before the next path is measured (otherwise
     # it keeps a core busy during the no-ledger gateway's phases).
     for _ in $(seq 1 600); do
-      depth=$(curl -s "http://127.0.0.1:$P_GW/metrics" | awk '/^gateway_ledger_queue_depth / {print $2}')
+      depth=$(http_get "http://127.0.0.1:$P_GW/metrics" | awk '/^gateway_ledger_queue_depth / {print $2}')
       [ "${depth:-0}" = 0 ] && break
       sleep 0.2
     done

@@ -15,6 +15,8 @@
 //! the keys in the snapshot keep working.
 
 use std::collections::{HashMap, HashSet};
+
+use crate::FastMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -86,7 +88,7 @@ pub fn lower_hex(bytes: &[u8]) -> String {
 /// Resolves bearer keys to their stored record.
 pub struct Authenticator {
     store: Arc<dyn Store>,
-    snapshot: ArcSwap<HashMap<String, Arc<ApiKey>>>,
+    snapshot: ArcSwap<FastMap<String, Arc<ApiKey>>>,
     /// Hashes the store said are unknown, since the last refresh.
     unknown: Mutex<HashSet<String>>,
     lookups: Semaphore,
@@ -111,7 +113,7 @@ impl Authenticator {
     pub async fn new(store: Arc<dyn Store>, metrics: Metrics) -> Result<Self, StoreError> {
         let auth = Self {
             store,
-            snapshot: ArcSwap::from_pointee(HashMap::new()),
+            snapshot: ArcSwap::from_pointee(FastMap::default()),
             unknown: Mutex::new(HashSet::new()),
             lookups: Semaphore::new(LOOKUP_CONCURRENCY),
             backoff_until: Mutex::new(None),
@@ -133,7 +135,7 @@ impl Authenticator {
     /// Replace the snapshot with the store's live keys.
     pub async fn refresh(&self) -> Result<(), StoreError> {
         let keys = self.store.active_keys().await?;
-        let map: HashMap<String, Arc<ApiKey>> = keys
+        let map: FastMap<String, Arc<ApiKey>> = keys
             .into_iter()
             .map(|(hash, key)| (hash, Arc::new(key)))
             .collect();
@@ -170,7 +172,7 @@ impl Authenticator {
     /// Put `key` into the snapshot under `hash`.
     fn insert(&self, hash: &str, key: Arc<ApiKey>) {
         self.snapshot.rcu(|map| {
-            let mut map = HashMap::clone(map);
+            let mut map = FastMap::clone(map);
             map.insert(hash.to_owned(), Arc::clone(&key));
             map
         });
@@ -180,7 +182,7 @@ impl Authenticator {
     /// the next refresh).
     pub fn forget(&self, key_id: &str) {
         self.snapshot.rcu(|map| {
-            let mut map = HashMap::clone(map);
+            let mut map = FastMap::clone(map);
             map.retain(|_, k| k.id != key_id);
             map
         });
@@ -189,7 +191,7 @@ impl Authenticator {
     /// Drop every key of a tenant from this replica's snapshot at once.
     pub fn forget_tenant(&self, tenant_id: &str) {
         self.snapshot.rcu(|map| {
-            let mut map = HashMap::clone(map);
+            let mut map = FastMap::clone(map);
             map.retain(|_, k| k.tenant_id != tenant_id);
             map
         });

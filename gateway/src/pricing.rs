@@ -7,7 +7,7 @@
 //! `store.key_refresh_ms` like keys. A request's cost is rounded to the nearest micro-dollar once;
 //! sums are exact over the rounded values.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
@@ -39,13 +39,13 @@ pub fn configured(prices: &BTreeMap<String, PriceConfig>, at: DateTime<Utc>) -> 
 /// Every price with its history, by model, oldest first.
 #[derive(Debug, Clone, Default)]
 pub struct PriceBook {
-    by_model: HashMap<String, Vec<Price>>,
+    by_model: crate::FastMap<String, Vec<Price>>,
 }
 
 impl PriceBook {
     /// Build from any list of prices.
     pub fn new(prices: impl IntoIterator<Item = Price>) -> Self {
-        let mut by_model: HashMap<String, Vec<Price>> = HashMap::new();
+        let mut by_model: crate::FastMap<String, Vec<Price>> = crate::FastMap::default();
         for p in prices {
             by_model.entry(p.model.clone()).or_default().push(p);
         }

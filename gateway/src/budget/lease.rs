@@ -12,7 +12,6 @@
 //! flight reserved, and closes once they finish. A gateway that dies loses at most the spend
 //! settled in neither of those, and its lease expires like any reservation.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -294,7 +293,7 @@ impl Slot {
 pub struct Leases {
     per_lease: u64,
     open_ms: i64,
-    slots: Mutex<HashMap<String, Arc<Slot>>>,
+    slots: Mutex<crate::FastMap<String, Arc<Slot>>>,
     live: Mutex<Vec<Arc<Lease>>>,
 }
 
@@ -304,7 +303,7 @@ impl Leases {
         Self {
             per_lease,
             open_ms: i64::try_from(open_ms).unwrap_or(i64::MAX / 2),
-            slots: Mutex::new(HashMap::new()),
+            slots: Mutex::new(crate::FastMap::default()),
             live: Mutex::new(Vec::new()),
         }
     }

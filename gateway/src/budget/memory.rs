@@ -2,7 +2,9 @@
 //! tenant while Redis is unreachable. One mutex makes each reserve and commit atomic; the
 //! arithmetic is the same as `reserve.lua` / `commit.lua` (one conformance suite checks both).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
+
+use crate::FastMap;
 use std::sync::Mutex;
 
 use async_trait::async_trait;
@@ -21,11 +23,11 @@ const SWEEP_EVERY_MS: i64 = 60_000;
 struct Counter {
     state: CounterState,
     /// Live reservations: rid → (tokens, micros, expires at ms).
-    reservations: HashMap<String, (u64, i64, i64)>,
+    reservations: FastMap<String, (u64, i64, i64)>,
     /// Expired reservations not yet committed (a late commit still counts, once).
     expired: HashSet<String>,
     /// Per lease: the running totals of its settlements applied so far.
-    settled: HashMap<String, LeaseSync>,
+    settled: FastMap<String, LeaseSync>,
     /// No new lease before this time (a request was refused while leases held room), ms.
     lease_quiet_until_ms: i64,
     expire_at_ms: i64,
@@ -116,11 +118,11 @@ impl Counter {
 
 #[derive(Debug, Default)]
 struct Inner {
-    counters: HashMap<String, Counter>,
+    counters: FastMap<String, Counter>,
     /// GCRA theoretical arrival time (µs since the epoch) and expiry (ms) per limiter.
-    rates: HashMap<String, (f64, i64)>,
+    rates: FastMap<String, (f64, i64)>,
     /// Unreserved commits applied → forget at (ms).
-    done: HashMap<String, i64>,
+    done: FastMap<String, i64>,
     last_sweep_ms: i64,
 }
 

@@ -180,7 +180,7 @@ pub struct MemoryGuard {
     /// fingerprint) → when its error answer came.
     idempotency: Cache<(String, String, String), i64, Hasher>,
     /// Each tenant's retry-budget counts.
-    retries: Mutex<HashMap<String, router::window::SlidingCounts>>,
+    retries: Mutex<crate::FastMap<String, router::window::SlidingCounts>>,
     /// When the latest error answer was marked (ms; 0: never): while older than the retry
     /// window, no request can be a retry after an error, and none is looked up.
     latest_failure_ms: AtomicI64,
@@ -239,7 +239,7 @@ impl MemoryGuard {
                 .max_capacity(max_sessions)
                 .eviction_policy(EvictionPolicy::lru())
                 .build_with_hasher(hasher.clone()),
-            retries: Mutex::new(HashMap::new()),
+            retries: Mutex::new(crate::FastMap::default()),
             latest_failure_ms: AtomicI64::new(0),
             hasher,
         }

@@ -9,7 +9,6 @@
 //! log from its first chunk, then follows it live to its end. The request stays joinable until
 //! its stream ends.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use axum::body::Body;
@@ -121,7 +120,7 @@ pub type Slot = watch::Receiver<Option<Arc<Answer>>>;
 pub struct Inflight {
     /// Keyed by the API key's id, a NUL, and the fingerprint (one allocation, shared with the
     /// leader that removes it).
-    running: Mutex<HashMap<Arc<str>, Slot>>,
+    running: Mutex<crate::FastMap<Arc<str>, Slot>>,
 }
 
 /// A request that runs upstream and shares its answer with whoever joins it.

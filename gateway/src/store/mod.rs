@@ -228,7 +228,7 @@ pub async fn list_policies<P: TenantPolicy>(
 /// refresh loops and after an admin change.
 pub struct TenantPolicies<P> {
     store: Arc<dyn Store>,
-    loaded: arc_swap::ArcSwap<std::collections::HashMap<String, P>>,
+    loaded: arc_swap::ArcSwap<crate::FastMap<String, P>>,
 }
 
 impl<P: TenantPolicy + Clone> TenantPolicies<P> {

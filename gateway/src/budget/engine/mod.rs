@@ -10,6 +10,8 @@
 //! reservation dangles and no spend is lost.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+
+use crate::FastMap;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -48,9 +50,9 @@ const COMMIT_BATCH: usize = 256;
 /// Every tenant's rules, as of the last refresh.
 #[derive(Debug, Default)]
 struct Snapshot {
-    policies: HashMap<String, Vec<BudgetPolicy>>,
-    rates: HashMap<String, Vec<RateLimit>>,
-    fail_modes: HashMap<String, FailMode>,
+    policies: FastMap<String, Vec<BudgetPolicy>>,
+    rates: FastMap<String, Vec<RateLimit>>,
+    fail_modes: FastMap<String, FailMode>,
 }
 
 /// The rules that apply to one request, found without any I/O.
@@ -155,7 +157,7 @@ pub struct Budgets {
     /// Budget pressure as this replica last saw it: each `downgrade` counter's key → the share
     /// of its limit used (spent and reserved) after the latest admission against it, leased or
     /// reserved, and when the counter expires (ms). Read by [`Budgets::pressure`] with no I/O.
-    pressure: Mutex<HashMap<String, (f64, i64)>>,
+    pressure: Mutex<FastMap<String, (f64, i64)>>,
 }
 
 impl std::fmt::Debug for Budgets {
@@ -227,7 +229,7 @@ impl Budgets {
             down_until_ms: AtomicI64::new(0),
             backlog: Mutex::new(VecDeque::new()),
             ttl_ms,
-            pressure: Mutex::new(HashMap::new()),
+            pressure: Mutex::new(FastMap::default()),
         };
         budgets.refresh().await?;
         Ok(budgets)

@@ -15,8 +15,6 @@
 //! the keys in the snapshot keep working.
 
 use std::collections::{HashMap, HashSet};
-
-use crate::FastMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -30,6 +28,7 @@ use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::store::{ApiKey, Store, StoreError};
 use crate::tasks::Background;
+use crate::FastMap;
 
 /// Store lookups of keys missing from the snapshot that may run at once.
 pub const LOOKUP_CONCURRENCY: usize = 4;

@@ -3,8 +3,6 @@
 //! arithmetic is the same as `reserve.lua` / `commit.lua` (one conformance suite checks both).
 
 use std::collections::HashSet;
-
-use crate::FastMap;
 use std::sync::Mutex;
 
 use async_trait::async_trait;
@@ -13,6 +11,7 @@ use super::{
     emission_us, fits, BudgetError, BudgetStore, CommitRequest, CounterState, LeaseSync, Mode,
     Outcome, RateKind, ReserveRequest,
 };
+use crate::FastMap;
 
 /// Burst of a GCRA limiter: one minute's worth of units, µs.
 const BURST_US: f64 = 60_000_000.0;

@@ -10,8 +10,6 @@
 //! reservation dangles and no spend is lost.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-
-use crate::FastMap;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -33,6 +31,7 @@ use crate::ledger::LedgerStore;
 use crate::metrics::Metrics;
 use crate::store::{ApiKey, Store, StoreError};
 use crate::tasks::Background;
+use crate::FastMap;
 use tokio_util::sync::CancellationToken;
 
 /// How long a counter outlives its window (so `gatewayctl usage` can still read a window that

@@ -46,8 +46,9 @@ pub mod upstream;
 pub mod usage;
 
 /// The hash map of the request path's lookups (API keys, prices, policies, budget counters,
-/// requests in flight): foldhash, seeded per process since keys can come from clients, where std's
-/// SipHash costs ~10 instructions a byte (callgrind: ~2.5 k a request on the plain path alone).
+/// requests in flight): foldhash, seeded per process since keys can come from clients. With std's
+/// SipHash instead, a request with budgets ran ~4.9 k more instructions (callgrind; fourteenth
+/// sitting in docs/benchmarks.md).
 pub type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 pub use app::{run, serve};

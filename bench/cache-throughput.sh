@@ -127,7 +127,7 @@ ${4:-}"
       sleep 0.5
     done
     # Which device the layer runs on (or why it did not load), from the gateway's log.
-    grep -E 'semantic cache|semantic' "$WORK/$1.log" | tail -3
+    grep semantic "$WORK/$1.log" | tail -3
     [ "$ready" = 1 ] || { echo "$1: the semantic layer was not ready after 120 s" >&2; exit 1; }
   fi
   load "$1" "$2" "$(cat "$WORK/$1.key")"

@@ -28,6 +28,17 @@ http_get() {
   fi
 }
 
+# ledger_drain PORT: wait (at most 2 minutes) until the gateway on PORT has written every queued
+# ledger row, so that its writer does not run into the next measurement.
+ledger_drain() {
+  local depth
+  for _ in $(seq 1 600); do
+    depth=$(http_get "http://127.0.0.1:$1/metrics" | awk '/^gateway_ledger_queue_depth / {print $2}')
+    [ "${depth:-0}" = 0 ] && return 0
+    sleep 0.2
+  done
+}
+
 wait_port() { for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 never opened" >&2; exit 1; }
 
 # min_upstream: the path of the minimal upstream (gateway/examples/min_upstream.rs): BIN's when

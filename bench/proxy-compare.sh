@@ -119,11 +119,7 @@ target_key() { case $1 in direct | nginx | floor) echo none ;; *) cat "$WORK/$1.
 # Wait until a gateway's ledger queue is empty, so its writer does not run into the next phase.
 drain() {
   [ -f "$WORK/gw-$1.pid" ] || return 0
-  for _ in $(seq 1 600); do
-    depth=$(http_get "http://127.0.0.1:${PORT[$1]}/metrics" | awk '/^gateway_ledger_queue_depth / {print $2}')
-    [ "${depth:-0}" = 0 ] && return 0
-    sleep 0.2
-  done
+  ledger_drain "${PORT[$1]}"
 }
 
 : >"$WORK/results"

@@ -95,11 +95,7 @@ for name in direct nginx gateway gateway-noledger; do
   if [ "$name" = gateway ]; then
     # Let the ledger gateway write its queued rows before the next path is measured (otherwise
     # it keeps a core busy during the no-ledger gateway's phases).
-    for _ in $(seq 1 600); do
-      depth=$(http_get "http://127.0.0.1:$P_GW/metrics" | awk '/^gateway_ledger_queue_depth / {print $2}')
-      [ "${depth:-0}" = 0 ] && break
-      sleep 0.2
-    done
+    ledger_drain "$P_GW"
   fi
 done
 RSS_LOAD=$(cat "$WORK/rss_peak" 2>/dev/null || echo 0)

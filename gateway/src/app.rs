@@ -12,26 +12,28 @@ use tokio::net::TcpListener;
 use crate::cache::CachePolicy;
 use crate::config::Config;
 use crate::guard::GuardPolicy;
+use crate::middleware::request_id::Edge;
 use crate::state::{AppState, Deps};
 use crate::types::routing::RoutingPolicy;
 use crate::{middleware, routes};
 
 /// The whole HTTP surface. Layers, outermost first:
-/// 1. `middleware::request_id::assign`, the one edge layer (one layer, not three: each costs a
-///    service clone and a boxed future per request): 431 in OpenAI shape over 100 header fields
+/// 1. `middleware::request_id::Edge`, the one edge layer around the router (one layer, not
+///    three, and a service of its own, not a `from_fn` layer: those cost a service clone and a
+///    boxed future per request): 431 in OpenAI shape over 100 header fields
 ///    or 32 KiB of them (`middleware::headers::oversized`); then it mints the request's own
 ///    `x-request-id` (never the client's: it keys the ledger row, the budget reservation and
 ///    replays), keeps a client's `x-request-id` / `x-client-request-id` as
 ///    `x-client-request-id`, echoed back, and runs the request in one span (method, path, both
 ///    ids) for logs;
-/// 2. per route group: `/v1/*` requires a tenant API key (`middleware::auth::require_api_key` puts the
-///    resolved key in the request extensions); `/admin/v1/*` and `GET /dashboard` (the HTML cost
+/// 2. per route group: `/v1/*` requires a tenant API key (every `/v1` handler's first extractor
+///    is `middleware::auth::ApiKeyAuth`, the resolved key); `/admin/v1/*` and `GET /dashboard` (the HTML cost
 ///    dashboard) require the admin token (`middleware::auth::require_admin`: bearer, or HTTP
 ///    Basic auth with the token as password, so a browser can open the dashboard).
 ///
 /// Unauthenticated allowlist: `GET /healthz`, `GET /readyz`, `GET /metrics`.
 /// Body size limits are enforced in the handlers (`server.max_body_bytes`, 413 in OpenAI shape).
-pub fn build_router(state: AppState) -> Router {
+pub fn build_router(state: AppState) -> Edge<Router> {
     let v1 = Router::new()
         .route(
             "/v1/chat/completions",
@@ -40,11 +42,7 @@ pub fn build_router(state: AppState) -> Router {
         .route("/v1/completions", post(routes::openai::completions))
         .route("/v1/embeddings", post(routes::openai::embeddings))
         .route("/v1/models", get(routes::openai::list_models))
-        .route("/v1/models/{model}", get(routes::openai::get_model))
-        .route_layer(from_fn_with_state(
-            state.clone(),
-            middleware::auth::require_api_key,
-        ));
+        .route("/v1/models/{model}", get(routes::openai::get_model));
     let admin = Router::new()
         .route(
             "/admin/v1/tenants",
@@ -127,12 +125,13 @@ pub fn build_router(state: AppState) -> Router {
         .route("/healthz", get(routes::health::healthz))
         .route("/readyz", get(routes::health::readyz))
         .route("/metrics", get(routes::health::metrics));
-    v1.merge(admin)
+    let router = v1
+        .merge(admin)
         .merge(open)
         .fallback(routes::health::not_found)
         .method_not_allowed_fallback(routes::health::method_not_allowed)
-        .with_state(state)
-        .layer(axum::middleware::from_fn(middleware::request_id::assign))
+        .with_state(state);
+    Edge::new(router)
 }
 
 /// Serve on `listener` until `shutdown` resolves, then drain: stop accepting, let in-flight

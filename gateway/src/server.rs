@@ -25,6 +25,7 @@ use tokio::sync::{watch, Semaphore};
 use tower::ServiceExt as _;
 
 use crate::config::ServerConfig;
+use crate::middleware::request_id::Edge;
 
 /// The error a request body yields once its read deadline has passed; `routes::read_body` turns
 /// it into a 408.
@@ -58,7 +59,7 @@ impl Limits {
 /// connection to finish its in-flight requests, and return once all of them have closed.
 pub async fn serve(
     listener: TcpListener,
-    app: Router,
+    app: Edge<Router>,
     limits: Limits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {

@@ -16,6 +16,56 @@ async fn app_on(store: TestStore, seed: bool, sim: &Sim) -> TestApp {
     TestApp::spawn_on(c, store, seed).await
 }
 
+/// Deny by default: every `/v1` route answers 401 in OpenAI shape without a valid tenant key
+/// (each handler authenticates through its first extractor, so a route added without it would
+/// be open: this list names them all), and the edge still stamps the answer with its request id.
+#[tokio::test]
+async fn every_v1_route_needs_a_tenant_key() {
+    let sim = Sim::zero("sim-small").await;
+    let app = app_on(TestStore::new(StoreKind::Sqlite).await.unwrap(), true, &sim).await;
+    let routes = [
+        (Method::POST, "/v1/chat/completions"),
+        (Method::POST, "/v1/completions"),
+        (Method::POST, "/v1/embeddings"),
+        (Method::GET, "/v1/models"),
+        (Method::GET, "/v1/models/fast"),
+    ];
+    for (method, path) in routes {
+        for key in [None, Some("sk-gw-not-a-key"), Some(ADMIN_TOKEN)] {
+            let mut req = app
+                .http
+                .request(method.clone(), format!("{}{path}", app.base))
+                .header("x-request-id", "client-7");
+            if method == Method::POST {
+                req = req.json(&chat_body("fast", "hi"));
+            }
+            if let Some(key) = key {
+                req = req.bearer_auth(key);
+            }
+            let r = req.send().await.unwrap();
+            assert_eq!(r.status(), 401, "{method} {path} with {key:?}");
+            let id = r.headers()["x-request-id"].to_str().unwrap().to_owned();
+            assert!(id.starts_with("req_"), "{id}");
+            assert_eq!(r.headers()["x-client-request-id"], "client-7");
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(v["error"]["type"], "authentication_error", "{v}");
+            assert!(
+                v["error"]["message"].as_str().unwrap().contains("key"),
+                "{v}"
+            );
+        }
+        let mut req = app
+            .http
+            .request(method.clone(), format!("{}{path}", app.base))
+            .bearer_auth(&app.api_key);
+        if method == Method::POST {
+            req = req.json(&chat_body("fast", "hi"));
+        }
+        let status = req.send().await.unwrap().status();
+        assert_ne!(status, 401, "{method} {path} with the tenant's key");
+    }
+}
+
 #[tokio::test]
 async fn the_admin_api_needs_the_admin_token_and_is_off_without_one() {
     let sim = Sim::zero("sim-small").await;

@@ -3,35 +3,30 @@
 //! a client's `x-request-id` (or `x-client-request-id`) is kept only as a correlation id, logged
 //! and echoed back as `x-client-request-id`.
 
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
 use axum::extract::Request;
 use axum::http::HeaderValue;
-use axum::middleware::Next;
-use axum::response::Response;
+use axum::response::{IntoResponse as _, Response};
+use tower::Service;
+use tracing::instrument::Instrumented;
 use tracing::Instrument as _;
 
+use crate::error::ApiError;
 use crate::headers::{CLIENT_REQUEST_ID, REQUEST_ID};
 
 /// Longest client correlation id kept (longer ones are ignored, not truncated).
 pub const MAX_CLIENT_ID_LEN: usize = 128;
 
-/// The ids of one request, in the request's extensions.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RequestId {
-    /// Minted by the gateway: `req_` and 32 hex digits, unique per request and in the order
-    /// requests arrived (see [`RequestId::mint`]).
-    pub id: String,
-    /// What the client sent as its own id, when it is short printable ASCII.
-    pub client: Option<String>,
-}
-
-impl RequestId {
-    /// A fresh gateway id: a UUIDv7 (48 bits of Unix milliseconds, then a counter and random
-    /// bits), so ids sort by time. The ledger's primary key is this id: time-ordered keys go
-    /// into its index at the end, where random ones touched a random page of it per row
-    /// (SQLite and Postgres alike).
-    pub fn mint() -> String {
-        format!("req_{}", uuid::Uuid::now_v7().simple())
-    }
+/// A fresh gateway id: `req_` and a UUIDv7's 32 hex digits (48 bits of Unix milliseconds, then a
+/// counter and random bits), so ids sort by time. The ledger's primary key is this id:
+/// time-ordered keys go into its index at the end, where random ones touched a random page of
+/// it per row (SQLite and Postgres alike).
+pub fn mint() -> String {
+    format!("req_{}", uuid::Uuid::now_v7().simple())
 }
 
 fn client_id(req: &Request) -> Option<String> {
@@ -46,43 +41,117 @@ fn client_id(req: &Request) -> Option<String> {
         .map(str::to_owned)
 }
 
-/// The edge of every request: refuse oversized headers (431, see
-/// [`super::headers::oversized`]), replace whatever request id the client sent with a minted one
-/// (for every layer and handler behind this one, and the upstream), remember the client's as its
-/// correlation id, run the request in its log span, and answer with both ids.
-pub async fn assign(mut req: Request, next: Next) -> Response {
-    if let Some(refused) = super::headers::oversized(req.headers()) {
-        return refused;
+/// The edge of every request, wrapped around the whole router: refuse oversized headers (431,
+/// see [`super::headers::oversized`]), replace whatever request id the client sent with a minted
+/// one (for every layer and handler behind this one, and the upstream), remember the client's as
+/// its correlation id, run the request in its log span, and answer with both ids.
+///
+/// A service of its own rather than an axum `from_fn` layer: its future is a named type, so a
+/// request costs no boxed future and no clone of a boxed inner service here.
+#[derive(Debug, Clone)]
+pub struct Edge<S> {
+    inner: S,
+}
+
+impl<S> Edge<S> {
+    /// The edge in front of `inner`.
+    pub fn new(inner: S) -> Self {
+        Self { inner }
     }
-    let client = client_id(&req);
-    let id = RequestId::mint();
-    let value = HeaderValue::from_str(&id).ok();
-    if let Some(v) = &value {
-        req.headers_mut().insert(REQUEST_ID, v.clone());
+}
+
+impl<S> Service<Request> for Edge<S>
+where
+    S: Service<Request, Response = Response, Error = Infallible>,
+{
+    type Response = Response;
+    type Error = Infallible;
+    type Future = EdgeFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
     }
-    let echo = client
-        .as_deref()
-        .and_then(|c| HeaderValue::from_str(c).ok());
-    match &echo {
-        Some(c) => req.headers_mut().insert(CLIENT_REQUEST_ID, c.clone()),
-        None => req.headers_mut().remove(CLIENT_REQUEST_ID),
-    };
-    let span = tracing::info_span!(
-        "request",
-        method = %req.method(),
-        path = %req.uri().path(),
-        request_id = id.as_str(),
-        client_request_id = client.as_deref().unwrap_or(""),
-    );
-    req.extensions_mut().insert(RequestId { id, client });
-    let mut response = next.run(req).instrument(span).await;
-    if let Some(v) = value {
-        response.headers_mut().insert(REQUEST_ID, v);
+
+    fn call(&mut self, mut req: Request) -> Self::Future {
+        if let Some(refused) = super::headers::oversized(req.headers()) {
+            return EdgeFuture {
+                future: None,
+                refused: Some(refused),
+                value: None,
+                echo: None,
+            };
+        }
+        let client = client_id(&req);
+        let id = mint();
+        let value = HeaderValue::from_str(&id).ok();
+        if let Some(v) = &value {
+            req.headers_mut().insert(REQUEST_ID, v.clone());
+        }
+        let echo = client
+            .as_deref()
+            .and_then(|c| HeaderValue::from_str(c).ok());
+        match &echo {
+            Some(c) => req.headers_mut().insert(CLIENT_REQUEST_ID, c.clone()),
+            None => req.headers_mut().remove(CLIENT_REQUEST_ID),
+        };
+        let span = tracing::info_span!(
+            "request",
+            method = %req.method(),
+            path = %req.uri().path(),
+            request_id = id.as_str(),
+            client_request_id = client.as_deref().unwrap_or(""),
+        );
+        EdgeFuture {
+            future: Some(self.inner.call(req).instrument(span)),
+            refused: None,
+            value,
+            echo,
+        }
     }
-    if let Some(c) = echo {
-        response.headers_mut().insert(CLIENT_REQUEST_ID, c);
+}
+
+pin_project_lite::pin_project! {
+    /// The answer of [`Edge`]: the router's, with the request's ids added, or the edge's own
+    /// refusal.
+    pub struct EdgeFuture<F> {
+        // The router's answer, in the request's span (none when the edge refused).
+        #[pin]
+        future: Option<Instrumented<F>>,
+        // The edge's refusal.
+        refused: Option<Response>,
+        // The minted `x-request-id`.
+        value: Option<HeaderValue>,
+        // The client's id, echoed as `x-client-request-id`.
+        echo: Option<HeaderValue>,
     }
-    response
+}
+
+impl<F> Future for EdgeFuture<F>
+where
+    F: Future<Output = Result<Response, Infallible>>,
+{
+    type Output = Result<Response, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let Some(future) = this.future.as_pin_mut() else {
+            let refused = this.refused.take();
+            return Poll::Ready(Ok(refused.unwrap_or_else(|| {
+                ApiError::internal(anyhow::anyhow!(
+                    "the edge's answer was polled after it was taken"
+                ))
+                .into_response()
+            })));
+        };
+        let Ok(mut response) = ready!(future.poll(cx));
+        if let Some(v) = this.value.take() {
+            response.headers_mut().insert(REQUEST_ID, v);
+        }
+        if let Some(c) = this.echo.take() {
+            response.headers_mut().insert(CLIENT_REQUEST_ID, c);
+        }
+        Poll::Ready(Ok(response))
+    }
 }
 
 #[cfg(test)]
@@ -115,9 +184,9 @@ mod tests {
         assert_eq!(client_id(&with(&[("x-request-id", "has space")])), None);
         let long = "x".repeat(MAX_CLIENT_ID_LEN + 1);
         assert_eq!(client_id(&with(&[("x-request-id", long.as_str())])), None);
-        let (a, b) = (RequestId::mint(), RequestId::mint());
+        let (a, b) = (mint(), mint());
         assert!(a.starts_with("req_") && a.len() == 36 && a != b);
-        let ids: Vec<String> = (0..10_000).map(|_| RequestId::mint()).collect();
+        let ids: Vec<String> = (0..10_000).map(|_| mint()).collect();
         assert!(
             ids.windows(2).all(|w| w[0] < w[1]),
             "ids sort in the order they were minted"

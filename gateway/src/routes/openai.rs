@@ -7,11 +7,12 @@ use std::time::Instant;
 use axum::extract::{Path, Request, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
+use axum::Json;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
 use crate::headers;
+use crate::middleware::auth::ApiKeyAuth;
 use crate::openai::Endpoint;
 use crate::pipeline::{self, RequestContext};
 use crate::routes::read_body;
@@ -21,7 +22,7 @@ use crate::store::ApiKey;
 /// `POST /v1/chat/completions`
 pub async fn chat_completions(
     State(state): State<AppState>,
-    Extension(key): Extension<Arc<ApiKey>>,
+    ApiKeyAuth(key): ApiKeyAuth,
     req: Request,
 ) -> Response {
     proxy(state, key, req, Endpoint::Chat).await
@@ -30,7 +31,7 @@ pub async fn chat_completions(
 /// `POST /v1/completions`
 pub async fn completions(
     State(state): State<AppState>,
-    Extension(key): Extension<Arc<ApiKey>>,
+    ApiKeyAuth(key): ApiKeyAuth,
     req: Request,
 ) -> Response {
     proxy(state, key, req, Endpoint::Completions).await
@@ -39,7 +40,7 @@ pub async fn completions(
 /// `POST /v1/embeddings`
 pub async fn embeddings(
     State(state): State<AppState>,
-    Extension(key): Extension<Arc<ApiKey>>,
+    ApiKeyAuth(key): ApiKeyAuth,
     req: Request,
 ) -> Response {
     proxy(state, key, req, Endpoint::Embeddings).await
@@ -188,7 +189,7 @@ fn model_object(id: &str) -> Value {
 }
 
 /// `GET /v1/models`: every client-facing model name.
-pub async fn list_models(State(state): State<AppState>) -> Json<Value> {
+pub async fn list_models(State(state): State<AppState>, _: ApiKeyAuth) -> Json<Value> {
     let data: Vec<Value> = state
         .config
         .model_names()
@@ -201,6 +202,7 @@ pub async fn list_models(State(state): State<AppState>) -> Json<Value> {
 /// `GET /v1/models/{model}`
 pub async fn get_model(
     State(state): State<AppState>,
+    _: ApiKeyAuth,
     Path(model): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     if state.config.resolve_model(&model).is_some() {

@@ -1,20 +1,22 @@
-//! Header limits answered in OpenAI shape: hyper refuses oversized header sections itself with an
-//! empty 431, so the listener lets through more than this layer accepts, and the client learns
-//! which limit it hit from a JSON body.
+//! Header limits answered in OpenAI shape: a header section over [`MAX_HEADER_BYTES`] gets a 431
+//! whose JSON body names the limit. The count of fields is capped below this layer, by hyper's
+//! own limit of [`MAX_HEADERS`]: past it hyper answers 431 without a body and closes the
+//! connection (raising the cap would move hyper's per-request header arrays to the heap).
 
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 
 use crate::error::ApiError;
 
-/// Most header fields a request may carry (hyper's own cap is set above it).
+/// Most header fields a request may carry: hyper's default cap, enforced by hyper.
 pub const MAX_HEADERS: usize = 100;
 /// Largest total size of a request's header names and values, bytes (hyper's own buffer limit is
 /// larger).
 pub const MAX_HEADER_BYTES: usize = 32 * 1024;
 
-/// The 431 for a request with more than [`MAX_HEADERS`] headers or more than
-/// [`MAX_HEADER_BYTES`] of them; `None` when they are within the limits.
+/// The 431 for a request with more than [`MAX_HEADER_BYTES`] of headers (or more than
+/// [`MAX_HEADERS`] of them, which hyper refuses before this); `None` when they are within the
+/// limits.
 pub fn oversized(headers: &HeaderMap) -> Option<Response> {
     let bytes: usize = headers
         .iter()

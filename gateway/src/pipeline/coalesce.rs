@@ -131,6 +131,9 @@ pub struct Leader {
     owner: Arc<Inflight>,
     /// Where a streamed answer's driver writes its chunks (made only for streams).
     log: Option<Arc<StreamLog>>,
+    /// Out of the map already (see [`Leader::retire`]): a later leader of the same request
+    /// may own its entry now.
+    retired: bool,
 }
 
 /// What a request does about an identical one in flight.
@@ -167,6 +170,7 @@ impl Inflight {
             tx,
             owner: Arc::clone(self),
             log: None,
+            retired: false,
         })
     }
 
@@ -188,10 +192,20 @@ impl Leader {
         Arc::clone(self.log.get_or_insert_with(Arc::default))
     }
 
+    /// Leave the map, so that no retry joins from now on, and say whether any joined before.
+    fn retire(&mut self) -> bool {
+        let mut running = self.owner.running.lock().unwrap_or_else(|p| p.into_inner());
+        // The map's own receiver goes with its entry: what is left are the followers'.
+        drop(running.remove(&self.key));
+        self.retired = true;
+        self.tx.receiver_count() > 0
+    }
+
     /// Share `response` with the followers, and return it: a stream (its driver attached to
     /// the log) as it comes, the leader staying joinable until it ends; anything else read
-    /// whole.
-    pub async fn publish(self, response: Response, limit: usize) -> Response {
+    /// whole, when a follower waits for it (most answers have none: those are returned as
+    /// they are, without a copy of their headers or a second pass over their body).
+    pub async fn publish(mut self, response: Response, limit: usize) -> Response {
         let (parts, body) = response.into_parts();
         let attached = self.log.clone().filter(|log| log.state().attached);
         if let Some(log) = attached {
@@ -210,6 +224,9 @@ impl Leader {
             }
             return Response::from_parts(parts, body);
         }
+        if !self.retire() {
+            return Response::from_parts(parts, body);
+        }
         let Ok(bytes) = axum::body::to_bytes(body, limit).await else {
             // Unreadable (it cannot be: the pipeline built it whole); followers run alone.
             return Response::from_parts(parts, Body::empty());
@@ -226,6 +243,9 @@ impl Leader {
 
 impl Drop for Leader {
     fn drop(&mut self) {
+        if self.retired {
+            return;
+        }
         let mut running = self.owner.running.lock().unwrap_or_else(|p| p.into_inner());
         running.remove(&self.key);
     }
@@ -300,6 +320,38 @@ mod tests {
             matches!(inflight.join("key", "fp", true), Join::Lead(_)),
             "done: gone"
         );
+    }
+
+    #[tokio::test]
+    async fn an_answer_nobody_joined_is_returned_as_is_and_a_retired_leader_leaves_the_next_alone()
+    {
+        let inflight = Arc::new(Inflight::default());
+        let Join::Lead(leader) = inflight.join("key", "fp", false) else {
+            panic!("the first one leads")
+        };
+        let mut answer = Response::new(Body::from("{\"ok\":true}"));
+        answer
+            .headers_mut()
+            .insert("x-gateway-cache", HeaderValue::from_static("miss"));
+        let mine = leader.publish(answer, 1 << 20).await;
+        assert_eq!(mine.headers()["x-gateway-cache"], "miss");
+        assert_eq!(
+            axum::body::to_bytes(mine.into_body(), 1 << 20)
+                .await
+                .unwrap(),
+            "{\"ok\":true}"
+        );
+        assert!(inflight.is_empty());
+        // Retired, a leader no longer owns the request's entry: the next leader's survives it.
+        let Join::Lead(mut first) = inflight.join("key", "fp", false) else {
+            panic!("leads again")
+        };
+        assert!(!first.retire(), "nobody joined");
+        let Join::Lead(_second) = inflight.join("key", "fp", false) else {
+            panic!("a new request leads once the first retired")
+        };
+        drop(first);
+        assert!(matches!(inflight.join("key", "fp", true), Join::Follow(_)));
     }
 
     #[tokio::test]

@@ -85,7 +85,9 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
         if shed.contains(&tier) {
             continue;
         }
-        if tier != call.tier && !state.upstreams.fallbacks().try_take(tenant, Instant::now()) {
+        // The attempt's decisions up to the send are made at one instant.
+        let now = Instant::now();
+        if tier != call.tier && !state.upstreams.fallbacks().try_take(tenant, now) {
             // The tenant's share of fallback (the other tier's price) is spent for now.
             state
                 .metrics
@@ -94,7 +96,7 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
                 .inc();
             break;
         }
-        if pool.throttle.reject(Instant::now(), rand::random()) {
+        if pool.throttle.reject(now, rand::random()) {
             // Its servers are rejecting as overloaded: turn part of the traffic away here.
             state
                 .metrics
@@ -105,7 +107,7 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
                 message: format!(
                     "the {tier} tier's model servers are rejecting requests as overloaded; the \
                      gateway is turning away {:.0}% of the requests to them (adaptive throttling)",
-                    pool.throttle.reject_probability(Instant::now()) * 100.0
+                    pool.throttle.reject_probability(now) * 100.0
                 ),
                 retry_after: 1,
             });
@@ -143,18 +145,18 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
                 .as_slice()
         };
         // Requests already waiting for this tier go first: a newcomer queues behind them.
-        let behind = !pool.queue.is_empty() && pool.set.in_rotation(Instant::now(), &exclude);
+        let behind = !pool.queue.is_empty() && pool.set.in_rotation(now, &exclude);
         let (picked, chose) = if behind {
             (None, None)
         } else {
-            pool.choose(Instant::now(), &exclude, hashed, up.scrape_interval() * 3)
+            pool.choose(now, &exclude, hashed, up.scrape_interval() * 3)
         };
         let lease = match picked {
             Some(lease) => Some(lease),
-            None if behind || pool.set.at_capacity(Instant::now(), &exclude) => {
+            None if behind || pool.set.at_capacity(now, &exclude) => {
                 let wait = Duration::from_millis(up.queue_wait_ms)
                     .min(first_byte_left)
-                    .min(deadline.saturating_duration_since(Instant::now()));
+                    .min(deadline.saturating_duration_since(now));
                 match queued(&state, pool, &exclude, up.queue_depth, wait).await {
                     Ok(lease) => lease,
                     Err(e) => {
@@ -179,23 +181,25 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
         attempts += 1;
         let target = pool.target(&lease);
         let body = call.req.upstream_body(&target.model);
+        let sent = Instant::now();
         let wait = up
             .first_byte_timeout(call.req.stream)
             .min(first_byte_left)
-            .min(deadline.saturating_duration_since(Instant::now()));
-        let sent = Instant::now();
+            .min(deadline.saturating_duration_since(sent));
         let outcome = state
             .upstreams
             .send(target, call.req.endpoint, body, &call.ctx.request_id, wait)
             .await;
-        first_byte_left = first_byte_left.saturating_sub(sent.elapsed());
+        // One clock read for what the answer's arrival updates (each is a vDSO call).
+        let headed = Instant::now();
+        first_byte_left = first_byte_left.saturating_sub(headed.saturating_duration_since(sent));
         // What the throttle counts as a rejection: the server says it is overloaded, or refuses
         // the connection.
         let rejected = match &outcome {
             Ok(resp) => matches!(resp.status().as_u16(), 429 | 503),
             Err(e) => matches!(e, upstream::AttemptError::Connect(_)),
         };
-        pool.throttle.record(Instant::now(), !rejected);
+        pool.throttle.record(headed, !rejected);
         // A failure: what happened, its metric label, what the client gets, and whether it was
         // a timeout (the replica may be queueing).
         let failure: Result<(), (String, &'static str, ApiError, bool)> = match outcome {
@@ -213,7 +217,7 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
                 ))
             }
             Ok(resp) if call.req.stream && resp.status().is_success() => {
-                pool.set.record_success(&lease, Instant::now());
+                pool.set.record_success(&lease, headed);
                 answered_by(&mut call, tier, attempts);
                 return (
                     respond::streamed(call, pool, lease, resp, deadline),

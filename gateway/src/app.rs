@@ -20,16 +20,17 @@ use crate::{middleware, routes};
 /// The whole HTTP surface. Layers, outermost first:
 /// 1. `middleware::request_id::Edge`, the one edge layer around the router (one layer, not
 ///    three, and a service of its own, not a `from_fn` layer: those cost a service clone and a
-///    boxed future per request): 431 in OpenAI shape over 100 header fields
-///    or 32 KiB of them (`middleware::headers::oversized`); then it mints the request's own
-///    `x-request-id` (never the client's: it keys the ledger row, the budget reservation and
-///    replays), keeps a client's `x-request-id` / `x-client-request-id` as
-///    `x-client-request-id`, echoed back, and runs the request in one span (method, path, both
-///    ids) for logs;
-/// 2. per route group: `/v1/*` requires a tenant API key (every `/v1` handler's first extractor
-///    is `middleware::auth::ApiKeyAuth`, the resolved key); `/admin/v1/*` and `GET /dashboard` (the HTML cost
-///    dashboard) require the admin token (`middleware::auth::require_admin`: bearer, or HTTP
-///    Basic auth with the token as password, so a browser can open the dashboard).
+///    boxed future per request): 431 in OpenAI shape over 32 KiB of header fields
+///    (`middleware::headers::oversized`; past 100 fields hyper's own 431, without a body, comes
+///    first); then it mints the request's own `x-request-id` (never the client's: it keys the
+///    ledger row, the budget reservation and replays), keeps a client's `x-request-id` /
+///    `x-client-request-id` as `x-client-request-id`, echoed back, and runs the request in one
+///    span (method, path, both ids) for logs;
+/// 2. per route group: `/v1/*` requires a tenant API key (every `/v1` handler's first
+///    extractor is `middleware::auth::ApiKeyAuth`, the resolved key); `/admin/v1/*` and
+///    `GET /dashboard` (the HTML cost dashboard) require the admin token
+///    (`middleware::auth::require_admin`: bearer, or HTTP Basic auth with the token as
+///    password, so a browser can open the dashboard).
 ///
 /// Unauthenticated allowlist: `GET /healthz`, `GET /readyz`, `GET /metrics`.
 /// Body size limits are enforced in the handlers (`server.max_body_bytes`, 413 in OpenAI shape).

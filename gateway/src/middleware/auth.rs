@@ -48,6 +48,7 @@ impl FromRequestParts<AppState> for ApiKeyAuth {
     }
 }
 
+/// The realm browsers show when they prompt for the dashboard's credentials.
 const DASHBOARD_REALM: &str = "Basic realm=\"llm-gateway\"";
 
 /// Whether `req` may authenticate with HTTP Basic: only reading the dashboard page. A browser

@@ -243,11 +243,9 @@ impl Leader {
 
 impl Drop for Leader {
     fn drop(&mut self) {
-        if self.retired {
-            return;
+        if !self.retired {
+            self.retire();
         }
-        let mut running = self.owner.running.lock().unwrap_or_else(|p| p.into_inner());
-        running.remove(&self.key);
     }
 }
 

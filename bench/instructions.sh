@@ -12,7 +12,8 @@
 # Each gateway runs under `valgrind --tool=callgrind`; WARM requests, then the counters are
 # zeroed, then N requests, each a new question in one of 1,000 sessions (x-session-id), and the
 # counters dumped. Prints instructions (user space, every thread of the process) per request for
-# A and B and their difference (BUDGETS=1 sets a day budget and rate limits for the tenant, as
+# A and B and their difference (BODY_FILE=F sends F's chat body, a new user turn appended each
+# time, instead of a one-line question; BUDGETS=1 sets a day budget and rate limits for the tenant, as
 # bench/ab-min.sh does); with KEEP=DIR the callgrind files stay in DIR for
 # `callgrind_annotate --inclusive=yes DIR/A.out`. Needs valgrind (apt-get install valgrind), python3.
 set -euo pipefail
@@ -40,13 +41,20 @@ wait_port "$P_UP"
 # send URL KEY COUNT START: COUNT sequential requests on one keep-alive connection.
 send() {
   python3 - "$@" <<'EOF'
-import http.client, json, sys, urllib.parse
+import http.client, json, os, sys, urllib.parse
 url, key, count, start = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 u = urllib.parse.urlparse(url)
 conn = http.client.HTTPConnection(u.hostname, u.port)
+base = json.load(open(os.environ["BODY_FILE"])) if os.environ.get("BODY_FILE") else None
 for n in range(start, start + count):
-    body = json.dumps({"model": "fast", "max_tokens": 16, "messages": [
-        {"role": "user", "content": f"Question {n}: what is the capital of France?"}]})
+    if base is None:
+        body = json.dumps({"model": "fast", "max_tokens": 16, "messages": [
+            {"role": "user", "content": f"Question {n}: what is the capital of France?"}]})
+    else:
+        # The file's body, its last message made new each time (an agent's next turn).
+        b = json.loads(json.dumps(base))
+        b["messages"].append({"role": "user", "content": f"Turn {n}: go on."})
+        body = json.dumps(b)
     conn.request("POST", "/v1/chat/completions", body, {
         "Content-Type": "application/json", "Authorization": f"Bearer {key}",
         "x-session-id": f"s{n % 1000}"})

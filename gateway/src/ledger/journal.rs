@@ -8,10 +8,15 @@
 //! rotated out and every row in it has been written to the database or to the (fsynced) spool.
 //! Without fsync a row survives the process dying (the kernel has it), not the machine losing
 //! power: that bound is the operating system's dirty-page writeback (about 30 s on Linux).
+//!
+//! A segment starts with [`MAGIC`] and holds one record per row: its length (4 bytes, little
+//! endian), then the row in postcard, serde's compact binary form (no field names, nothing
+//! escaped: writing a row costs ~2 k instructions instead of the ~14 k of its ~1 KB JSON line).
+//! A segment without the magic is an earlier version's JSON lines, and is read as such.
 
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, BufRead, BufReader, Write};
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -19,8 +24,11 @@ use crate::usage::UsageEvent;
 
 const PREFIX: &str = "ledger.journal.";
 
-/// Room for one journal line (a typical row is ~1,030 bytes of JSON).
-const LINE_CAPACITY: usize = 1536;
+/// The first bytes of a segment of binary records (format 1).
+const MAGIC: &[u8; 4] = b"GWJ1";
+
+/// Room for one record (a typical row is ~300 bytes).
+const RECORD_CAPACITY: usize = 768;
 
 /// The journal of one gateway process.
 #[derive(Debug)]
@@ -48,15 +56,7 @@ impl Journal {
         let mut last = 0;
         for (n, path) in segments(dir)? {
             last = last.max(n);
-            let f = File::open(&path)?;
-            for line in BufReader::new(f).lines() {
-                let line = line?;
-                match serde_json::from_str::<UsageEvent>(&line) {
-                    Ok(e) => left.push(e),
-                    // A line torn by a kill mid-write: its request never got this far.
-                    Err(e) => tracing::warn!(error = %e, "unreadable ledger journal line skipped"),
-                }
-            }
+            read_segment(&path, &mut left)?;
         }
         let current = last + 1;
         let file = open_segment(dir, current)?;
@@ -86,13 +86,14 @@ impl Journal {
 
     /// Append `event`; returns the segment it went to, for [`Journal::done`].
     pub fn append(&self, event: &UsageEvent) -> io::Result<u64> {
-        // A row's line is ~1 KB: allocated once instead of grown from serde_json's 128 bytes
-        // through four reallocations.
-        let mut line = Vec::with_capacity(LINE_CAPACITY);
-        serde_json::to_writer(&mut line, event)?;
-        line.push(b'\n');
+        let mut record = Vec::with_capacity(RECORD_CAPACITY);
+        record.extend_from_slice(&[0; 4]);
+        let mut record = postcard::to_extend(event, record).map_err(io::Error::other)?;
+        let len = u32::try_from(record.len() - 4).map_err(io::Error::other)?;
+        record[..4].copy_from_slice(&len.to_le_bytes());
         let mut inner = self.lock();
-        inner.file.write_all(&line)?;
+        // One write: a kill can tear only the last record, never interleave two.
+        inner.file.write_all(&record)?;
         let current = inner.current;
         *inner.pending.entry(current).or_default() += 1;
         Ok(current)
@@ -152,10 +153,46 @@ fn segment_path(dir: &Path, n: u64) -> PathBuf {
 }
 
 fn open_segment(dir: &Path, n: u64) -> io::Result<File> {
-    OpenOptions::new()
+    let mut file = OpenOptions::new()
         .create(true)
         .append(true)
-        .open(segment_path(dir, n))
+        .open(segment_path(dir, n))?;
+    if file.metadata()?.len() == 0 {
+        file.write_all(MAGIC)?;
+    }
+    Ok(file)
+}
+
+/// The rows of the segment at `path`, appended to `rows`: binary records, or an earlier
+/// version's JSON lines. A record or line torn by a kill mid-write (its request never got
+/// this far) is skipped.
+fn read_segment(path: &Path, rows: &mut Vec<UsageEvent>) -> io::Result<()> {
+    let bytes = fs::read(path)?;
+    let Some(mut rest) = bytes.strip_prefix(MAGIC.as_slice()) else {
+        for line in bytes.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+            match serde_json::from_slice::<UsageEvent>(line) {
+                Ok(e) => rows.push(e),
+                Err(e) => tracing::warn!(error = %e, "unreadable ledger journal line skipped"),
+            }
+        }
+        return Ok(());
+    };
+    while !rest.is_empty() {
+        let record = rest.split_first_chunk::<4>().and_then(|(len, body)| {
+            let len = usize::try_from(u32::from_le_bytes(*len)).ok()?;
+            Some((body.get(..len)?, &body[len..]))
+        });
+        let Some((record, after)) = record else {
+            tracing::warn!(bytes = rest.len(), "torn ledger journal record skipped");
+            break;
+        };
+        match postcard::from_bytes::<UsageEvent>(record) {
+            Ok(e) => rows.push(e),
+            Err(e) => tracing::warn!(error = %e, "unreadable ledger journal record skipped"),
+        }
+        rest = after;
+    }
+    Ok(())
 }
 
 /// The journal segments in `dir`, oldest first.
@@ -220,6 +257,38 @@ pub(crate) mod tests {
         let _ = (b, c);
         let (_, left) = Journal::open(dir.path()).unwrap();
         assert!(left.is_empty(), "recovered segments are gone");
+    }
+
+    #[test]
+    fn an_earlier_versions_json_segment_is_read_and_a_torn_record_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut full = event("full");
+        full.tags.insert("feature".into(), "search \"q\"".into());
+        full.served_model = Some("m".into());
+        full.ttft_ms = Some(2.5);
+        full.matched_blocks = Some(3);
+        // An earlier version's segment: JSON lines, the last one torn.
+        let mut old = serde_json::to_vec(&event("old")).unwrap();
+        old.extend_from_slice(b"\n{\"request_id\":\"to");
+        std::fs::write(segment_path(dir.path(), 1), old).unwrap();
+        // This version's segment, its last record torn.
+        let (j, left) = Journal::open(dir.path()).unwrap();
+        assert_eq!(left.len(), 1);
+        j.append(&full).unwrap();
+        j.append(&event("torn")).unwrap();
+        drop(j);
+        let path = segment_path(dir.path(), 2);
+        let bytes = std::fs::read(&path).unwrap();
+        assert!(bytes.starts_with(MAGIC));
+        std::fs::write(&path, &bytes[..bytes.len() - 5]).unwrap();
+        let (_, left) = Journal::open(dir.path()).unwrap();
+        let ids: Vec<_> = left.iter().map(|e| e.request_id.as_str()).collect();
+        assert_eq!(ids, ["old", "full"]);
+        assert_eq!(
+            serde_json::to_value(&left[1]).unwrap(),
+            serde_json::to_value(&full).unwrap(),
+            "every field survives the binary form"
+        );
     }
 
     #[test]

@@ -53,7 +53,9 @@ pub enum UsageSource {
     Synthetic,
 }
 
-/// One request's settlement (also the cost ledger's row, and the spool's line format).
+/// One request's settlement (also the cost ledger's row, the spool's line format, and the
+/// ledger journal's record: its fields are written by position there, so a field added or moved
+/// needs a new journal format; `ledger::journal`'s frozen-format test says so).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct UsageEvent {
     /// Gateway request id (`x-request-id`).

@@ -121,6 +121,33 @@ async fn main() -> anyhow::Result<()> {
     result
 }
 
+/// `INSERT_BATCH=N`: the store's own insert alone, `N` rows a call (no writer, journal or
+/// report), for a per-row cost that does not depend on how the writer happened to batch
+/// (`valgrind --tool=callgrind` gives the same count run after run).
+async fn insert_only(
+    ledger: &dyn gateway::ledger::LedgerStore,
+    rows: u64,
+    batch: u64,
+    weeks: [IsoWeek; 2],
+) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let mut i = 0;
+    while i < rows {
+        let chunk: Vec<UsageEvent> = (i..(i + batch).min(rows))
+            .map(|i| event(i, weeks[(i % 2) as usize]))
+            .collect();
+        ledger.insert(&chunk).await?;
+        i += batch;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    println!(
+        "insert only, {batch} rows a call: {rows} rows in {secs:.2} s = {:.0} rows/s ({} stored)",
+        rows as f64 / secs,
+        ledger.count().await?
+    );
+    Ok(())
+}
+
 async fn run(url: &str, rows: u64) -> anyhow::Result<()> {
     if url.starts_with("postgres") {
         gateway::store::postgres::PostgresStore::migrate(url).await?;
@@ -128,6 +155,12 @@ async fn run(url: &str, rows: u64) -> anyhow::Result<()> {
     let ledger = gateway::ledger::open(url).await?;
     let this_week = IsoWeek::containing(Utc::now());
     let weeks = [this_week.previous(), this_week];
+    if let Some(batch) = std::env::var("INSERT_BATCH")
+        .ok()
+        .and_then(|b| b.parse().ok())
+    {
+        return insert_only(ledger.as_ref(), rows, batch, weeks).await;
+    }
     let dir = tempfile::tempdir()?;
     let config = LedgerConfig {
         spool_dir: dir.path().to_owned(),

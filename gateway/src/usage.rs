@@ -36,6 +36,17 @@ impl CacheStatus {
             Self::Coalesced => "coalesced",
         }
     }
+
+    /// The name the ledger stores (serde's, without building a `Value`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Bypass => "bypass",
+            Self::Miss => "miss",
+            Self::HitExact => "hit_exact",
+            Self::HitSemantic => "hit_semantic",
+            Self::Coalesced => "coalesced",
+        }
+    }
 }
 
 /// How the token counts were obtained.
@@ -51,6 +62,18 @@ pub enum UsageSource {
     /// Not a request at all: a row of the labelled demo history `gateway demo` seeds (the
     /// reports count these and say so).
     Synthetic,
+}
+
+impl UsageSource {
+    /// The name the ledger stores (serde's, without building a `Value`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Upstream => "upstream",
+            Self::Tokenizer => "tokenizer",
+            Self::None => "none",
+            Self::Synthetic => "synthetic",
+        }
+    }
 }
 
 /// One request's settlement (also the cost ledger's row, the spool's line format, and the
@@ -198,3 +221,32 @@ impl UsageSink for ChannelSink {
 
 /// A shared sink handle.
 pub type SharedSink = Arc<dyn UsageSink>;
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "tests")]
+mod stored_names {
+    use super::{CacheStatus, UsageSource};
+
+    /// The ledger stores `as_str`, and reads rows back with serde: the two must agree.
+    #[test]
+    fn as_str_is_the_serde_name() {
+        let serde_name = |v: serde_json::Value| v.as_str().unwrap().to_owned();
+        for s in [
+            CacheStatus::Bypass,
+            CacheStatus::Miss,
+            CacheStatus::HitExact,
+            CacheStatus::HitSemantic,
+            CacheStatus::Coalesced,
+        ] {
+            assert_eq!(s.as_str(), serde_name(serde_json::to_value(s).unwrap()));
+        }
+        for s in [
+            UsageSource::Upstream,
+            UsageSource::Tokenizer,
+            UsageSource::None,
+            UsageSource::Synthetic,
+        ] {
+            assert_eq!(s.as_str(), serde_name(serde_json::to_value(s).unwrap()));
+        }
+    }
+}

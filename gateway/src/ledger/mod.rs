@@ -256,13 +256,6 @@ pub(crate) const COLUMNS: &str = "request_id, started_at, tenant_id, tenant_name
      loop_flag, retry_storm_flag, fingerprint, loop_steps, avoided_micros, route_reason, \
      all_large_micros, replica_choice, matched_blocks";
 
-fn enum_text<T: serde::Serialize>(v: &T) -> String {
-    match serde_json::to_value(v) {
-        Ok(serde_json::Value::String(s)) => s,
-        _ => String::new(),
-    }
-}
-
 fn enum_parse<T: serde::de::DeserializeOwned>(column: &str, s: String) -> Result<T, StoreError> {
     serde_json::from_value(serde_json::Value::String(s))
         .map_err(|e| StoreError::Corrupt(format!("ledger.{column}: {e}")))

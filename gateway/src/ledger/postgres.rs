@@ -9,7 +9,7 @@ use chrono::{DateTime, Datelike, Duration as Days, NaiveDate, TimeZone, Utc};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
 use super::report::{Aggregate, Dimension, RepeatRow};
-use super::{enum_text, tokens, LedgerStore, COLUMNS};
+use super::{tokens, LedgerStore, COLUMNS};
 use crate::store::StoreError;
 use crate::usage::UsageEvent;
 
@@ -106,30 +106,30 @@ impl LedgerStore for PostgresLedger {
              up AS ({rollup}) SELECT COUNT(*) FROM ins"
         );
         let inserted: i64 = sqlx::query_scalar(&sql)
-            .bind(col!(|e| e.request_id.clone()))
+            .bind(col!(|e| e.request_id.as_str()))
             .bind(col!(|e| e.started_at))
-            .bind(col!(|e| e.tenant_id.clone()))
-            .bind(col!(|e| e.tenant_name.clone()))
-            .bind(col!(|e| e.key_id.clone()))
-            .bind(col!(|e| e.feature().map(str::to_owned)))
-            .bind(col!(|e| e.end_user().map(str::to_owned)))
-            .bind(col!(|e| e.session().map(str::to_owned)))
+            .bind(col!(|e| e.tenant_id.as_str()))
+            .bind(col!(|e| e.tenant_name.as_str()))
+            .bind(col!(|e| e.key_id.as_str()))
+            .bind(col!(|e| e.feature()))
+            .bind(col!(|e| e.end_user()))
+            .bind(col!(|e| e.session()))
             .bind(col!(|e| serde_json::to_string(&e.tags).unwrap_or_default()))
-            .bind(col!(|e| e.endpoint.clone()))
-            .bind(col!(|e| e.requested_model.clone()))
-            .bind(col!(|e| e.served_model.clone()))
-            .bind(col!(|e| e.tier.clone()))
-            .bind(col!(|e| e.replica.clone()))
+            .bind(col!(|e| e.endpoint.as_str()))
+            .bind(col!(|e| e.requested_model.as_str()))
+            .bind(col!(|e| e.served_model.as_deref()))
+            .bind(col!(|e| e.tier.as_deref()))
+            .bind(col!(|e| e.replica.as_deref()))
             .bind(col!(|e| tokens(e.prompt_tokens)))
             .bind(col!(|e| tokens(e.completion_tokens)))
             .bind(col!(|e| tokens(e.cached_tokens)))
-            .bind(col!(|e| enum_text(&e.usage_source)))
+            .bind(col!(|e| e.usage_source.as_str()))
             .bind(col!(|e| e.cost_micros))
             .bind(col!(|e| e.output_cost_micros))
             .bind(col!(|e| e.saved_micros))
-            .bind(col!(|e| enum_text(&e.cache_status)))
+            .bind(col!(|e| e.cache_status.as_str()))
             .bind(col!(|e| i32::from(e.status)))
-            .bind(col!(|e| e.error_kind.clone()))
+            .bind(col!(|e| e.error_kind.as_deref()))
             .bind(col!(|e| e.stream))
             .bind(col!(|e| e.client_disconnected))
             .bind(col!(|e| e.latency_ms))
@@ -137,12 +137,12 @@ impl LedgerStore for PostgresLedger {
             .bind(col!(|e| i32::try_from(e.retries).unwrap_or(i32::MAX)))
             .bind(col!(|e| e.loop_flag))
             .bind(col!(|e| e.retry_storm_flag))
-            .bind(col!(|e| e.fingerprint.clone()))
+            .bind(col!(|e| e.fingerprint.as_str()))
             .bind(col!(|e| i32::try_from(e.loop_steps).unwrap_or(i32::MAX)))
             .bind(col!(|e| e.avoided_micros))
-            .bind(col!(|e| e.route_reason.clone()))
+            .bind(col!(|e| e.route_reason.as_deref()))
             .bind(col!(|e| e.all_large_micros))
-            .bind(col!(|e| e.replica_choice.clone()))
+            .bind(col!(|e| e.replica_choice.as_deref()))
             .bind(col!(|e| e
                 .matched_blocks
                 .map(|n| i32::try_from(n).unwrap_or(i32::MAX))))

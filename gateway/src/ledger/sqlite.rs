@@ -8,7 +8,7 @@ use chrono::{DateTime, Utc};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 
 use super::report::{Aggregate, Dimension, RepeatRow};
-use super::{enum_text, tokens, LedgerStore, COLUMNS};
+use super::{tokens, LedgerStore, COLUMNS};
 use crate::store::StoreError;
 use crate::usage::UsageEvent;
 
@@ -61,30 +61,30 @@ type InsertQuery<'q> = sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::Sqlite
 
 /// Bind one row's values, in [`COLUMNS`] order.
 fn bind_row<'q>(q: InsertQuery<'q>, e: &'q UsageEvent) -> InsertQuery<'q> {
-    q.bind(&e.request_id)
+    q.bind(e.request_id.as_str())
         .bind(e.started_at)
-        .bind(&e.tenant_id)
-        .bind(&e.tenant_name)
-        .bind(&e.key_id)
+        .bind(e.tenant_id.as_str())
+        .bind(e.tenant_name.as_str())
+        .bind(e.key_id.as_str())
         .bind(e.feature())
         .bind(e.end_user())
         .bind(e.session())
         .bind(serde_json::to_string(&e.tags).unwrap_or_default())
-        .bind(&e.endpoint)
-        .bind(&e.requested_model)
-        .bind(&e.served_model)
-        .bind(&e.tier)
-        .bind(&e.replica)
+        .bind(e.endpoint.as_str())
+        .bind(e.requested_model.as_str())
+        .bind(e.served_model.as_deref())
+        .bind(e.tier.as_deref())
+        .bind(e.replica.as_deref())
         .bind(tokens(e.prompt_tokens))
         .bind(tokens(e.completion_tokens))
         .bind(tokens(e.cached_tokens))
-        .bind(enum_text(&e.usage_source))
+        .bind(e.usage_source.as_str())
         .bind(e.cost_micros)
         .bind(e.output_cost_micros)
         .bind(e.saved_micros)
-        .bind(enum_text(&e.cache_status))
+        .bind(e.cache_status.as_str())
         .bind(i32::from(e.status))
-        .bind(&e.error_kind)
+        .bind(e.error_kind.as_deref())
         .bind(e.stream)
         .bind(e.client_disconnected)
         .bind(e.latency_ms)
@@ -92,12 +92,12 @@ fn bind_row<'q>(q: InsertQuery<'q>, e: &'q UsageEvent) -> InsertQuery<'q> {
         .bind(i32::try_from(e.retries).unwrap_or(i32::MAX))
         .bind(e.loop_flag)
         .bind(e.retry_storm_flag)
-        .bind(&e.fingerprint)
+        .bind(e.fingerprint.as_str())
         .bind(i32::try_from(e.loop_steps).unwrap_or(i32::MAX))
         .bind(e.avoided_micros)
-        .bind(&e.route_reason)
+        .bind(e.route_reason.as_deref())
         .bind(e.all_large_micros)
-        .bind(&e.replica_choice)
+        .bind(e.replica_choice.as_deref())
         .bind(
             e.matched_blocks
                 .map(|n| i32::try_from(n).unwrap_or(i32::MAX)),

@@ -125,11 +125,14 @@ impl Segment {
     }
 }
 
-/// Reserve `bytes` of disk for `file`, so that no store into its mapping can find the disk full.
+/// Reserve `bytes` of disk for `file`, so that no store into its mapping can find the disk full
+/// (on a file system without `fallocate`, the file is only sized, as elsewhere).
 #[cfg(target_os = "linux")]
 fn reserve(file: &File, bytes: u64) -> io::Result<()> {
-    rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, bytes)?;
-    Ok(())
+    match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, bytes) {
+        Err(rustix::io::Errno::OPNOTSUPP) => file.set_len(bytes),
+        other => Ok(other?),
+    }
 }
 
 /// Elsewhere the file is only sized (sparse where the file system allows).

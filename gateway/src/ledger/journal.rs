@@ -64,6 +64,16 @@ struct Inner {
     pending: BTreeMap<u64, usize>,
 }
 
+impl Inner {
+    /// Copy `body` into the current segment as a record, if there is one and it has room.
+    fn push(&mut self, body: &[u8]) -> io::Result<bool> {
+        match &mut self.segment {
+            Some(segment) => segment.push(body),
+            None => Ok(false),
+        }
+    }
+}
+
 /// A segment's file mapped into memory, and where its next record goes.
 #[derive(Debug)]
 struct Segment {
@@ -184,18 +194,10 @@ impl Journal {
         let body = postcard::to_extend(event, Vec::with_capacity(RECORD_CAPACITY))
             .map_err(io::Error::other)?;
         let mut inner = self.lock();
-        let fits = match &mut inner.segment {
-            Some(segment) => segment.push(&body)?,
-            None => false,
-        };
-        if !fits {
+        if !inner.push(&body)? {
             // Full (or never created): the row starts a new segment.
             self.start_next(&mut inner, body.len())?;
-            let pushed = match &mut inner.segment {
-                Some(segment) => segment.push(&body)?,
-                None => false,
-            };
-            if !pushed {
+            if !inner.push(&body)? {
                 return Err(io::Error::other(
                     "a new journal segment has no room for a row",
                 ));

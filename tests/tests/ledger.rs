@@ -117,6 +117,149 @@ async fn a_large_batch_that_replays_part_of_an_earlier_one_stores_and_rolls_up_e
     }
 }
 
+/// Rows of every kind the measures tell apart: cache outcomes, loop and retry flags, failures,
+/// tiers, routed or not, fallbacks, refusals, usage sources, with and without a feature or a
+/// served model; spread over yesterday and today (never at midnight), two tenants.
+fn varied_event(i: u32) -> UsageEvent {
+    let mut e = full_event(i);
+    // A small integer hash, so the choices are independent of each other.
+    let pick = |n: u32, salt: u32| {
+        let mut x = i.wrapping_mul(0x9E37_79B9) ^ salt.wrapping_mul(0x85EB_CA6B);
+        x ^= x >> 15;
+        x = x.wrapping_mul(0xC2B2_AE35);
+        x ^= x >> 13;
+        x % n
+    };
+    let today = Utc::now()
+        .date_naive()
+        .and_hms_opt(0, 0, 0)
+        .unwrap()
+        .and_utc();
+    e.started_at = today - chrono::Duration::days(i64::from(pick(2, 1)))
+        + chrono::Duration::seconds(1 + i64::from(i % 3600));
+    e.tenant_name = ["acme", "globex"][pick(2, 2) as usize].into();
+    e.cache_status = [
+        CacheStatus::Bypass,
+        CacheStatus::Miss,
+        CacheStatus::HitExact,
+        CacheStatus::HitSemantic,
+        CacheStatus::Coalesced,
+    ][pick(5, 3) as usize];
+    e.loop_flag = pick(4, 4) == 0;
+    e.retry_storm_flag = pick(4, 5) == 0;
+    e.status = [200, 200, 429, 499, 502][pick(5, 6) as usize];
+    e.tier = [None, Some("small".into()), Some("large".into())][pick(3, 7) as usize].clone();
+    e.route_reason =
+        [None, Some("classifier".into()), Some("unhealthy".into())][pick(3, 8) as usize].clone();
+    e.all_large_micros = (pick(2, 9) == 0).then_some(i64::from(i) * 1_000);
+    e.routed = e.all_large_micros.is_some();
+    e.error_kind = [
+        None,
+        Some("loop_detected".into()),
+        Some("upstream_error".into()),
+    ][pick(3, 10) as usize]
+        .clone();
+    e.usage_source = [
+        UsageSource::Upstream,
+        UsageSource::Tokenizer,
+        UsageSource::None,
+        UsageSource::Synthetic,
+    ][pick(4, 11) as usize];
+    if pick(3, 12) == 0 {
+        e.tags.remove("feature");
+    }
+    if pick(4, 13) == 0 {
+        e.served_model = None;
+    }
+    e.cost_micros = i64::from(pick(10_000, 14));
+    e.output_cost_micros = e.cost_micros / 3;
+    e.saved_micros = i64::from(pick(500, 15));
+    e.avoided_micros = i64::from(pick(700, 16));
+    e.prompt_tokens = u64::from(pick(3_000, 17));
+    e.completion_tokens = u64::from(pick(300, 18));
+    e.cached_tokens = e.prompt_tokens / 2;
+    e
+}
+
+/// The writer adds a batch to the daily rollup from the rows it holds (or, after a replay, from
+/// the rows it stored): every measure of every rollup row must equal the same aggregate over the
+/// raw rows, whatever the batch sizes.
+#[tokio::test]
+async fn the_daily_rollup_agrees_with_the_rows_for_every_kind_of_row_on_both_stores() {
+    use gateway::ledger::report::Dimension;
+    let rows: Vec<UsageEvent> = (0..400).map(varied_event).collect();
+    for kind in BOTH {
+        let store = TestStore::new(kind).await.unwrap();
+        let ledger = ledger_for(&store).await;
+        let mut at = 0;
+        for n in [1, 7, 64, 100, 28] {
+            assert_eq!(ledger.insert(&rows[at..at + n]).await.unwrap(), n as u64);
+            at += n;
+        }
+        // A replay overlapping new rows.
+        assert_eq!(ledger.insert(&rows[150..]).await.unwrap(), 200, "{kind:?}");
+        let today = Utc::now()
+            .date_naive()
+            .and_hms_opt(0, 0, 0)
+            .unwrap()
+            .and_utc();
+        let (from, to) = (
+            today - chrono::Duration::days(1),
+            today + chrono::Duration::days(1),
+        );
+        let all = [
+            Dimension::Tenant,
+            Dimension::Model,
+            Dimension::Tier,
+            Dimension::Feature,
+        ];
+        let sorted = |mut v: Vec<(String, gateway::ledger::report::Aggregate)>| {
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        };
+        for group in [&all[..], &[Dimension::Model], &[]] {
+            let rollup = sorted(ledger.aggregate(from, to, None, group).await.unwrap());
+            let raw = sorted(
+                ledger
+                    .aggregate(from + chrono::Duration::microseconds(1), to, None, group)
+                    .await
+                    .unwrap(),
+            );
+            assert!(
+                rollup.len() >= group.len(),
+                "{kind:?} {group:?}: {rollup:?}"
+            );
+            assert_eq!(
+                rollup, raw,
+                "{kind:?} {group:?}: the rollup agrees with the rows"
+            );
+        }
+        let days = [today - chrono::Duration::days(1), today];
+        for day in days {
+            let next = day + chrono::Duration::days(1);
+            let rollup = sorted(
+                ledger
+                    .aggregate(day, next, Some("acme"), &all)
+                    .await
+                    .unwrap(),
+            );
+            let raw = sorted(
+                ledger
+                    .aggregate(
+                        day + chrono::Duration::microseconds(1),
+                        next,
+                        Some("acme"),
+                        &all,
+                    )
+                    .await
+                    .unwrap(),
+            );
+            assert!(!rollup.is_empty(), "{kind:?}: rows on {day}");
+            assert_eq!(rollup, raw, "{kind:?} {day}: one day, one tenant");
+        }
+    }
+}
+
 /// A regression guard, not a benchmark: a batch of the default size must be stored within the
 /// default write timeout, or at saturation every batch times out and goes to the spool (a
 /// quadratic parameter lookup once made the SQLite writer take 2.7 s for one in release builds).

@@ -11,8 +11,9 @@ use chrono::{DateTime, Datelike, Duration, NaiveDate, TimeZone, Utc, Weekday};
 use serde::{Deserialize, Serialize};
 
 use super::loops::{self, DetectedLoop, LoopTotals};
-use super::LedgerStore;
+use super::{tokens, LedgerStore};
 use crate::store::StoreError;
+use crate::usage::{CacheStatus, UsageEvent, UsageSource};
 
 /// A ledger column (or expression) to group by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -145,23 +146,39 @@ const HIT: &str = "cache_status IN ('hit_exact', 'hit_semantic')";
 const ROUTED: &str = "all_large_micros IS NOT NULL";
 const FALLBACK: &str = "route_reason = 'unhealthy'";
 
-/// Every measure of [`Aggregate`] as (column name, SQL over raw ledger rows). The one place
-/// these definitions live: the raw aggregate and the daily rollup both use them.
-fn measures() -> Vec<(&'static str, String)> {
+/// One measure: its column name, its SQL over raw ledger rows, its field of [`Aggregate`].
+type Measure = (&'static str, String, Field);
+/// Reads one measure of an [`Aggregate`].
+type Field = fn(&Aggregate) -> i64;
+
+/// Every measure of [`Aggregate`] as (column name, SQL over raw ledger rows, its field). The one
+/// place these definitions live in SQL: the raw aggregate and the daily rollup both use them.
+/// [`Aggregate::of_row`] says the same for one row in Rust (for the writer that adds a batch to
+/// the rollup from the rows it holds); a test holds the two equal.
+fn measures() -> Vec<Measure> {
     let when = |cond: &str, value: &str| format!("CASE WHEN {cond} THEN {value} ELSE 0 END");
     let billed = format!("NOT {WASTE} AND NOT ({HIT})");
     vec![
-        ("requests", "1".to_owned()),
-        ("cost", "cost_micros".to_owned()),
-        ("prompt_tokens", "prompt_tokens".to_owned()),
-        ("completion_tokens", "completion_tokens".to_owned()),
-        ("cached_tokens", "cached_tokens".to_owned()),
-        ("saved", "saved_micros".to_owned()),
-        ("cache_hits", when(HIT, "1")),
-        ("waste_loops", when("loop_flag", "cost_micros")),
+        ("requests", "1".to_owned(), |a| a.requests),
+        ("cost", "cost_micros".to_owned(), |a| a.cost),
+        ("prompt_tokens", "prompt_tokens".to_owned(), |a| {
+            a.prompt_tokens
+        }),
+        ("completion_tokens", "completion_tokens".to_owned(), |a| {
+            a.completion_tokens
+        }),
+        ("cached_tokens", "cached_tokens".to_owned(), |a| {
+            a.cached_tokens
+        }),
+        ("saved", "saved_micros".to_owned(), |a| a.saved),
+        ("cache_hits", when(HIT, "1"), |a| a.cache_hits),
+        ("waste_loops", when("loop_flag", "cost_micros"), |a| {
+            a.waste_loops
+        }),
         (
             "waste_retries",
             when("retry_storm_flag AND NOT loop_flag", "cost_micros"),
+            |a| a.waste_retries,
         ),
         (
             "waste_errors",
@@ -169,35 +186,162 @@ fn measures() -> Vec<(&'static str, String)> {
                 "status >= 400 AND NOT loop_flag AND NOT retry_storm_flag",
                 "cost_micros",
             ),
+            |a| a.waste_errors,
         ),
-        ("useful_requests", when(&format!("NOT {WASTE}"), "1")),
-        ("billed_requests", when(&billed, "1")),
-        ("billed_cost", when(&billed, "cost_micros")),
-        ("billed_output_cost", when(&billed, "output_cost_micros")),
-        ("billed_prompt_tokens", when(&billed, "prompt_tokens")),
+        ("useful_requests", when(&format!("NOT {WASTE}"), "1"), |a| {
+            a.useful_requests
+        }),
+        ("billed_requests", when(&billed, "1"), |a| a.billed_requests),
+        ("billed_cost", when(&billed, "cost_micros"), |a| {
+            a.billed_cost
+        }),
+        (
+            "billed_output_cost",
+            when(&billed, "output_cost_micros"),
+            |a| a.billed_output_cost,
+        ),
+        (
+            "billed_prompt_tokens",
+            when(&billed, "prompt_tokens"),
+            |a| a.billed_prompt_tokens,
+        ),
         (
             "billed_completion_tokens",
             when(&billed, "completion_tokens"),
+            |a| a.billed_completion_tokens,
         ),
-        ("loop_refused", when("error_kind = 'loop_detected'", "1")),
-        ("loop_avoided", "avoided_micros".to_owned()),
-        ("routed_requests", when(ROUTED, "1")),
+        (
+            "loop_refused",
+            when("error_kind = 'loop_detected'", "1"),
+            |a| a.loop_refused,
+        ),
+        ("loop_avoided", "avoided_micros".to_owned(), |a| {
+            a.loop_avoided
+        }),
+        ("routed_requests", when(ROUTED, "1"), |a| a.routed_requests),
         (
             "routed_large",
             when(&format!("{ROUTED} AND tier = 'large'"), "1"),
+            |a| a.routed_large,
         ),
-        ("routed_cost", when(ROUTED, "cost_micros")),
+        ("routed_cost", when(ROUTED, "cost_micros"), |a| {
+            a.routed_cost
+        }),
         (
             "routed_all_large",
             "COALESCE(all_large_micros, 0)".to_owned(),
+            |a| a.routed_all_large,
         ),
         (
             "synthetic_requests",
             when("usage_source = 'synthetic'", "1"),
+            |a| a.synthetic_requests,
         ),
-        ("fallback_requests", when(FALLBACK, "1")),
-        ("fallback_cost", when(FALLBACK, "cost_micros")),
+        ("fallback_requests", when(FALLBACK, "1"), |a| {
+            a.fallback_requests
+        }),
+        ("fallback_cost", when(FALLBACK, "cost_micros"), |a| {
+            a.fallback_cost
+        }),
     ]
+}
+
+impl Aggregate {
+    /// One ledger row's measures: [`measures`]' definitions (`WASTE`, `HIT`, `ROUTED`,
+    /// `FALLBACK` and the `CASE`s) in Rust, over the row as the ledger stores it.
+    pub(crate) fn of_row(e: &UsageEvent) -> Self {
+        let when = |cond: bool, value: i64| if cond { value } else { 0 };
+        let hit = matches!(
+            e.cache_status,
+            CacheStatus::HitExact | CacheStatus::HitSemantic
+        );
+        let failed = e.status >= 400;
+        let waste = e.loop_flag || e.retry_storm_flag || failed;
+        let billed = !waste && !hit;
+        let routed = e.all_large_micros.is_some();
+        let fallback = e.route_reason.as_deref() == Some("unhealthy");
+        let (prompt, completion) = (tokens(e.prompt_tokens), tokens(e.completion_tokens));
+        let cost = e.cost_micros;
+        Self {
+            requests: 1,
+            cost,
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            cached_tokens: tokens(e.cached_tokens),
+            saved: e.saved_micros,
+            cache_hits: when(hit, 1),
+            waste_loops: when(e.loop_flag, cost),
+            waste_retries: when(e.retry_storm_flag && !e.loop_flag, cost),
+            waste_errors: when(failed && !e.loop_flag && !e.retry_storm_flag, cost),
+            useful_requests: when(!waste, 1),
+            billed_requests: when(billed, 1),
+            billed_cost: when(billed, cost),
+            billed_output_cost: when(billed, e.output_cost_micros),
+            billed_prompt_tokens: when(billed, prompt),
+            billed_completion_tokens: when(billed, completion),
+            loop_refused: when(e.error_kind.as_deref() == Some("loop_detected"), 1),
+            loop_avoided: e.avoided_micros,
+            routed_requests: when(routed, 1),
+            routed_large: when(routed && e.tier.as_deref() == Some("large"), 1),
+            routed_cost: when(routed, cost),
+            routed_all_large: e.all_large_micros.unwrap_or(0),
+            synthetic_requests: when(e.usage_source == UsageSource::Synthetic, 1),
+            fallback_requests: when(fallback, 1),
+            fallback_cost: when(fallback, cost),
+        }
+    }
+}
+
+/// A row's place in the daily rollup: its UTC day, tenant, model, tier and feature, as
+/// [`Dimension::sql`] computes them from the stored columns.
+pub(crate) type DayKey<'a> = (NaiveDate, &'a str, &'a str, &'a str, &'a str);
+
+/// `rows` summed per rollup key, keys in order (the order the rollup's rows are upserted in).
+pub(crate) fn day_groups(rows: &[UsageEvent]) -> BTreeMap<DayKey<'_>, Aggregate> {
+    let mut groups: BTreeMap<DayKey<'_>, Aggregate> = BTreeMap::new();
+    for e in rows {
+        let key = (
+            e.started_at.date_naive(),
+            e.tenant_name.as_str(),
+            e.served_model.as_deref().unwrap_or(&e.requested_model),
+            e.tier.as_deref().unwrap_or("-"),
+            e.feature().unwrap_or("-"),
+        );
+        let sum = groups.entry(key).or_default();
+        *sum = add(*sum, &Aggregate::of_row(e));
+    }
+    groups
+}
+
+/// An aggregate's measures in the rollup's column order (the order of [`measures`] and of
+/// [`rollup_values_sql`]'s parameters after the five key columns).
+pub(crate) fn measure_values(a: &Aggregate) -> impl Iterator<Item = i64> + '_ {
+    static FIELDS: std::sync::LazyLock<Vec<Field>> =
+        std::sync::LazyLock::new(|| measures().into_iter().map(|(_, _, f)| f).collect());
+    FIELDS.iter().map(move |field| field(a))
+}
+
+/// Upsert `groups` rollup rows given as parameters, `?` in order: per row the day (text,
+/// `YYYY-MM-DD`), tenant, model, tier, feature, then the measures in [`measures`]' order; each
+/// adds its sums to the row already there.
+pub(crate) fn rollup_values_sql(groups: usize) -> String {
+    let names: Vec<&str> = measures().iter().map(|(n, _, _)| *n).collect();
+    let row = format!("(?, ?, ?, ?, ?, {})", vec!["?"; names.len()].join(", "));
+    format!(
+        "INSERT INTO ledger_daily (day, tenant_name, model, tier, feature, {}) VALUES {} \
+         ON CONFLICT (day, tenant_name, model, tier, feature) DO UPDATE SET {}",
+        names.join(", "),
+        vec![row.as_str(); groups].join(", "),
+        rollup_updates(&names)
+    )
+}
+
+fn rollup_updates(names: &[&str]) -> String {
+    names
+        .iter()
+        .map(|n| format!("{n} = ledger_daily.{n} + excluded.{n}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn sum(expr: &str) -> String {
@@ -232,7 +376,7 @@ fn grouped_select(key: &str, measures: &[String], from: &str, tenant_filter: boo
 pub(crate) fn aggregate_sql(group: &[Dimension], tenant_filter: bool) -> String {
     let cols: Vec<String> = measures()
         .into_iter()
-        .map(|(name, expr)| format!("{} AS {name}", sum(&expr)))
+        .map(|(name, expr, _)| format!("{} AS {name}", sum(&expr)))
         .collect();
     grouped_select(
         &key_sql(group, Dimension::sql),
@@ -265,7 +409,7 @@ pub(crate) fn rollup_covers(group: &[Dimension], from: DateTime<Utc>, to: DateTi
 pub(crate) fn rollup_sql(group: &[Dimension], tenant_filter: bool) -> String {
     let cols: Vec<String> = measures()
         .into_iter()
-        .map(|(name, _)| format!("{} AS {name}", sum(name)))
+        .map(|(name, _, _)| format!("{} AS {name}", sum(name)))
         .collect();
     grouped_select(
         &key_sql(group, |d| d.rollup_column().unwrap_or("''")),
@@ -280,12 +424,8 @@ pub(crate) fn rollup_sql(group: &[Dimension], tenant_filter: bool) -> String {
 /// in a fixed order so concurrent writers lock rollup rows in the same order.
 pub(crate) fn rollup_upsert_sql(day: &str, source: &str) -> String {
     let ms = measures();
-    let names: Vec<&str> = ms.iter().map(|(n, _)| *n).collect();
-    let sums: Vec<String> = ms.iter().map(|(_, e)| sum(e)).collect();
-    let updates: Vec<String> = names
-        .iter()
-        .map(|n| format!("{n} = ledger_daily.{n} + excluded.{n}"))
-        .collect();
+    let names: Vec<&str> = ms.iter().map(|(n, _, _)| *n).collect();
+    let sums: Vec<String> = ms.iter().map(|(_, e, _)| sum(e)).collect();
     format!(
         "INSERT INTO ledger_daily (day, tenant_name, model, tier, feature, {}) \
          SELECT {day}, tenant_name, {}, {}, {}, {} FROM {source} \
@@ -296,7 +436,7 @@ pub(crate) fn rollup_upsert_sql(day: &str, source: &str) -> String {
         Dimension::Tier.sql(),
         Dimension::Feature.sql(),
         sums.join(", "),
-        updates.join(", ")
+        rollup_updates(&names)
     )
 }
 

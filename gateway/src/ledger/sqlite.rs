@@ -16,10 +16,13 @@ use crate::usage::UsageEvent;
 #[derive(Debug, Clone)]
 pub struct SqliteLedger {
     pool: SqlitePool,
-    /// Adds the ledger rows above a rowid to the daily rollup.
+    /// Adds the ledger rows above a rowid to the daily rollup (after a batch of which some
+    /// rows were already stored).
     rollup: String,
     /// `inserts[k]` inserts `2^k` rows, up to [`ROWS_PER_INSERT`].
     inserts: Vec<String>,
+    /// `upserts[k]` adds `2^k` groups' sums to the daily rollup, up to [`ROWS_PER_INSERT`].
+    upserts: Vec<String>,
 }
 
 /// Most rows per `INSERT` statement: one statement per 64 rows instead of one per row (64 × 38
@@ -126,6 +129,9 @@ impl SqliteLedger {
             inserts: (0..=ROWS_PER_INSERT.ilog2())
                 .map(|k| insert_sql(1 << k))
                 .collect(),
+            upserts: (0..=ROWS_PER_INSERT.ilog2())
+                .map(|k| super::report::rollup_values_sql(1 << k))
+                .collect(),
         })
     }
 }
@@ -151,8 +157,29 @@ impl LedgerStore for SqliteLedger {
             }
             inserted += q.execute(&mut *tx).await?.rows_affected();
         }
-        if inserted > 0 {
-            // One rollup statement per batch, over only the rows stored now.
+        if inserted == rows.len() as u64 {
+            // Every row is new (the usual case): the batch's sums per rollup row, added from
+            // here, instead of SQLite grouping the rows it just stored (a third of its work per
+            // row when it did).
+            let groups: Vec<_> = super::report::day_groups(rows).into_iter().collect();
+            for chunk in statement_chunks(&groups) {
+                let mut q = sqlx::query(&self.upserts[chunk.len().ilog2() as usize]);
+                for ((day, tenant, model, tier, feature), sums) in chunk {
+                    q = q
+                        .bind(day.format("%Y-%m-%d").to_string())
+                        .bind(*tenant)
+                        .bind(*model)
+                        .bind(*tier)
+                        .bind(*feature);
+                    for v in super::report::measure_values(sums) {
+                        q = q.bind(v);
+                    }
+                }
+                q.execute(&mut *tx).await?;
+            }
+        } else if inserted > 0 {
+            // Some rows were there already (a replay): the rollup adds exactly the rows stored
+            // now, read back from the table.
             sqlx::query(&self.rollup)
                 .bind(before)
                 .execute(&mut *tx)

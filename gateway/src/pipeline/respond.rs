@@ -15,7 +15,8 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::{ms_since, settle, Call};
-use crate::budget::Admission;
+use crate::budget::decision::Tightest;
+use crate::budget::{Admission, Scope, Window};
 use crate::config::DisconnectPolicy;
 use crate::error::ApiError;
 use crate::headers;
@@ -95,38 +96,77 @@ pub(super) fn cache_hit(call: &mut Call, found: crate::cache::Found) -> Option<R
 /// What the budget step tells the client: the action taken, budgets past their warning, flag
 /// budgets exceeded, and the tightest budget's room and reset.
 pub(super) fn budget_headers(a: &Admission) -> Vec<(HeaderName, HeaderValue)> {
-    let mut out: Vec<(HeaderName, String)> = Vec::new();
+    let mut out = Vec::with_capacity(a.warnings.len() + 7);
+    let text = |out: &mut Vec<_>, name: HeaderName, value: &str| {
+        if let Ok(v) = HeaderValue::from_str(value) {
+            out.push((name, v));
+        }
+    };
     if a.downgraded {
-        out.push((headers::BUDGET_ACTION, "downgraded".into()));
+        out.push((
+            headers::BUDGET_ACTION,
+            HeaderValue::from_static("downgraded"),
+        ));
     }
     if let Some(m) = a.clamped_to {
-        out.push((headers::BUDGET_CLAMPED, m.to_string()));
+        out.push((headers::BUDGET_CLAMPED, HeaderValue::from(m)));
     }
     for w in &a.warnings {
         let value = format!("{} {:.0}% used", w.policy_id, w.used_percent);
-        out.push((headers::BUDGET_WARNING, value));
+        text(&mut out, headers::BUDGET_WARNING, &value);
     }
     if !a.flagged.is_empty() {
-        out.push((headers::BUDGET_EXCEEDED, a.flagged.join(",")));
+        text(&mut out, headers::BUDGET_EXCEEDED, &a.flagged.join(","));
     }
     if let Some(t) = &a.tightest {
-        let policy = format!("{} {} {}", t.policy_id, t.scope.label(), t.window.as_str());
-        out.push((headers::BUDGET_POLICY, policy));
+        let (policy, reset) = TIGHTEST.with_borrow_mut(|last| last.values(t));
+        out.extend(policy.map(|v| (headers::BUDGET_POLICY, v)));
         if let Some(tokens) = t.remaining_tokens {
-            out.push((headers::BUDGET_REMAINING_TOKENS, tokens.to_string()));
+            out.push((headers::BUDGET_REMAINING_TOKENS, HeaderValue::from(tokens)));
         }
         if let Some(m) = t.remaining_micros {
-            out.push((headers::BUDGET_REMAINING_USD, Usd(m).to_string()));
+            text(&mut out, headers::BUDGET_REMAINING_USD, &Usd(m).to_string());
         }
-        let reset = t.resets_at.to_rfc3339_opts(SecondsFormat::Secs, true);
-        out.push((headers::BUDGET_RESET, reset));
+        out.extend(reset.map(|v| (headers::BUDGET_RESET, v)));
     }
     if a.fail_open {
-        out.push((headers::BUDGET_MODE, "fail-open".into()));
+        out.push((headers::BUDGET_MODE, HeaderValue::from_static("fail-open")));
     }
-    out.into_iter()
-        .filter_map(|(name, value)| Some((name, HeaderValue::from_str(&value).ok()?)))
-        .collect()
+    out
+}
+
+/// The tightest budget's policy and reset headers as last made on this thread. The same
+/// policy answers request after request until its window ends, so on each worker the two
+/// values are formatted (the time as RFC 3339) once per policy and window, not per request.
+#[derive(Default)]
+struct LastTightest {
+    made: Option<(String, Scope, Window, i64)>,
+    policy: Option<HeaderValue>,
+    reset: Option<HeaderValue>,
+}
+
+impl LastTightest {
+    fn values(&mut self, t: &Tightest) -> (Option<HeaderValue>, Option<HeaderValue>) {
+        let at = t.resets_at.timestamp();
+        let same = self
+            .made
+            .as_ref()
+            .is_some_and(|(id, scope, window, reset)| {
+                *id == t.policy_id && *scope == t.scope && *window == t.window && *reset == at
+            });
+        if !same {
+            let policy = format!("{} {} {}", t.policy_id, t.scope.label(), t.window.as_str());
+            let reset = t.resets_at.to_rfc3339_opts(SecondsFormat::Secs, true);
+            self.policy = HeaderValue::from_str(&policy).ok();
+            self.reset = HeaderValue::from_str(&reset).ok();
+            self.made = Some((t.policy_id.clone(), t.scope.clone(), t.window, at));
+        }
+        (self.policy.clone(), self.reset.clone())
+    }
+}
+
+thread_local! {
+    static TIGHTEST: std::cell::RefCell<LastTightest> = std::cell::RefCell::default();
 }
 
 fn gateway_headers(
@@ -432,4 +472,93 @@ pub(super) fn streamed(
     let mut response = Response::new(Body::from_stream(ReceiverStream::new(rx)));
     *response.headers_mut() = headers;
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::TimeZone;
+
+    use super::*;
+
+    fn header<'a>(out: &'a [(HeaderName, HeaderValue)], name: &HeaderName) -> Option<&'a str> {
+        out.iter()
+            .find(|(n, _)| n == name)
+            .and_then(|(_, v)| v.to_str().ok())
+    }
+
+    #[test]
+    fn the_tightest_budgets_headers_follow_its_policy_and_window_request_after_request() {
+        let day = |d: u32| chrono::Utc.with_ymd_and_hms(2026, 12, d, 0, 0, 0).unwrap();
+        let admission = |id: &str, scope: Scope, window: Window, resets_at, tokens| Admission {
+            clamped_to: Some(64),
+            tightest: Some(Tightest {
+                policy_id: id.to_owned(),
+                scope,
+                window,
+                remaining_tokens: tokens,
+                remaining_micros: Some(1_500_000),
+                resets_at,
+            }),
+            ..Admission::default()
+        };
+        let key = Scope::Key("k1".to_owned());
+        // Each change of policy, scope, window or reset is seen; the same one again reads the
+        // values made the first time.
+        let cases = [
+            (
+                admission("p1", Scope::Tenant, Window::Day, day(6), Some(10)),
+                "p1 tenant day",
+                "2026-12-06T00:00:00Z",
+                Some("10"),
+            ),
+            (
+                admission("p1", Scope::Tenant, Window::Day, day(6), Some(9)),
+                "p1 tenant day",
+                "2026-12-06T00:00:00Z",
+                Some("9"),
+            ),
+            (
+                admission("p1", Scope::Tenant, Window::Day, day(7), None),
+                "p1 tenant day",
+                "2026-12-07T00:00:00Z",
+                None,
+            ),
+            (
+                admission("p2", Scope::Tenant, Window::Day, day(7), None),
+                "p2 tenant day",
+                "2026-12-07T00:00:00Z",
+                None,
+            ),
+            (
+                admission("p2", key.clone(), Window::Day, day(7), None),
+                "p2 key:k1 day",
+                "2026-12-07T00:00:00Z",
+                None,
+            ),
+            (
+                admission("p2", key, Window::Month, day(7), None),
+                "p2 key:k1 month",
+                "2026-12-07T00:00:00Z",
+                None,
+            ),
+            (
+                admission("p1", Scope::Tenant, Window::Day, day(6), Some(8)),
+                "p1 tenant day",
+                "2026-12-06T00:00:00Z",
+                Some("8"),
+            ),
+        ];
+        for (a, policy, reset, tokens) in cases {
+            let out = budget_headers(&a);
+            assert_eq!(header(&out, &headers::BUDGET_POLICY), Some(policy));
+            assert_eq!(header(&out, &headers::BUDGET_RESET), Some(reset));
+            assert_eq!(header(&out, &headers::BUDGET_REMAINING_TOKENS), tokens);
+            assert_eq!(
+                header(&out, &headers::BUDGET_REMAINING_USD),
+                Some("1.500000")
+            );
+            assert_eq!(header(&out, &headers::BUDGET_CLAMPED), Some("64"));
+        }
+        assert!(budget_headers(&Admission::default()).is_empty());
+    }
 }

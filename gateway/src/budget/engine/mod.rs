@@ -49,18 +49,22 @@ const COMMIT_BATCH: usize = 256;
 /// Every tenant's rules, as of the last refresh.
 #[derive(Debug, Default)]
 struct Snapshot {
-    policies: FastMap<String, Vec<BudgetPolicy>>,
-    rates: FastMap<String, Vec<RateLimit>>,
+    policies: FastMap<String, Vec<Arc<BudgetPolicy>>>,
+    /// Each rate limit with its limiters (their store keys made once, not per request).
+    rates: FastMap<String, Vec<RateRule>>,
     fail_modes: FastMap<String, FailMode>,
 }
+
+/// A rate limit and its limiters (one per kind it limits).
+type RateRule = (Arc<RateLimit>, Vec<RateSpec>);
 
 /// The rules that apply to one request, found without any I/O.
 #[derive(Debug)]
 pub struct Plan {
     tenant_id: String,
     tenant_name: String,
-    policies: Vec<BudgetPolicy>,
-    rates: Vec<(RateSpec, RateLimit)>,
+    policies: Vec<Arc<BudgetPolicy>>,
+    rates: Vec<(RateSpec, Arc<RateLimit>)>,
     fail_mode: FailMode,
 }
 
@@ -248,10 +252,24 @@ impl Budgets {
             snap.policies
                 .entry(p.tenant_id.clone())
                 .or_default()
-                .push(p);
+                .push(Arc::new(p));
         }
         for r in rates {
-            snap.rates.entry(r.tenant_id.clone()).or_default().push(r);
+            let scope = r.key_id.as_deref().unwrap_or("tenant");
+            let specs = [(RateKind::Requests, r.rpm), (RateKind::Tokens, r.tpm)]
+                .into_iter()
+                .filter_map(|(kind, per_minute)| {
+                    Some(RateSpec {
+                        key: rate_key(&r.tenant_id, scope, kind),
+                        per_minute: per_minute?,
+                        kind,
+                    })
+                })
+                .collect();
+            snap.rates
+                .entry(r.tenant_id.clone())
+                .or_default()
+                .push((Arc::new(r), specs));
         }
         snap.fail_modes = modes.into_iter().collect();
         let now_ms = ms(self.clock.now());
@@ -266,7 +284,7 @@ impl Budgets {
                 .values()
                 .flatten()
                 .filter(|p| !seeded.contains(&(p.id.clone(), ms(p.window.start(now)))))
-                .cloned()
+                .map(|p| BudgetPolicy::clone(p))
                 .collect()
         };
         self.snapshot.store(Arc::new(snap));
@@ -361,7 +379,8 @@ impl Budgets {
     /// request then costs no budget work at all).
     pub fn plan(&self, key: &ApiKey, tags: &BTreeMap<String, String>) -> Option<Plan> {
         let snap = self.snapshot.load();
-        let policies: Vec<BudgetPolicy> = snap
+        // Shared with the snapshot: a plan per request copies no policy.
+        let policies: Vec<Arc<BudgetPolicy>> = snap
             .policies
             .get(&key.tenant_id)
             .map(|ps| {
@@ -372,22 +391,12 @@ impl Budgets {
             })
             .unwrap_or_default();
         let mut rates = Vec::new();
-        for r in snap.rates.get(&key.tenant_id).into_iter().flatten() {
-            let scope = match &r.key_id {
-                None => "tenant",
-                Some(id) if *id == key.id => id.as_str(),
-                Some(_) => continue,
-            };
-            for (kind, per_minute) in [(RateKind::Requests, r.rpm), (RateKind::Tokens, r.tpm)] {
-                if let Some(per_minute) = per_minute {
-                    let spec = RateSpec {
-                        key: rate_key(&key.tenant_id, scope, kind),
-                        per_minute,
-                        kind,
-                    };
-                    rates.push((spec, r.clone()));
-                }
+        for (r, specs) in snap.rates.get(&key.tenant_id).into_iter().flatten() {
+            // A tenant's limit, or one of this key's.
+            if r.key_id.as_ref().is_some_and(|id| *id != key.id) {
+                continue;
             }
+            rates.extend(specs.iter().map(|spec| (spec.clone(), Arc::clone(r))));
         }
         if policies.is_empty() && rates.is_empty() {
             return None;

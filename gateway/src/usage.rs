@@ -83,7 +83,8 @@ impl UsageSource {
 pub struct UsageEvent {
     /// Gateway request id (`x-request-id`).
     pub request_id: String,
-    /// When the request arrived.
+    /// When the request arrived (written as chrono writes it, by [`Rfc3339`]).
+    #[serde(with = "started_at")]
     pub started_at: DateTime<Utc>,
     /// Tenant id.
     pub tenant_id: String,
@@ -187,6 +188,116 @@ impl UsageEvent {
     }
 }
 
+/// A UTC time as RFC 3339 text, byte for byte as chrono writes it with
+/// `SecondsFormat::AutoSi` (no fraction, or 3, 6 or 9 digits, whichever is exact), ending in
+/// `Z` or `+00:00`: the form serde gives a [`UsageEvent`]'s `started_at` (the journal's records,
+/// the spool's lines) and the one sqlx binds into the SQLite ledger, whose queries compare it as
+/// text. Written digit by digit into a buffer on the stack: chrono's `Display` path (a formatter,
+/// and postcard's `collect_str` running it twice to learn the length first) was ~2.5 k
+/// instructions per ledger row (docs/benchmarks.md, twentieth sitting).
+#[derive(Clone, Copy)]
+pub struct Rfc3339 {
+    bytes: [u8; Self::MAX],
+    len: usize,
+}
+
+impl Rfc3339 {
+    /// `2026-12-05T13:37:45.123456789+00:00`.
+    const MAX: usize = 35;
+
+    /// `t` as text ending in `Z` (`zulu`) or `+00:00`; `None` for a year outside 0–9999, which
+    /// chrono writes with a sign (callers fall back to chrono there).
+    pub fn utc(t: &DateTime<Utc>, zulu: bool) -> Option<Self> {
+        use chrono::{Datelike as _, Timelike as _};
+        let date = t.date_naive();
+        let year = u32::try_from(date.year()).ok().filter(|y| *y <= 9999)?;
+        let mut out = Self {
+            bytes: [0; Self::MAX],
+            len: 0,
+        };
+        let time = t.time();
+        let clock = time.num_seconds_from_midnight();
+        let (mut sec, mut nano) = (clock % 60, time.nanosecond());
+        if nano >= 1_000_000_000 {
+            // A leap second: chrono writes it as second 60.
+            sec += 1;
+            nano -= 1_000_000_000;
+        }
+        out.pair(year / 100);
+        out.pair(year % 100);
+        out.push(b'-');
+        out.pair(date.month());
+        out.push(b'-');
+        out.pair(date.day());
+        out.push(b'T');
+        out.pair(clock / 3600);
+        out.push(b':');
+        out.pair(clock / 60 % 60);
+        out.push(b':');
+        out.pair(sec);
+        if nano != 0 {
+            out.push(b'.');
+            let nano = u64::from(nano);
+            let (n, pairs) = if nano % 1_000_000 == 0 {
+                (nano / 1_000_000 * 10, 2)
+            } else if nano % 1_000 == 0 {
+                (nano / 1_000, 3)
+            } else {
+                (nano * 10, 5)
+            };
+            // 3, 6 or 9 digits as pairs; a trailing zero appended to odd widths is cut after.
+            let mut div = 100u64.pow(pairs - 1);
+            for _ in 0..pairs {
+                out.pair(u32::try_from(n / div % 100).unwrap_or(0));
+                div /= 100;
+            }
+            if pairs != 3 {
+                out.len -= 1;
+            }
+        }
+        for b in if zulu { b"Z".as_slice() } else { b"+00:00" } {
+            out.push(*b);
+        }
+        Some(out)
+    }
+
+    /// The text.
+    pub fn as_str(&self) -> &str {
+        // Only ASCII digits and separators are ever pushed.
+        std::str::from_utf8(&self.bytes[..self.len]).unwrap_or_default()
+    }
+
+    fn push(&mut self, b: u8) {
+        self.bytes[self.len] = b;
+        self.len += 1;
+    }
+
+    /// `n` (below 100) as two digits.
+    fn pair(&mut self, n: u32) {
+        let n = u8::try_from(n % 100).unwrap_or(0);
+        self.bytes[self.len] = b'0' + n / 10;
+        self.bytes[self.len + 1] = b'0' + n % 10;
+        self.len += 2;
+    }
+}
+
+/// `started_at` in serde: [`Rfc3339`]'s text (chrono's own form), read back by chrono.
+mod started_at {
+    use chrono::{DateTime, Utc};
+    use serde::{Deserialize as _, Deserializer, Serialize as _, Serializer};
+
+    pub fn serialize<S: Serializer>(t: &DateTime<Utc>, s: S) -> Result<S::Ok, S::Error> {
+        match super::Rfc3339::utc(t, true) {
+            Some(text) => s.serialize_str(text.as_str()),
+            None => t.serialize(s),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<DateTime<Utc>, D::Error> {
+        DateTime::<Utc>::deserialize(d)
+    }
+}
+
 /// Receives settlement events. `record` must not block: implementations queue the event.
 pub trait UsageSink: Send + Sync + 'static {
     /// Take one event.
@@ -248,5 +359,91 @@ mod stored_names {
         ] {
             assert_eq!(s.as_str(), serde_name(serde_json::to_value(s).unwrap()));
         }
+    }
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "tests")]
+mod rfc3339 {
+    use chrono::{DateTime, NaiveDate, SecondsFormat, Utc};
+    use rand::{Rng as _, SeedableRng as _};
+
+    use super::Rfc3339;
+
+    /// A time serialised as `UsageEvent::started_at` is.
+    #[derive(serde::Serialize)]
+    struct Ours(#[serde(with = "super::started_at")] DateTime<Utc>);
+
+    fn as_chrono_writes(t: DateTime<Utc>) {
+        for zulu in [true, false] {
+            let ours = Rfc3339::utc(&t, zulu).unwrap();
+            assert_eq!(
+                ours.as_str(),
+                t.to_rfc3339_opts(SecondsFormat::AutoSi, zulu),
+                "{t:?}"
+            );
+        }
+        // And serde's form (the journal's, the spool's) is chrono's serde form.
+        assert_eq!(
+            serde_json::to_string(&Ours(t)).unwrap(),
+            serde_json::to_string(&t).unwrap()
+        );
+        assert_eq!(
+            postcard::to_stdvec(&Ours(t)).unwrap(),
+            postcard::to_stdvec(&t).unwrap()
+        );
+    }
+
+    #[test]
+    fn times_are_written_byte_for_byte_as_chrono_writes_them() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let first = NaiveDate::from_ymd_opt(0, 1, 1)
+            .unwrap()
+            .and_hms_opt(0, 0, 0);
+        let last = NaiveDate::from_ymd_opt(9999, 12, 31)
+            .unwrap()
+            .and_hms_opt(23, 59, 59);
+        let (first, last) = (
+            first.unwrap().and_utc().timestamp(),
+            last.unwrap().and_utc().timestamp(),
+        );
+        for i in 0..50_000 {
+            // Every fraction width AutoSi picks: none, milli, micro, nano.
+            let nano = match i % 4 {
+                0 => 0,
+                1 => rng.random_range(1..1_000) * 1_000_000,
+                2 => rng.random_range(1..1_000_000) * 1_000,
+                _ => rng.random_range(1..1_000_000_000),
+            };
+            // Mostly around now, some anywhere in years 0-9999.
+            let secs = if i % 2 == 0 {
+                rng.random_range(1_700_000_000..1_900_000_000)
+            } else {
+                rng.random_range(first..=last)
+            };
+            as_chrono_writes(DateTime::from_timestamp(secs, nano).unwrap());
+        }
+        as_chrono_writes(DateTime::from_timestamp(first, 0).unwrap());
+        as_chrono_writes(DateTime::from_timestamp(last, 999_999_999).unwrap());
+        // A leap second (chrono keeps it as a nanosecond past 10^9 and writes second 60).
+        let leap = NaiveDate::from_ymd_opt(2016, 12, 31)
+            .unwrap()
+            .and_hms_nano_opt(23, 59, 59, 1_250_000_000)
+            .unwrap()
+            .and_utc();
+        as_chrono_writes(leap);
+    }
+
+    #[test]
+    fn a_year_chrono_writes_with_a_sign_is_left_to_chrono() {
+        let far = NaiveDate::from_ymd_opt(12_026, 1, 2)
+            .unwrap()
+            .and_hms_opt(3, 4, 5);
+        let far = far.unwrap().and_utc();
+        assert!(Rfc3339::utc(&far, true).is_none());
+        assert_eq!(
+            serde_json::to_string(&Ours(far)).unwrap(),
+            "\"+12026-01-02T03:04:05Z\""
+        );
     }
 }

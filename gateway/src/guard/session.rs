@@ -160,6 +160,18 @@ mod tests {
         assert_ne!(of(None, "k", &start), of(None, "k2", &start), "per key");
     }
 
+    /// Derived ids of [`crate::openai::GOLDEN_BODIES`] as `1a27c9d` stored them in its ledger
+    /// (the key's id, a zero byte, the system prompt's and first user message's JSON each
+    /// followed by a zero byte, SHA-256's first 8 bytes): a session's guard windows outlive an
+    /// upgrade only if they stay so.
+    #[test]
+    fn derived_ids_are_the_ones_earlier_versions_made() {
+        let key = "key_8569144fb1394cefa2c70f447ec44853";
+        let id = |body: &str| of(None, key, &serde_json::from_str(body).unwrap()).id;
+        assert_eq!(id(crate::openai::GOLDEN_BODIES[0]), "drv_2400791bb8dc354f");
+        assert_eq!(id(crate::openai::GOLDEN_BODIES[1]), "drv_a2d41292aa209204");
+    }
+
     #[test]
     fn absurd_header_values_are_refused() {
         assert!(validate_header(b"run-42").is_ok());

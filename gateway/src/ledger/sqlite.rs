@@ -10,7 +10,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePo
 use super::report::{Aggregate, Dimension, RepeatRow};
 use super::{tokens, LedgerStore, COLUMNS};
 use crate::store::StoreError;
-use crate::usage::UsageEvent;
+use crate::usage::{Rfc3339, UsageEvent};
 
 /// Ledger rows in SQLite.
 #[derive(Debug, Clone)]
@@ -60,12 +60,23 @@ fn statement_chunks<T>(mut rows: &[T]) -> impl Iterator<Item = &[T]> {
     })
 }
 
+/// `started_at` as sqlx binds a `DateTime<Utc>` into SQLite (`to_rfc3339_opts(AutoSi, false)`,
+/// which the ledger's queries compare as text), written without chrono's formatter.
+fn started_at_text(e: &UsageEvent) -> String {
+    match Rfc3339::utc(&e.started_at, false) {
+        Some(text) => text.as_str().to_owned(),
+        None => e
+            .started_at
+            .to_rfc3339_opts(chrono::SecondsFormat::AutoSi, false),
+    }
+}
+
 type InsertQuery<'q> = sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments<'q>>;
 
 /// Bind one row's values, in [`COLUMNS`] order.
 fn bind_row<'q>(q: InsertQuery<'q>, e: &'q UsageEvent) -> InsertQuery<'q> {
     q.bind(e.request_id.as_str())
-        .bind(e.started_at)
+        .bind(started_at_text(e))
         .bind(e.tenant_id.as_str())
         .bind(e.tenant_name.as_str())
         .bind(e.key_id.as_str())
@@ -250,8 +261,44 @@ impl LedgerStore for SqliteLedger {
 }
 
 #[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "tests")]
 mod tests {
     use super::*;
+
+    /// The row's time is stored as the text sqlx binds for a `DateTime<Utc>`: the reports'
+    /// range queries bind theirs that way and compare text.
+    #[tokio::test]
+    async fn a_rows_time_is_stored_as_sqlx_binds_a_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("l.db").display());
+        let ledger = SqliteLedger::open(&url).await.unwrap();
+        let mut rows = Vec::new();
+        for (i, nano) in [0, 120_000_000, 123_456_000, 123_456_789]
+            .into_iter()
+            .enumerate()
+        {
+            let mut e = super::super::journal::tests::event(&format!("r{i}"));
+            e.started_at = DateTime::from_timestamp(1_764_547_200 + 86_399, nano).unwrap();
+            rows.push(e);
+        }
+        assert_eq!(ledger.insert(&rows).await.unwrap(), 4);
+        for e in &rows {
+            let same: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger WHERE started_at = ?")
+                .bind(e.started_at)
+                .fetch_one(&ledger.pool)
+                .await
+                .unwrap();
+            assert_eq!(same, 1, "{}", e.started_at);
+        }
+        let (from, to) = (rows[0].started_at, rows[3].started_at);
+        let between = ledger.rows_between(from, to).await.unwrap();
+        assert_eq!(
+            between.len(),
+            3,
+            "the last is at the range's end, outside it"
+        );
+        assert_eq!(between[2].started_at, rows[2].started_at);
+    }
 
     #[test]
     fn a_batch_goes_in_full_statements_then_descending_powers_of_two() {

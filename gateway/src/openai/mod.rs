@@ -23,6 +23,14 @@ pub use request::{canonical_numbers, fingerprint_bytes, HashWriter, ParsedReques
 pub use sse::{replay_sse, SseRewriter, StreamAssembler};
 pub use usage::{completion_text, usage_in_body, usage_of, Usage};
 
+#[cfg(test)]
+/// Two bodies as the `openai` Python client's `json.dumps` writes them (floats as `1.0`), with
+/// every kind of character serde_json escapes.
+pub(crate) const GOLDEN_BODIES: [&str; 2] = [
+    r#"{"model": "fast", "temperature": 1.0, "max_tokens": 16, "stream": false, "messages": [{"role": "system", "content": "Be \"brief\".\n\t\u0001\u001f\u007f \u00e9 \ud83d\udc4d"}, {"role": "user", "content": "hi \\ there"}]}"#,
+    r#"{"model": "fast", "top_p": 0.7, "seed": -3, "n": 1, "logit_bias": {"50256": -100.0, "1": 2.5}, "messages": [{"role": "user", "content": [{"type": "text", "text": "x\u2028y"}]}], "metadata": {"b": [1, 2.0, null, true], "a": {"z": "\b\f\r"}}}"#,
+];
+
 /// The proxied endpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {

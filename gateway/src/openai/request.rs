@@ -641,6 +641,7 @@ pub fn fingerprint_bytes(bytes: &[u8]) -> String {
 #[expect(clippy::unwrap_used, reason = "tests")]
 mod tests {
     use super::*;
+    use crate::openai::GOLDEN_BODIES;
     use serde_json::json;
 
     fn parse(endpoint: Endpoint, v: Value) -> Result<ParsedRequest, ApiError> {
@@ -828,6 +829,26 @@ mod tests {
             // Spliced: the client's spelling of the float is kept (written out, it is 0.5).
             assert_eq!(text.contains("0.50"), i < 5, "case {i}: {text}");
         }
+    }
+
+    /// The fingerprints of [`GOLDEN_BODIES`] as `1a27c9d` stored them in its ledger: the exact
+    /// cache's keys (shared through Redis across versions) and the ledger's repeat reports
+    /// depend on a request's fingerprint staying the same from one version to the next.
+    #[test]
+    fn fingerprints_are_the_ones_earlier_versions_stored() {
+        let fingerprint = |body: &str| {
+            ParsedRequest::parse(Endpoint::Chat, body.as_bytes())
+                .unwrap()
+                .fingerprint()
+        };
+        assert_eq!(
+            fingerprint(GOLDEN_BODIES[0]),
+            "5b0c512092675f04692eebd75b36c71a"
+        );
+        assert_eq!(
+            fingerprint(GOLDEN_BODIES[1]),
+            "a9e2e6c358358089d121fe2d8b6accb6"
+        );
     }
 
     #[test]

@@ -319,10 +319,16 @@ pub trait BudgetStore: Send + Sync + 'static {
 
 /// The key of a policy's counter for the window starting at `window_start`.
 pub fn counter_key(tenant_id: &str, policy_id: &str, window_start: DateTime<Utc>) -> String {
-    format!(
-        "gw:{{{tenant_id}}}:bud:{policy_id}:{}",
-        window_start.timestamp()
-    )
+    // Pushed piece by piece rather than by `format!` (per policy, per request).
+    use std::fmt::Write as _;
+    let mut key = String::with_capacity(tenant_id.len() + policy_id.len() + 32);
+    key.push_str("gw:{");
+    key.push_str(tenant_id);
+    key.push_str("}:bud:");
+    key.push_str(policy_id);
+    key.push(':');
+    let _ = write!(key, "{}", window_start.timestamp());
+    key
 }
 
 /// The key marking a commit applied (an unreserved one) or a lease not yet closed.
@@ -436,6 +442,20 @@ mod tests {
         DateTime::parse_from_rfc3339(s)
             .map(|d| d.with_timezone(&Utc))
             .unwrap_or_default()
+    }
+
+    #[test]
+    fn a_counters_key_names_its_tenant_policy_and_window() {
+        let start = t("2025-12-01T00:00:00Z");
+        assert_eq!(
+            counter_key("t-1", "pol_9", start),
+            "gw:{t-1}:bud:pol_9:1764547200"
+        );
+        let before_the_epoch = t("1969-12-31T00:00:00Z");
+        assert_eq!(
+            counter_key("t", "p", before_the_epoch),
+            "gw:{t}:bud:p:-86400"
+        );
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! and a tenant's fail mode. Plain data (with their calendar arithmetic); enforcement is in
 //! [`crate::budget`].
 
-use chrono::{DateTime, Datelike, Duration, TimeZone, Timelike, Utc};
+use chrono::{DateTime, Datelike, Duration, TimeZone, Utc};
 use serde::{Deserialize, Serialize};
 
 /// A budget's calendar window, in UTC (weeks are ISO weeks, starting Monday).
@@ -47,22 +47,27 @@ impl Window {
         Self::ALL.into_iter().find(|w| w.as_str() == s)
     }
 
-    /// Start of the window containing `t`.
+    /// Start of the window containing `t`. Minutes, hours, days and weeks by arithmetic on
+    /// the timestamp (a UTC day is 86,400 of its seconds), not by chrono's calendar: the budget
+    /// step asks for every policy on every request.
     pub fn start(self, t: DateTime<Utc>) -> DateTime<Utc> {
-        let day = Utc
-            .with_ymd_and_hms(t.year(), t.month(), t.day(), 0, 0, 0)
-            .single()
-            .unwrap_or(t);
-        match self {
-            Self::Minute => day + Duration::minutes(i64::from(t.hour() * 60 + t.minute())),
-            Self::Hour => day + Duration::hours(i64::from(t.hour())),
-            Self::Day => day,
-            Self::Week => day - Duration::days(i64::from(t.weekday().num_days_from_monday())),
-            Self::Month => Utc
-                .with_ymd_and_hms(t.year(), t.month(), 1, 0, 0, 0)
-                .single()
-                .unwrap_or(day),
-        }
+        const DAY: i64 = 86_400;
+        let ts = t.timestamp();
+        let floor = |unit: i64| ts - ts.rem_euclid(unit);
+        let secs = match self {
+            Self::Minute => floor(60),
+            Self::Hour => floor(3_600),
+            Self::Day => floor(DAY),
+            // 1970-01-01 was a Thursday, three days after a Monday.
+            Self::Week => floor(DAY) - (ts.div_euclid(DAY) + 3).rem_euclid(7) * DAY,
+            Self::Month => {
+                return Utc
+                    .with_ymd_and_hms(t.year(), t.month(), 1, 0, 0, 0)
+                    .single()
+                    .unwrap_or(t)
+            }
+        };
+        DateTime::from_timestamp(secs, 0).unwrap_or(t)
     }
 
     /// End (exclusive) of the window that starts at `start`.
@@ -281,4 +286,72 @@ pub struct RateLimit {
     pub rpm: Option<u64>,
     /// Tokens (prompt estimate + max_tokens) per minute.
     pub tpm: Option<u64>,
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "tests")]
+mod tests {
+    use chrono::{DateTime, Datelike, Duration, NaiveDate, TimeZone, Timelike, Utc};
+    use rand::{Rng as _, SeedableRng as _};
+
+    use super::Window;
+
+    /// The calendar's answer, by chrono's fields.
+    fn by_calendar(w: Window, t: DateTime<Utc>) -> DateTime<Utc> {
+        let day = Utc
+            .with_ymd_and_hms(t.year(), t.month(), t.day(), 0, 0, 0)
+            .unwrap();
+        match w {
+            Window::Minute => day + Duration::minutes(i64::from(t.hour() * 60 + t.minute())),
+            Window::Hour => day + Duration::hours(i64::from(t.hour())),
+            Window::Day => day,
+            Window::Week => day - Duration::days(i64::from(t.weekday().num_days_from_monday())),
+            Window::Month => Utc
+                .with_ymd_and_hms(t.year(), t.month(), 1, 0, 0, 0)
+                .unwrap(),
+        }
+    }
+
+    #[test]
+    fn a_windows_start_is_the_calendars() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let mut times: Vec<DateTime<Utc>> = (0..20_000)
+            .map(|i| {
+                // Around now and across the centuries, before the epoch too.
+                let secs = if i % 2 == 0 {
+                    rng.random_range(1_700_000_000..1_900_000_000)
+                } else {
+                    rng.random_range(-5_000_000_000i64..10_000_000_000)
+                };
+                DateTime::from_timestamp(secs, rng.random_range(0..1_000_000_000)).unwrap()
+            })
+            .collect();
+        // Edges: a window's first and last instants, and a leap second.
+        for secs in [
+            0,
+            -1,
+            86_399,
+            86_400,
+            1_764_547_200,
+            1_764_547_199,
+            1_767_225_599,
+        ] {
+            times.push(DateTime::from_timestamp(secs, 0).unwrap());
+            times.push(DateTime::from_timestamp(secs, 999_999_999).unwrap());
+        }
+        let leap = NaiveDate::from_ymd_opt(2016, 12, 31)
+            .unwrap()
+            .and_hms_nano_opt(23, 59, 59, 1_500_000_000)
+            .unwrap()
+            .and_utc();
+        times.push(leap);
+        for t in times {
+            for w in Window::ALL {
+                assert_eq!(w.start(t), by_calendar(w, t), "{w:?} of {t:?}");
+            }
+        }
+        let wednesday = Utc.with_ymd_and_hms(2026, 12, 2, 13, 37, 45).unwrap();
+        let monday = Utc.with_ymd_and_hms(2026, 11, 30, 0, 0, 0).unwrap();
+        assert_eq!(Window::Week.start(wednesday), monday);
+    }
 }

@@ -340,7 +340,7 @@ async fn downgrade_and_flag_modes(kind: BudgetKind) {
 async fn rate_limits_are_smooth(kind: BudgetKind) {
     let c = Case::new(kind);
     let rpm = RateSpec {
-        key: format!("gw:{{{}}}:rl:tenant:rpm", c.tenant),
+        key: format!("gw:{{{}}}:rl:tenant:rpm", c.tenant).into(),
         per_minute: 3,
         kind: RateKind::Requests,
     };
@@ -370,7 +370,7 @@ async fn rate_limits_are_smooth(kind: BudgetKind) {
     // Tokens per minute: a request is charged prompt + max_tokens and clamped to one minute's
     // worth; the unused part is given back at commit.
     let tpm = RateSpec {
-        key: format!("gw:{{{}}}:rl:tenant:tpm", c.tenant),
+        key: format!("gw:{{{}}}:rl:tenant:tpm", c.tenant).into(),
         per_minute: 1000,
         kind: RateKind::Tokens,
     };
@@ -570,7 +570,7 @@ async fn expired_leases_release_and_still_count_their_spend(kind: BudgetKind) {
     let c = Case::new(kind);
     let budget = c.counter("b", Mode::Enforce, Some(10_000), None);
     let rpm = RateSpec {
-        key: format!("gw:{{{}}}:rl:tenant:rpm", c.tenant),
+        key: format!("gw:{{{}}}:rl:tenant:rpm", c.tenant).into(),
         per_minute: 60,
         kind: RateKind::Requests,
     };
@@ -615,7 +615,7 @@ async fn expired_leases_release_and_still_count_their_spend(kind: BudgetKind) {
 async fn rate_limit_leases_give_units_back_once(kind: BudgetKind) {
     let c = Case::new(kind);
     let rpm = RateSpec {
-        key: format!("gw:{{{}}}:rl:tenant:rpm", c.tenant),
+        key: format!("gw:{{{}}}:rl:tenant:rpm", c.tenant).into(),
         per_minute: 60,
         kind: RateKind::Requests,
     };

@@ -101,7 +101,7 @@ pub struct Lease {
     rid: String,
     tenant_id: String,
     counters: Vec<(String, i64)>,
-    rates: Vec<(String, u64, RateKind)>,
+    rates: Vec<(std::sync::Arc<str>, u64, RateKind)>,
     open_until_ms: i64,
     /// Counter states right after the lease was granted (its whole hold counted as reserved).
     base: Vec<CounterState>,

@@ -115,6 +115,17 @@ impl Counter {
     }
 }
 
+/// The counter at `key`, made (with its key copied) only when it is new: a request's reserve and
+/// commit find it there.
+fn counter<'a>(counters: &'a mut FastMap<String, Counter>, key: &str) -> &'a mut Counter {
+    if !counters.contains_key(key) {
+        counters.insert(key.to_owned(), Counter::default());
+    }
+    counters
+        .get_mut(key)
+        .unwrap_or_else(|| unreachable!("inserted above"))
+}
+
 #[derive(Debug, Default)]
 struct Inner {
     counters: FastMap<String, Counter>,
@@ -250,7 +261,7 @@ impl MemoryStore {
             };
             let tat = inner
                 .rates
-                .get(&rate.key)
+                .get(&*rate.key)
                 .map_or(now_us, |(t, _)| t.max(now_us));
             let new_tat = tat + cost as f64 * emission_us(rate.per_minute);
             if new_tat - now_us > BURST_US {
@@ -264,7 +275,13 @@ impl MemoryStore {
         let mut rate_room = Vec::with_capacity(req.rates.len());
         for (rate, tat) in req.rates.iter().zip(new_tats) {
             let expire = (tat / 1000.0).ceil() as i64 + 1000;
-            inner.rates.insert(rate.key.clone(), (tat, expire));
+            // The key is cloned only when the limiter is new.
+            match inner.rates.get_mut(&*rate.key) {
+                Some(slot) => *slot = (tat, expire),
+                None => {
+                    inner.rates.insert(rate.key.to_string(), (tat, expire));
+                }
+            }
             rate_room
                 .push(((BURST_US - (tat - now_us)) / emission_us(rate.per_minute)).floor() as u64);
         }
@@ -278,7 +295,7 @@ impl MemoryStore {
         let micros = req.micros_for(granted);
         let mut after = Vec::with_capacity(states.len());
         for spec in &req.counters {
-            let c = inner.counters.entry(spec.key.clone()).or_default();
+            let c = counter(&mut inner.counters, &spec.key);
             c.expire_at_ms = c.expire_at_ms.max(spec.expire_at_ms);
             c.state.reserved_tokens += tokens;
             c.state.reserved_micros += micros;
@@ -307,11 +324,7 @@ impl MemoryStore {
                 .done
                 .insert(req.rid.clone(), req.now_ms + req.dedupe_ms);
             for (key, expire_at_ms) in &req.counters {
-                inner
-                    .counters
-                    .entry(key.clone())
-                    .or_default()
-                    .spend(req, *expire_at_ms);
+                counter(&mut inner.counters, key).spend(req, *expire_at_ms);
             }
             return true;
         }
@@ -351,7 +364,7 @@ impl MemoryStore {
             return true;
         }
         for (key, per_minute, refund) in &req.refunds {
-            if let Some((tat, _)) = inner.rates.get_mut(key) {
+            if let Some((tat, _)) = inner.rates.get_mut(&**key) {
                 *tat = (*tat - *refund as f64 * emission_us(*per_minute)).max(0.0);
             }
         }

@@ -73,8 +73,9 @@ pub enum RateKind {
 /// One GCRA rate limiter touched by a reservation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RateSpec {
-    /// Store key, with the tenant's hash tag (see [`rate_key`]).
-    pub key: String,
+    /// Store key, with the tenant's hash tag (see [`rate_key`]); shared, since each request's
+    /// plan and reservation carry a copy.
+    pub key: std::sync::Arc<str>,
     /// Units per minute (also the burst: one minute's worth).
     pub per_minute: u64,
     /// What a request costs.
@@ -235,7 +236,7 @@ pub struct CommitRequest {
     /// The counters reserved on (key, expire_at_ms).
     pub counters: Vec<(String, i64)>,
     /// The rate limiters charged (key, per_minute, units to give back).
-    pub refunds: Vec<(String, u64, u64)>,
+    pub refunds: Vec<(std::sync::Arc<str>, u64, u64)>,
     /// Set for a lease's settlement: `tokens`/`micros` are ignored and the totals here apply
     /// instead (see [`LeaseSync`]).
     pub lease: Option<LeaseSync>,

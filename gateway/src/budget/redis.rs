@@ -119,7 +119,7 @@ impl BudgetStore for RedisStore {
             inv.key(&c.key).key(zset(&c.key));
         }
         for r in &req.rates {
-            inv.key(&r.key);
+            inv.key(r.key.as_bytes());
         }
         if req.lease {
             inv.key(marker_key(&req.tenant_id, &req.rid));
@@ -215,7 +215,7 @@ impl BudgetStore for RedisStore {
                     inv.key(key).key(zset(key));
                 }
                 for (key, _, _) in &req.refunds {
-                    inv.key(key);
+                    inv.key(key.as_bytes());
                 }
                 let (mode, tokens, micros, lease) = match req.lease {
                     Some(l) => (

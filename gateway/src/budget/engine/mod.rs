@@ -121,7 +121,7 @@ pub struct Reservation {
     tenant_id: String,
     rid: String,
     counters: Vec<(String, i64)>,
-    token_rates: Vec<(String, u64)>,
+    token_rates: Vec<(std::sync::Arc<str>, u64)>,
     reserved_tokens: u64,
     /// Made in the local fail-open store (the shared one was unreachable).
     local: bool,
@@ -260,7 +260,7 @@ impl Budgets {
                 .into_iter()
                 .filter_map(|(kind, per_minute)| {
                     Some(RateSpec {
-                        key: rate_key(&r.tenant_id, scope, kind),
+                        key: rate_key(&r.tenant_id, scope, kind).into(),
                         per_minute: per_minute?,
                         kind,
                     })

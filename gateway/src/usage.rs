@@ -192,9 +192,10 @@ impl UsageEvent {
 /// `SecondsFormat::AutoSi` (no fraction, or 3, 6 or 9 digits, whichever is exact), ending in
 /// `Z` or `+00:00`: the form serde gives a [`UsageEvent`]'s `started_at` (the journal's records,
 /// the spool's lines) and the one sqlx binds into the SQLite ledger, whose queries compare it as
-/// text. Written digit by digit into a buffer on the stack: chrono's `Display` path (a formatter,
-/// and postcard's `collect_str` running it twice to learn the length first) was ~2.5 k
-/// instructions per ledger row (docs/benchmarks.md, twentieth sitting).
+/// text. Written digit by digit into a buffer on the stack instead of through chrono's `Display`
+/// path (a formatter, which postcard's `collect_str` runs twice to learn the length first): the
+/// journal's append went from 4.7 k to 3.0 k instructions per row (docs/benchmarks.md, twentieth
+/// sitting).
 #[derive(Clone, Copy)]
 pub struct Rfc3339 {
     bytes: [u8; Self::MAX],

@@ -150,12 +150,27 @@ pub enum Join {
 impl Inflight {
     /// Lead, or (for a client retry) follow the identical request in flight.
     pub fn join(self: &Arc<Self>, key_id: &str, fingerprint: &str, retry: bool) -> Join {
-        let mut joined = String::with_capacity(key_id.len() + 1 + fingerprint.len());
-        joined.push_str(key_id);
-        joined.push('\0');
-        joined.push_str(fingerprint);
+        // The key is put together on the stack (a key id and a fingerprint fit), and allocated
+        // once, shared, only when this request leads.
+        let len = key_id.len() + 1 + fingerprint.len();
+        let mut stack = [0u8; 128];
+        let on_stack = stack.get_mut(..len).and_then(|buf| {
+            let (id, rest) = buf.split_at_mut(key_id.len());
+            id.copy_from_slice(key_id.as_bytes());
+            rest[0] = 0;
+            rest[1..].copy_from_slice(fingerprint.as_bytes());
+            std::str::from_utf8(buf).ok()
+        });
+        let heap;
+        let joined: &str = match on_stack {
+            Some(joined) => joined,
+            None => {
+                heap = [key_id, fingerprint].join("\0");
+                &heap
+            }
+        };
         let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(slot) = running.get(joined.as_str()) {
+        if let Some(slot) = running.get(joined) {
             return if retry {
                 Join::Follow(slot.clone())
             } else {
@@ -318,6 +333,23 @@ mod tests {
             matches!(inflight.join("key", "fp", true), Join::Lead(_)),
             "done: gone"
         );
+    }
+
+    #[test]
+    fn keys_of_any_length_join_only_their_own_request() {
+        let inflight = Arc::new(Inflight::default());
+        let long = "k".repeat(200);
+        let mut leaders = Vec::new();
+        for (key, fp) in [("ab", "c"), ("a", "bc"), (long.as_str(), "fp"), ("k", "fp")] {
+            match inflight.join(key, fp, false) {
+                Join::Lead(l) => leaders.push(l),
+                _ => panic!("{key:?}/{fp:?} joined another request"),
+            }
+        }
+        for (key, fp) in [("ab", "c"), ("a", "bc"), (long.as_str(), "fp")] {
+            assert!(matches!(inflight.join(key, fp, true), Join::Follow(_)));
+        }
+        assert_eq!(inflight.len(), 4);
     }
 
     #[tokio::test]

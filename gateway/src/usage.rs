@@ -2,6 +2,7 @@
 //! when the client disconnects mid-stream, and handed to a [`UsageSink`] off the request path.
 //! The cost ledger persists them; until then the default sink logs them.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -94,14 +95,14 @@ pub struct UsageEvent {
     pub key_id: String,
     /// Key tags merged with `x-gateway-tags` of the request.
     pub tags: BTreeMap<String, String>,
-    /// `chat`, `completions` or `embeddings`.
-    pub endpoint: String,
+    /// `chat`, `completions` or `embeddings` (borrowed from the label, owned when read back).
+    pub endpoint: Cow<'static, str>,
     /// Model name the client asked for.
     pub requested_model: String,
     /// Model name the upstream served, if one was reached.
     pub served_model: Option<String>,
-    /// Tier that served it.
-    pub tier: Option<String>,
+    /// Tier that served it (borrowed from the tier's name, owned when read back).
+    pub tier: Option<Cow<'static, str>>,
     /// Replica that served it.
     pub replica: Option<String>,
     /// Prompt tokens.

@@ -374,7 +374,12 @@ async fn budget_pressure_moves_a_prompt_to_small_before_the_limit_and_any_429() 
             .split(' ')
             .find_map(|kv| kv.strip_prefix("budget_used="))
             .map(|u| u.parse::<f64>().unwrap());
-        seen.push((e.tier.unwrap(), e.route_reason.unwrap(), used, h));
+        seen.push((
+            e.tier.unwrap().into_owned(),
+            e.route_reason.unwrap(),
+            used,
+            h,
+        ));
     }
     assert!(seen.len() < 200, "the hard cap never refused: {seen:#?}");
     let moved = seen

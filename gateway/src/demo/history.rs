@@ -228,7 +228,7 @@ impl Generator<'_> {
             endpoint: "chat".into(),
             requested_model: call.requested.to_owned(),
             served_model: Some(model.to_owned()),
-            tier: Some(tier.to_owned()),
+            tier: Some(tier.to_owned().into()),
             replica: (!hit).then(|| replica.to_owned()),
             prompt_tokens: call.prompt,
             completion_tokens: call.completion,

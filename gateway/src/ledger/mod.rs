@@ -276,10 +276,12 @@ macro_rules! decode_row {
             key_id: r.try_get("key_id")?,
             tags: serde_json::from_str(&tags)
                 .map_err(|e| StoreError::Corrupt(format!("ledger.tags: {e}")))?,
-            endpoint: r.try_get("endpoint")?,
+            endpoint: std::borrow::Cow::Owned(r.try_get::<String, _>("endpoint")?),
             requested_model: r.try_get("requested_model")?,
             served_model: r.try_get("served_model")?,
-            tier: r.try_get("tier")?,
+            tier: r
+                .try_get::<Option<String>, _>("tier")?
+                .map(std::borrow::Cow::Owned),
             replica: r.try_get("replica")?,
             prompt_tokens: u64::try_from(r.try_get::<i64, _>("prompt_tokens")?).unwrap_or(0),
             completion_tokens: u64::try_from(r.try_get::<i64, _>("completion_tokens")?)

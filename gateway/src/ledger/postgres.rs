@@ -115,7 +115,7 @@ impl LedgerStore for PostgresLedger {
             .bind(col!(|e| e.end_user()))
             .bind(col!(|e| e.session()))
             .bind(col!(|e| serde_json::to_string(&e.tags).unwrap_or_default()))
-            .bind(col!(|e| e.endpoint.as_str()))
+            .bind(col!(|e| e.endpoint.as_ref()))
             .bind(col!(|e| e.requested_model.as_str()))
             .bind(col!(|e| e.served_model.as_deref()))
             .bind(col!(|e| e.tier.as_deref()))

@@ -84,7 +84,7 @@ fn bind_row<'q>(q: InsertQuery<'q>, e: &'q UsageEvent) -> InsertQuery<'q> {
         .bind(e.end_user())
         .bind(e.session())
         .bind(serde_json::to_string(&e.tags).unwrap_or_default())
-        .bind(e.endpoint.as_str())
+        .bind(e.endpoint.as_ref())
         .bind(e.requested_model.as_str())
         .bind(e.served_model.as_deref())
         .bind(e.tier.as_deref())

@@ -542,7 +542,7 @@ fn new_event(ctx: &RequestContext, endpoint: Endpoint) -> UsageEvent {
         tenant_name: ctx.key.tenant_name.clone(),
         key_id: ctx.key.id.clone(),
         tags: ctx.tags.clone(),
-        endpoint: endpoint.label().to_owned(),
+        endpoint: endpoint.label().into(),
         requested_model: String::new(),
         served_model: None,
         tier: None,

@@ -42,7 +42,7 @@ pub(super) fn cache_hit(call: &mut Call, found: crate::cache::Found) -> Option<R
     let mut event = call.event.clone();
     event.cache_status = found.status;
     event.served_model = Some(entry.served_model.clone());
-    event.tier = Some(entry.tier.clone());
+    event.tier = Some(entry.tier.clone().into());
     let (input, output) =
         state
             .prices
@@ -297,7 +297,7 @@ fn cache_entry(
 
 /// Who answered, on the event: tier, replica and served model.
 fn served_by(event: &mut UsageEvent, pool: &TierPool, target: &Target) {
-    event.tier = Some(pool.tier.as_str().to_owned());
+    event.tier = Some(pool.tier.as_str().into());
     event.replica = Some(target.name.clone());
     event.served_model = Some(target.model.clone());
 }

@@ -6,6 +6,7 @@
 //! redirect, retry, proxy-discovery or URL-parsing layers on its hot path.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -28,12 +29,12 @@ use crate::types::Tier;
 /// One replica's address and credentials.
 #[derive(Debug)]
 pub struct Target {
-    /// Replica name.
-    pub name: String,
+    /// Replica name (shared: each answer's usage event names it).
+    pub name: Arc<str>,
     /// Base URL without trailing slash (ends in `/v1` by convention).
     pub base_url: String,
-    /// Model name the upstream expects.
-    pub model: String,
+    /// Model name the upstream expects (shared: each answer's usage event names it).
+    pub model: Arc<str>,
     /// `Bearer <key>` for the upstream, marked sensitive.
     authorization: Option<HeaderValue>,
     /// Endpoint URIs, indexed by [`Endpoint::ALL`] order (parsed once, not per request).
@@ -374,9 +375,9 @@ impl Upstreams {
                     HeaderValue::from_maybe_shared(Bytes::copy_from_slice(v.as_bytes())).ok()
                 };
                 targets.push(Target {
-                    name: r.name.clone(),
+                    name: r.name.as_str().into(),
                     base_url,
-                    model: r.model.clone(),
+                    model: r.model.as_str().into(),
                     authorization,
                     uris,
                     headers: (header(&r.name), header(&r.model)),

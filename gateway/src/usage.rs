@@ -99,12 +99,12 @@ pub struct UsageEvent {
     pub endpoint: Cow<'static, str>,
     /// Model name the client asked for.
     pub requested_model: String,
-    /// Model name the upstream served, if one was reached.
-    pub served_model: Option<String>,
+    /// Model name the upstream served, if one was reached (shared with the replica's target).
+    pub served_model: Option<Arc<str>>,
     /// Tier that served it (borrowed from the tier's name, owned when read back).
     pub tier: Option<Cow<'static, str>>,
-    /// Replica that served it.
-    pub replica: Option<String>,
+    /// Replica that served it (shared with the replica's target).
+    pub replica: Option<Arc<str>>,
     /// Prompt tokens.
     pub prompt_tokens: u64,
     /// Completion tokens.

@@ -278,11 +278,13 @@ macro_rules! decode_row {
                 .map_err(|e| StoreError::Corrupt(format!("ledger.tags: {e}")))?,
             endpoint: std::borrow::Cow::Owned(r.try_get::<String, _>("endpoint")?),
             requested_model: r.try_get("requested_model")?,
-            served_model: r.try_get("served_model")?,
+            served_model: r
+                .try_get::<Option<String>, _>("served_model")?
+                .map(Into::into),
             tier: r
                 .try_get::<Option<String>, _>("tier")?
                 .map(std::borrow::Cow::Owned),
-            replica: r.try_get("replica")?,
+            replica: r.try_get::<Option<String>, _>("replica")?.map(Into::into),
             prompt_tokens: u64::try_from(r.try_get::<i64, _>("prompt_tokens")?).unwrap_or(0),
             completion_tokens: u64::try_from(r.try_get::<i64, _>("completion_tokens")?)
                 .unwrap_or(0),

@@ -262,13 +262,13 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
             state
                 .metrics
                 .upstream_errors
-                .with_label_values(&[target.name.as_str(), kind])
+                .with_label_values(&[&*target.name, kind])
                 .inc();
             if let Some(trip) = tripped {
                 state
                     .metrics
                     .breaker_trips
-                    .with_label_values(&[tier.as_str(), target.name.as_str(), trip.as_str()])
+                    .with_label_values(&[tier.as_str(), &*target.name, trip.as_str()])
                     .inc();
             }
             tracing::warn!(
@@ -468,7 +468,7 @@ fn note_choice(
     drop(memory);
     event.replica_choice = Some(reason.as_str().to_owned());
     event.matched_blocks = Some(u32::try_from(matched).unwrap_or(u32::MAX));
-    let (tier, replica) = (pool.tier.as_str(), pool.target(lease).name.as_str());
+    let (tier, replica) = (pool.tier.as_str(), &*pool.target(lease).name);
     let m = &state.metrics;
     m.replica_choices
         .with_label_values(&[tier, replica, reason.as_str()])

@@ -41,7 +41,7 @@ pub(super) fn cache_hit(call: &mut Call, found: crate::cache::Found) -> Option<R
     // The call ends here: this is its one event.
     let mut event = call.event.clone();
     event.cache_status = found.status;
-    event.served_model = Some(entry.served_model.clone());
+    event.served_model = Some(entry.served_model.as_str().into());
     event.tier = Some(entry.tier.clone().into());
     let (input, output) =
         state
@@ -284,7 +284,7 @@ fn cache_entry(
 ) -> crate::cache::Entry {
     crate::cache::Entry {
         body,
-        served_model: target.model.clone(),
+        served_model: target.model.to_string(),
         tier: pool.tier.as_str().to_owned(),
         usage: Usage {
             prompt_tokens: event.prompt_tokens,
@@ -422,7 +422,7 @@ pub(super) fn streamed(
             state
                 .metrics
                 .upstream_errors
-                .with_label_values(&[target.name.as_str(), kind])
+                .with_label_values(&[&*target.name, kind])
                 .inc();
             // Tell the client the stream ended abnormally, in the OpenAI error shape.
             let e = ApiError::BadGateway {

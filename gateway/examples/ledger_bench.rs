@@ -40,7 +40,7 @@ fn event(i: u64, week: IsoWeek) -> UsageEvent {
         (prompt * 2 + completion * 8) as i64
     };
     UsageEvent {
-        request_id: format!("bench-{i}"),
+        request_id: format!("bench-{i}").into(),
         started_at: week.start() + Duration::milliseconds((i % 604_000_000) as i64),
         tenant_id: format!("ten_{}", i % 50),
         tenant_name: tenant,

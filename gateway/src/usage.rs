@@ -83,7 +83,7 @@ impl UsageSource {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct UsageEvent {
     /// Gateway request id (`x-request-id`).
-    pub request_id: String,
+    pub request_id: Arc<str>,
     /// When the request arrived (written as chrono writes it, by [`Rfc3339`]).
     #[serde(with = "started_at")]
     pub started_at: DateTime<Utc>,

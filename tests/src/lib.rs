@@ -797,7 +797,7 @@ pub fn ledger_event(request_id: String, billed: Billed<'_>) -> gateway::usage::U
     use gateway::usage::{CacheStatus, UsageSource};
     let output = completion as i64 * out_price;
     gateway::usage::UsageEvent {
-        request_id,
+        request_id: request_id.into(),
         started_at: at,
         tenant_id: format!("ten_{tenant}"),
         tenant_name: tenant.into(),

@@ -1216,7 +1216,7 @@ async fn reused_client_request_ids_never_merge_billing(kind: BudgetKind) {
     let served: u64 = answered.iter().map(|(_, t)| t).sum();
     let settled = events(&mut s.app, n).await;
     let settled_ids: std::collections::HashSet<String> =
-        settled.iter().map(|e| e.request_id.clone()).collect();
+        settled.iter().map(|e| e.request_id.to_string()).collect();
     assert_eq!(
         settled_ids.len(),
         n,

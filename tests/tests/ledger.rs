@@ -16,7 +16,7 @@ use serde_json::json;
 
 fn full_event(i: u32) -> UsageEvent {
     UsageEvent {
-        request_id: format!("req-{i}"),
+        request_id: format!("req-{i}").into(),
         started_at: Utc::now().trunc_subsecs(6),
         tenant_id: "ten_1".into(),
         tenant_name: "acme".into(),
@@ -93,7 +93,7 @@ async fn every_usage_field_lands_in_the_ledger_and_replays_are_no_ops_on_both_st
             .await
             .unwrap();
         assert_eq!(back.len(), 2);
-        let by_id = |id: &str| back.iter().find(|r| r.request_id == id).unwrap().clone();
+        let by_id = |id: &str| back.iter().find(|r| &*r.request_id == id).unwrap().clone();
         assert_eq!(by_id("req-1"), rows[0], "{kind:?}");
         assert_eq!(by_id("req-2"), rows[1], "{kind:?}");
         assert_eq!(ledger.count().await.unwrap(), 2);

@@ -219,7 +219,7 @@ impl Generator<'_> {
         };
         let n = self.rows.len();
         self.rows.push(UsageEvent {
-            request_id: format!("demo-history-{n:06}"),
+            request_id: format!("demo-history-{n:06}").into(),
             started_at: call.at,
             tenant_id,
             tenant_name: call.tenant.to_owned(),

@@ -374,7 +374,7 @@ pub(crate) mod tests {
         drop(j);
         let (j, mut left) = Journal::open(dir.path()).unwrap();
         left.sort_by(|x, y| x.request_id.cmp(&y.request_id));
-        let ids: Vec<_> = left.iter().map(|e| e.request_id.as_str()).collect();
+        let ids: Vec<_> = left.iter().map(|e| &*e.request_id).collect();
         assert_eq!(ids, ["a", "b", "c"]);
         j.recovered().unwrap();
         let _ = (b, c);
@@ -412,7 +412,7 @@ pub(crate) mod tests {
         bytes[at + 4 + cut..].fill(0);
         std::fs::write(&path, &bytes).unwrap();
         let (_, left) = Journal::open(dir.path()).unwrap();
-        let ids: Vec<_> = left.iter().map(|e| e.request_id.as_str()).collect();
+        let ids: Vec<_> = left.iter().map(|e| &*e.request_id).collect();
         assert_eq!(ids, ["old", "full"]);
         assert_eq!(left[1], full, "every field survives the binary form");
     }
@@ -432,7 +432,7 @@ pub(crate) mod tests {
         // And a segment reserved but killed before its magic: nothing in it.
         std::fs::write(segment_path(dir.path(), 2), vec![0; 4096]).unwrap();
         let (_, left) = Journal::open(dir.path()).unwrap();
-        let ids: Vec<_> = left.iter().map(|e| e.request_id.as_str()).collect();
+        let ids: Vec<_> = left.iter().map(|e| &*e.request_id).collect();
         assert_eq!(ids, ["a"]);
     }
 
@@ -455,7 +455,7 @@ pub(crate) mod tests {
         assert_eq!(j.pending(), 3);
         drop(j);
         let (_, left) = Journal::open(dir.path()).unwrap();
-        let ids: Vec<_> = left.iter().map(|e| e.request_id.as_str()).collect();
+        let ids: Vec<_> = left.iter().map(|e| &*e.request_id).collect();
         assert_eq!(ids, ["a", "big", "c"]);
         assert_eq!(left[1], big);
     }

@@ -269,7 +269,7 @@ macro_rules! decode_row {
         let tags: String = r.try_get("tags")?;
         let all_large_micros: Option<i64> = r.try_get("all_large_micros")?;
         Ok::<_, StoreError>(UsageEvent {
-            request_id: r.try_get("request_id")?,
+            request_id: r.try_get::<String, _>("request_id")?.into(),
             started_at: r.try_get("started_at")?,
             tenant_id: r.try_get("tenant_id")?,
             tenant_name: r.try_get("tenant_name")?,

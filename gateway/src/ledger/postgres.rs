@@ -106,7 +106,7 @@ impl LedgerStore for PostgresLedger {
              up AS ({rollup}) SELECT COUNT(*) FROM ins"
         );
         let inserted: i64 = sqlx::query_scalar(&sql)
-            .bind(col!(|e| e.request_id.as_str()))
+            .bind(col!(|e| e.request_id.as_ref()))
             .bind(col!(|e| e.started_at))
             .bind(col!(|e| e.tenant_id.as_str()))
             .bind(col!(|e| e.tenant_name.as_str()))

@@ -75,7 +75,7 @@ type InsertQuery<'q> = sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::Sqlite
 
 /// Bind one row's values, in [`COLUMNS`] order.
 fn bind_row<'q>(q: InsertQuery<'q>, e: &'q UsageEvent) -> InsertQuery<'q> {
-    q.bind(e.request_id.as_str())
+    q.bind(e.request_id.as_ref())
         .bind(started_at_text(e))
         .bind(e.tenant_id.as_str())
         .bind(e.tenant_name.as_str())

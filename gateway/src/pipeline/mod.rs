@@ -43,7 +43,7 @@ pub use settle::settle;
 #[derive(Debug, Clone)]
 pub struct RequestContext {
     /// Gateway request id.
-    pub request_id: String,
+    pub request_id: Arc<str>,
     /// The authenticated key.
     pub key: Arc<ApiKey>,
     /// Key tags merged with the request's `x-gateway-tags`.
@@ -210,7 +210,7 @@ async fn refuse(
         .and_then(crate::budget::engine::Plan::requests_only);
     if let Some(plan) = plan {
         let input = AdmitInput {
-            rid: ctx.request_id.clone(),
+            rid: ctx.request_id.to_string(),
             prompt_tokens: 0,
             max_tokens: None,
             generates: false,
@@ -484,7 +484,7 @@ impl Call {
         };
         let at = self.ctx.started_at;
         AdmitInput {
-            rid: self.ctx.request_id.clone(),
+            rid: self.ctx.request_id.to_string(),
             prompt_tokens,
             max_tokens,
             generates: req.endpoint != Endpoint::Embeddings,

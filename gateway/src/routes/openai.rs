@@ -117,7 +117,7 @@ async fn proxy(state: AppState, key: Arc<ApiKey>, req: Request, endpoint: Endpoi
         .get(headers::REQUEST_ID)
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
-        .to_owned();
+        .into();
     let mut ctx = RequestContext {
         request_id,
         tags: key.tags.clone(),

@@ -71,7 +71,7 @@ pub fn generate() -> GeneratedKey {
 
 /// SHA-256 of a key, hex-encoded.
 pub fn hash(secret: &str) -> String {
-    lower_hex(&Sha256::digest(secret.as_bytes()))
+    hash_into(secret, &mut [0; 64]).to_owned()
 }
 
 /// [`hash`] written into `buf` (no allocation: every authenticated request makes one).

@@ -115,14 +115,14 @@ impl Counter {
     }
 }
 
-/// The counter at `key`, made (with its key copied) only when it is new: a request's reserve and
-/// commit find it there.
-fn counter<'a>(counters: &'a mut FastMap<String, Counter>, key: &str) -> &'a mut Counter {
-    if !counters.contains_key(key) {
-        counters.insert(key.to_owned(), Counter::default());
+/// The entry at `key` (a counter, a limiter), made with its default (and its key copied) only
+/// when it is new: a request's reserve and commit find it there, and `HashMap::entry` would copy
+/// the key every time.
+fn slot<'a, V: Default>(map: &'a mut FastMap<String, V>, key: &str) -> &'a mut V {
+    if !map.contains_key(key) {
+        map.insert(key.to_owned(), V::default());
     }
-    counters
-        .get_mut(key)
+    map.get_mut(key)
         .unwrap_or_else(|| unreachable!("inserted above"))
 }
 
@@ -275,13 +275,7 @@ impl MemoryStore {
         let mut rate_room = Vec::with_capacity(req.rates.len());
         for (rate, tat) in req.rates.iter().zip(new_tats) {
             let expire = (tat / 1000.0).ceil() as i64 + 1000;
-            // The key is cloned only when the limiter is new.
-            match inner.rates.get_mut(&*rate.key) {
-                Some(slot) => *slot = (tat, expire),
-                None => {
-                    inner.rates.insert(rate.key.to_string(), (tat, expire));
-                }
-            }
+            *slot(&mut inner.rates, &rate.key) = (tat, expire);
             rate_room
                 .push(((BURST_US - (tat - now_us)) / emission_us(rate.per_minute)).floor() as u64);
         }
@@ -295,7 +289,7 @@ impl MemoryStore {
         let micros = req.micros_for(granted);
         let mut after = Vec::with_capacity(states.len());
         for spec in &req.counters {
-            let c = counter(&mut inner.counters, &spec.key);
+            let c = slot(&mut inner.counters, &spec.key);
             c.expire_at_ms = c.expire_at_ms.max(spec.expire_at_ms);
             c.state.reserved_tokens += tokens;
             c.state.reserved_micros += micros;
@@ -324,7 +318,7 @@ impl MemoryStore {
                 .done
                 .insert(req.rid.clone(), req.now_ms + req.dedupe_ms);
             for (key, expire_at_ms) in &req.counters {
-                counter(&mut inner.counters, key).spend(req, *expire_at_ms);
+                slot(&mut inner.counters, key).spend(req, *expire_at_ms);
             }
             return true;
         }
@@ -401,7 +395,7 @@ impl BudgetStore for MemoryStore {
         expire_at_ms: i64,
     ) -> Result<bool, BudgetError> {
         let mut inner = self.lock();
-        let c = inner.counters.entry(key.to_owned()).or_default();
+        let c = slot(&mut inner.counters, key);
         if c.seeded {
             return Ok(false);
         }

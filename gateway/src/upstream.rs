@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{AUTHORIZATION, CONTENT_TYPE};
-use http::{HeaderValue, Request, Uri};
+use http::{HeaderValue, Method, Request, Uri};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
@@ -495,17 +495,19 @@ impl Upstreams {
         request_id: &str,
         first_byte: Duration,
     ) -> Result<UpstreamResponse, AttemptError> {
-        let mut req = Request::post(target.uris[endpoint as usize].clone())
-            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        // Put together in place: the builder moves the request's parts through every call.
+        let mut req = Request::new(Full::new(body));
+        *req.method_mut() = Method::POST;
+        *req.uri_mut() = target.uris[endpoint as usize].clone();
+        let headers = req.headers_mut();
+        headers.reserve(3);
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         if let Ok(id) = HeaderValue::from_str(request_id) {
-            req = req.header(crate::headers::REQUEST_ID, id);
+            headers.insert(crate::headers::REQUEST_ID, id);
         }
         if let Some(auth) = &target.authorization {
-            req = req.header(AUTHORIZATION, auth.clone());
+            headers.insert(AUTHORIZATION, auth.clone());
         }
-        let req = req
-            .body(Full::new(body))
-            .map_err(|e| AttemptError::Transport(e.to_string()))?;
         match tokio::time::timeout(first_byte, self.client.request(req)).await {
             Err(_) => Err(AttemptError::Timeout),
             Ok(Ok(resp)) => Ok(resp),

@@ -500,7 +500,6 @@ impl Upstreams {
         *req.method_mut() = Method::POST;
         *req.uri_mut() = target.uris[endpoint as usize].clone();
         let headers = req.headers_mut();
-        headers.reserve(3);
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         if let Ok(id) = HeaderValue::from_str(request_id) {
             headers.insert(crate::headers::REQUEST_ID, id);

@@ -53,9 +53,11 @@ struct UsageOnly {
 /// most of it) is not walked by the parser. Any other body goes through serde whole, which
 /// skips what it does not need.
 pub fn usage_in_body(body: &[u8]) -> Option<Usage> {
-    if let Some(found) = usage_at_end(body) {
-        return found;
-    }
+    usage_at_end(body).unwrap_or_else(|| usage_by_parse(body))
+}
+
+/// `usage` read by parsing the whole body (serde skips the members it does not need).
+fn usage_by_parse(body: &[u8]) -> Option<Usage> {
     serde_json::from_slice::<UsageOnly>(body)
         .ok()
         .and_then(|u| u.usage)
@@ -137,14 +139,6 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     use super::*;
-
-    /// What the whole-body parse reads: the reference the scan must agree with.
-    fn by_serde(body: &[u8]) -> Option<Usage> {
-        serde_json::from_slice::<UsageOnly>(body)
-            .ok()
-            .and_then(|u| u.usage)
-            .map(Usage::from)
-    }
 
     const TEXTS: [&str; 8] = [
         "Paris.",
@@ -243,7 +237,11 @@ mod tests {
         let mut at_end = 0;
         for _ in 0..20_000 {
             let b = body(&mut rng);
-            assert_eq!(usage_in_body(b.as_bytes()), by_serde(b.as_bytes()), "{b}");
+            assert_eq!(
+                usage_in_body(b.as_bytes()),
+                usage_by_parse(b.as_bytes()),
+                "{b}"
+            );
             at_end += usize::from(usage_at_end(b.as_bytes()).is_some());
         }
         // Both ways are taken: the member found at the end, and the whole parse.
@@ -260,7 +258,11 @@ mod tests {
             "not json",
         ];
         for b in fixed {
-            assert_eq!(usage_in_body(b.as_bytes()), by_serde(b.as_bytes()), "{b}");
+            assert_eq!(
+                usage_in_body(b.as_bytes()),
+                usage_by_parse(b.as_bytes()),
+                "{b}"
+            );
         }
         assert_eq!(
             usage_in_body(br#"{"us\u0061ge":{"prompt_tokens":4}}"#).map(|u| u.prompt_tokens),
@@ -276,7 +278,7 @@ mod tests {
             // Cut anywhere: read as serde reads it (nothing, until the cut is past the object).
             for cut in 0..b.len() {
                 let short = &b[..cut];
-                assert_eq!(usage_in_body(short), by_serde(short), "{short:?}");
+                assert_eq!(usage_in_body(short), usage_by_parse(short), "{short:?}");
             }
             // Bytes flipped: any answer, but no panic.
             let mut garbled = b.clone();
@@ -288,7 +290,7 @@ mod tests {
         }
         // What the server said it used is read even when the rest of its body is broken.
         let broken = br#"{"x":tru,"usage":{"prompt_tokens":3,"completion_tokens":4}}"#;
-        assert_eq!(by_serde(broken), None);
+        assert_eq!(usage_by_parse(broken), None);
         assert_eq!(
             usage_in_body(broken).map(|u| (u.prompt_tokens, u.completion_tokens)),
             Some((3, 4))

@@ -42,6 +42,9 @@ pub struct Target {
     /// `name` and `model` as response header values (`None`: not valid in a header), made
     /// once: each answer names its replica and model.
     headers: (Option<HeaderValue>, Option<HeaderValue>),
+    /// The `Host` header of a plain-HTTP replica (HTTP/1.1 always), made once; `None` for
+    /// HTTPS, where ALPN may pick HTTP/2 and the client sets it (or `:authority`) itself.
+    host: Option<HeaderValue>,
 }
 
 impl Target {
@@ -379,8 +382,9 @@ impl Upstreams {
                     base_url,
                     model: r.model.as_str().into(),
                     authorization,
-                    uris,
                     headers: (header(&r.name), header(&r.model)),
+                    host: uris.first().and_then(host_header),
+                    uris,
                 });
             }
             let mut set = ReplicaSet::new(
@@ -492,7 +496,7 @@ impl Upstreams {
         target: &Target,
         endpoint: Endpoint,
         body: Bytes,
-        request_id: &str,
+        request_id: Option<&HeaderValue>,
         first_byte: Duration,
     ) -> Result<UpstreamResponse, AttemptError> {
         // Put together in place: the builder moves the request's parts through every call.
@@ -501,11 +505,15 @@ impl Upstreams {
         *req.uri_mut() = target.uris[endpoint as usize].clone();
         let headers = req.headers_mut();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        if let Ok(id) = HeaderValue::from_str(request_id) {
-            headers.insert(crate::headers::REQUEST_ID, id);
+        if let Some(id) = request_id {
+            headers.insert(crate::headers::REQUEST_ID, id.clone());
         }
         if let Some(auth) = &target.authorization {
             headers.insert(AUTHORIZATION, auth.clone());
+        }
+        if let Some(host) = &target.host {
+            // What the client would write (a `format!` and a copy per request), shared.
+            headers.insert(http::header::HOST, host.clone());
         }
         match tokio::time::timeout(first_byte, self.client.request(req)).await {
             Err(_) => Err(AttemptError::Timeout),
@@ -514,6 +522,20 @@ impl Upstreams {
             Ok(Err(e)) => Err(AttemptError::Transport(error_chain(&e))),
         }
     }
+}
+
+/// The `Host` header hyper-util's client writes for an HTTP/1 request to `uri` (the host, and
+/// the port unless it is the scheme's default), for a plain-HTTP `uri`; `None` otherwise.
+fn host_header(uri: &Uri) -> Option<HeaderValue> {
+    if uri.scheme_str() != Some("http") {
+        return None;
+    }
+    let host = uri.host()?;
+    let value = match uri.port_u16() {
+        Some(80) | None => host.to_owned(),
+        Some(port) => format!("{host}:{port}"),
+    };
+    HeaderValue::from_maybe_shared(Bytes::from(value)).ok()
 }
 
 /// Read a whole response body of at most `limit` bytes before `deadline`.
@@ -544,4 +566,31 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         source = cause.source();
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_host_header_is_the_one_the_http1_client_would_write() {
+        let host = |uri: &str| {
+            host_header(&uri.parse::<Uri>().unwrap_or_default())
+                .map(|v| v.to_str().unwrap_or_default().to_owned())
+        };
+        for (uri, expected) in [
+            (
+                "http://127.0.0.1:8000/v1/chat/completions",
+                "127.0.0.1:8000",
+            ),
+            ("http://vllm.internal/v1/completions", "vllm.internal"),
+            ("http://vllm.internal:80/v1", "vllm.internal"),
+            ("http://vllm.internal:443/v1", "vllm.internal:443"),
+            ("http://[::1]:9000/v1", "[::1]:9000"),
+        ] {
+            assert_eq!(host(uri).as_deref(), Some(expected), "{uri}");
+        }
+        // HTTPS may be HTTP/2 (ALPN): left to the client.
+        assert_eq!(host("https://api.example.com/v1"), None);
+    }
 }

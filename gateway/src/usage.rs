@@ -150,7 +150,7 @@ pub struct UsageEvent {
     /// Why the request went to its tier (`explicit`, `classifier`, `budget`, `rule`,
     /// `fallback`, `unhealthy`); `None` when it was refused before the route step.
     #[serde(default)]
-    pub route_reason: Option<String>,
+    pub route_reason: Option<Cow<'static, str>>,
     /// The tier router (`model: "auto"`) chose the tier (not stored: `all_large_micros` says it
     /// in the ledger).
     #[serde(default)]

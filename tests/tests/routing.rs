@@ -376,7 +376,7 @@ async fn budget_pressure_moves_a_prompt_to_small_before_the_limit_and_any_429() 
             .map(|u| u.parse::<f64>().unwrap());
         seen.push((
             e.tier.unwrap().into_owned(),
-            e.route_reason.unwrap(),
+            e.route_reason.unwrap().into_owned(),
             used,
             h,
         ));

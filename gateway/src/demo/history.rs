@@ -249,7 +249,7 @@ impl Generator<'_> {
             retry_storm_flag: false,
             loop_steps: 0,
             avoided_micros: 0,
-            route_reason: Some(if routed { "classifier" } else { "explicit" }.to_owned()),
+            route_reason: Some(if routed { "classifier" } else { "explicit" }.into()),
             routed,
             all_large_micros: (routed && !hit).then(|| {
                 self.book

@@ -306,7 +306,9 @@ macro_rules! decode_row {
             fingerprint: r.try_get("fingerprint")?,
             loop_steps: u32::try_from(r.try_get::<i32, _>("loop_steps")?).unwrap_or(0),
             avoided_micros: r.try_get("avoided_micros")?,
-            route_reason: r.try_get("route_reason")?,
+            route_reason: r
+                .try_get::<Option<String>, _>("route_reason")?
+                .map(std::borrow::Cow::Owned),
             routed: all_large_micros.is_some(),
             all_large_micros,
             replica_choice: r.try_get("replica_choice")?,

@@ -417,39 +417,49 @@ impl ParsedRequest {
 
     /// Fingerprint of the request: the body with `model` as the client named it, minus the fields
     /// that do not change the answer (`stream`, `stream_options`, `user`), keys in sorted order,
-    /// whole floats written as integers. Streamed into the hash: nothing of the body is copied.
+    /// whole floats written as integers. Streamed into the hash: nothing of the body is copied
+    /// (the parsed body's keys are already in order, so `endpoint` and `model` are merged in
+    /// as it is written).
     pub fn fingerprint(&self) -> String {
         use serde::ser::SerializeMap as _;
         use sha2::Digest as _;
 
-        struct View<'a>(Vec<(&'a str, Canon<'a>)>);
+        struct View<'a> {
+            body: &'a Map<String, Value>,
+            /// Sorted, and sorted among the body's keys by the same byte order.
+            added: [(&'a str, &'a str); 2],
+        }
         impl serde::Serialize for View<'_> {
             fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-                let mut m = s.serialize_map(Some(self.0.len()))?;
-                for (k, v) in &self.0 {
-                    m.serialize_entry(k, v)?;
+                let mut m = s.serialize_map(None)?;
+                let mut added = self.added.iter().peekable();
+                for (k, v) in self.body {
+                    if matches!(
+                        k.as_str(),
+                        "stream" | "stream_options" | "user" | "model" | "endpoint"
+                    ) {
+                        continue;
+                    }
+                    while let Some((ak, av)) = added.next_if(|(ak, _)| *ak < k.as_str()) {
+                        m.serialize_entry(ak, av)?;
+                    }
+                    m.serialize_entry(k, &Canon(v))?;
+                }
+                for (ak, av) in added {
+                    m.serialize_entry(ak, av)?;
                 }
                 m.end()
             }
         }
-        let model = Value::String(self.model.clone());
-        let endpoint = Value::String(self.endpoint.label().into());
-        let mut entries: Vec<(&str, Canon<'_>)> = self
-            .body
-            .iter()
-            .filter(|(k, _)| {
-                !matches!(
-                    k.as_str(),
-                    "stream" | "stream_options" | "user" | "model" | "endpoint"
-                )
-            })
-            .map(|(k, v)| (k.as_str(), Canon(v)))
-            .collect();
-        entries.push(("model", Canon(&model)));
-        entries.push(("endpoint", Canon(&endpoint)));
-        entries.sort_by(|a, b| a.0.cmp(b.0));
+        let view = View {
+            body: &self.body,
+            added: [
+                ("endpoint", self.endpoint.label()),
+                ("model", self.model.as_str()),
+            ],
+        };
         let mut hasher = HashWriter(sha2::Sha256::new());
-        let _ = serde_json::to_writer(&mut hasher, &View(entries));
+        let _ = serde_json::to_writer(&mut hasher, &view);
         crate::keys::lower_hex(&hasher.0.finalize()[..16])
     }
 
@@ -671,6 +681,10 @@ mod tests {
                    "messages": [{"role": "user", "content": "hi", "weight": 1.5}],
                    "endpoint": "sneaky", "a": [1.0, 2, {"z": 3.0}]}),
             json!({"model": "fast", "messages": [{"role": "user", "content": "x"}]}),
+            // Keys on either side of the two merged in, by byte order.
+            json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "": 0,
+                   "Z": 1, "e": 2, "endpoint0": 3, "endpoinu": 4, "mode": 5, "model0": 6,
+                   "zz": 7, "stream": false}),
         ] {
             let req = parse(Endpoint::Chat, body).unwrap();
             let mut canonical = req.body.clone();

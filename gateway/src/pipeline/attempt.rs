@@ -16,13 +16,10 @@ use crate::upstream::{self, AttemptError, TierPool, UpstreamResponse};
 /// The tiers to try, in order: the first tier once plus `retries_same_tier` more replicas of it,
 /// then the other tier once when fallback is allowed (by the config, and by the request: a
 /// request downgraded by a budget never falls back to the large tier).
-pub(super) fn plan(state: &AppState, first: Tier, fallback: bool) -> Vec<Tier> {
+pub(super) fn plan(state: &AppState, first: Tier, fallback: bool) -> impl Iterator<Item = Tier> {
     let up = state.upstreams.config();
-    let mut plan = vec![first; 1 + up.retries_same_tier as usize];
-    if up.fallback_to_other_tier && fallback {
-        plan.push(first.other());
-    }
-    plan
+    let same = std::iter::repeat_n(first, 1 + up.retries_same_tier as usize);
+    same.chain((up.fallback_to_other_tier && fallback).then(|| first.other()))
 }
 
 /// Outcome of reading a whole non-streamed response within the attempt.
@@ -53,7 +50,10 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
     let deadline = call.ctx.started + up.total_timeout();
     let mut first_byte_left = up.first_byte_budget();
     let limit = up.max_response_bytes;
-    let mut tried: Vec<(Tier, usize)> = Vec::new();
+    // The replicas tried: room for every attempt a plan makes (`retries_same_tier` is at most
+    // 1), on the stack.
+    let mut tried = [(Tier::Small, usize::MAX); 3];
+    let mut n_tried = 0;
     // The prompt's prefix blocks, hashed the first time a tier choosing by affinity asks.
     let chain: std::cell::OnceCell<Vec<u64>> = std::cell::OnceCell::new();
     let mut last_error: Option<ApiError> = None;
@@ -132,7 +132,7 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
         } else {
             None
         };
-        let exclude: Vec<usize> = tried
+        let exclude: Vec<usize> = tried[..n_tried]
             .iter()
             .filter(|(t, _)| *t == tier)
             .map(|(_, i)| *i)
@@ -177,7 +177,10 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
                 note_choice(&state, &mut call.event, pool, &lease, aff, chain, chose);
             }
         }
-        tried.push((tier, lease.index()));
+        if let Some(slot) = tried.get_mut(n_tried) {
+            *slot = (tier, lease.index());
+            n_tried += 1;
+        }
         attempts += 1;
         let target = pool.target(&lease);
         let body = call.req.upstream_body(&target.model);
@@ -188,7 +191,13 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
             .min(deadline.saturating_duration_since(sent));
         let outcome = state
             .upstreams
-            .send(target, call.req.endpoint, body, &call.ctx.request_id, wait)
+            .send(
+                target,
+                call.req.endpoint,
+                body,
+                call.ctx.request_id_header.as_ref(),
+                wait,
+            )
             .await;
         // One clock read for what the answer's arrival updates (each is a vDSO call).
         let headed = Instant::now();
@@ -404,7 +413,7 @@ fn shed(state: &AppState, tier: &str, reason: &str, message: String) -> ApiError
 fn answered_by(call: &mut Call, tier: Tier, attempts: u32) {
     call.event.retries = attempts - 1;
     if tier != call.tier {
-        call.event.route_reason = Some(router::tier::Reason::Unhealthy.as_str().to_owned());
+        call.event.route_reason = Some(router::tier::Reason::Unhealthy.as_str().into());
         call.state
             .metrics
             .fallbacks

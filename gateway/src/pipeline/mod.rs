@@ -44,6 +44,8 @@ pub use settle::settle;
 pub struct RequestContext {
     /// Gateway request id.
     pub request_id: Arc<str>,
+    /// The same id as the edge's header value (shared: sent upstream without a copy).
+    pub request_id_header: Option<HeaderValue>,
     /// The authenticated key.
     pub key: Arc<ApiKey>,
     /// Key tags merged with the request's `x-gateway-tags`.
@@ -401,7 +403,7 @@ impl Call {
     async fn route(&mut self, target: ModelTarget) {
         if let Some(tier) = target.tier() {
             self.tier = tier;
-            self.event.route_reason = Some(router::tier::Reason::Explicit.as_str().to_owned());
+            self.event.route_reason = Some(router::tier::Reason::Explicit.as_str().into());
             return;
         }
         self.event.routed = true;
@@ -417,7 +419,7 @@ impl Call {
         })
         .await;
         self.tier = routed.tier;
-        self.event.route_reason = Some(routed.reason.as_str().to_owned());
+        self.event.route_reason = Some(routed.reason.as_str().into());
         if let Ok(v) = HeaderValue::from_str(&routed.header()) {
             self.headers.push((crate::headers::ROUTE, v));
         }
@@ -442,7 +444,7 @@ impl Call {
         self.headers.extend(respond::budget_headers(&admission));
         if admission.downgraded {
             if self.tier == Tier::Large {
-                self.event.route_reason = Some(router::tier::Reason::Budget.as_str().to_owned());
+                self.event.route_reason = Some(router::tier::Reason::Budget.as_str().into());
             }
             self.tier = Tier::Small;
             self.fallback = false;

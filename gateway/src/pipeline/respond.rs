@@ -253,11 +253,20 @@ pub(super) fn buffered(
     } else {
         event.error_kind = Some(format!("upstream_{}", status.as_u16()));
     }
+    let length = body.len();
     let mut response = Response::new(Body::from(body));
     *response.status_mut() = status;
     let headers = response.headers_mut();
     // Room for what this answer and the layers around it add, allocated once.
     headers.reserve(16);
+    // The body goes on as it came: the upstream's length header is its length (a shared
+    // copy; the framework would write the number out again).
+    let same_length = upstream_headers
+        .get(header::CONTENT_LENGTH)
+        .filter(|v| v.to_str().ok().and_then(|s| s.parse::<usize>().ok()) == Some(length));
+    if let Some(v) = same_length {
+        headers.insert(header::CONTENT_LENGTH, v.clone());
+    }
     let content_type = upstream_headers
         .get(header::CONTENT_TYPE)
         .cloned()

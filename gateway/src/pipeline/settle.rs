@@ -116,7 +116,9 @@ pub fn settle(state: &AppState, mut event: UsageEvent, reservation: Option<Reser
             .inc_by(u64::try_from(event.cost_micros).unwrap_or(0));
     }
     let tier = event.tier.as_deref().unwrap_or("none");
-    let status = event.status.to_string();
+    // The status's digits without formatting them (any `u16` a status can be is in 100..=999).
+    let code = axum::http::StatusCode::from_u16(event.status).ok();
+    let status = code.as_ref().map_or("000", axum::http::StatusCode::as_str);
     // Only names the configuration knows become label values: anything a client can type
     // would grow /metrics without bound.
     let requested = if state.config.resolve_model(&event.requested_model).is_some() {
@@ -125,7 +127,7 @@ pub fn settle(state: &AppState, mut event: UsageEvent, reservation: Option<Reser
         "unknown"
     };
     m.requests
-        .with_label_values(&[event.tenant_name.as_str(), requested, tier, status.as_str()])
+        .with_label_values(&[event.tenant_name.as_str(), requested, tier, status])
         .inc();
     let model = event.served_model.as_deref().unwrap_or(requested);
     for (kind, n) in [

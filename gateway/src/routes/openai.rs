@@ -113,13 +113,15 @@ async fn proxy(state: AppState, key: Arc<ApiKey>, req: Request, endpoint: Endpoi
     let (parts, body) = req.into_parts();
     let headers = parts.headers;
     let started = Instant::now();
-    let request_id = headers
-        .get(headers::REQUEST_ID)
+    let request_id_header = headers.get(headers::REQUEST_ID).cloned();
+    let request_id = request_id_header
+        .as_ref()
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
         .into();
     let mut ctx = RequestContext {
         request_id,
+        request_id_header,
         tags: key.tags.clone(),
         key,
         started,
@@ -151,6 +153,8 @@ async fn proxy(state: AppState, key: Arc<ApiKey>, req: Request, endpoint: Endpoi
     // The pipeline runs on a tracked task: a client hang-up drops this future, not the work.
     // Boxed: the pipeline's future is kilobytes, and the runtime moves a task's future and
     // its stage by value (into the task cell, out as the output) several times per request.
+    // (Run in this task instead, handed to the tracker only if dropped, it executed fewer
+    // instructions but cost more CPU per request at saturation: docs/benchmarks.md.)
     let task_state = state.clone();
     let handle = state.tasks.spawn(Box::pin(async move {
         match body {

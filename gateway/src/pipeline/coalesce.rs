@@ -9,13 +9,14 @@
 //! log from its first chunk, then follows it live to its end. The request stays joinable until
 //! its stream ends.
 
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use axum::body::Body;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::Response;
 use bytes::Bytes;
-use tokio::sync::{watch, Notify};
+use tokio::sync::Notify;
 
 /// An answer, shared with the requests that joined it (its fields are private).
 #[derive(Debug)]
@@ -112,22 +113,69 @@ impl Drop for LogWriter {
     }
 }
 
+/// Where a leader's answer is left for its followers: set once (the answer, or `None` when the
+/// leader ended without one), with the followers waiting on it counted. One small allocation
+/// per request that leads (a watch channel was 352 bytes, with eight wait lists to make and to
+/// notify when dropped).
+#[derive(Debug, Default)]
+struct Rendezvous {
+    outcome: OnceLock<Option<Arc<Answer>>>,
+    ready: Notify,
+    followers: AtomicUsize,
+}
+
+impl Rendezvous {
+    /// Leave the outcome (the first one stays) and wake whoever waits.
+    fn settle(&self, outcome: Option<Arc<Answer>>) {
+        let _ = self.outcome.set(outcome);
+        self.ready.notify_waiters();
+    }
+}
+
 /// Where a follower waits for the answer.
-pub type Slot = watch::Receiver<Option<Arc<Answer>>>;
+#[derive(Debug)]
+pub struct Slot(Arc<Rendezvous>);
+
+impl Slot {
+    fn new(rendezvous: &Arc<Rendezvous>) -> Self {
+        rendezvous.followers.fetch_add(1, Ordering::Relaxed);
+        Self(Arc::clone(rendezvous))
+    }
+
+    /// The leader's answer, once it has one; `None` when it ended without.
+    async fn outcome(&self) -> Option<Arc<Answer>> {
+        loop {
+            let ready = self.0.ready.notified();
+            tokio::pin!(ready);
+            // Listening before looking: a settle in between is not missed.
+            ready.as_mut().enable();
+            if let Some(outcome) = self.0.outcome.get() {
+                return outcome.clone();
+            }
+            ready.await;
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.followers.fetch_sub(1, Ordering::Relaxed);
+    }
+}
 
 /// The non-streamed requests in flight in this process, by (API key, fingerprint).
 #[derive(Debug, Default)]
 pub struct Inflight {
     /// Keyed by the API key's id, a NUL, and the fingerprint (one allocation, shared with the
     /// leader that removes it).
-    running: Mutex<crate::FastMap<Arc<str>, Slot>>,
+    running: Mutex<crate::FastMap<Arc<str>, Arc<Rendezvous>>>,
 }
 
 /// A request that runs upstream and shares its answer with whoever joins it.
 #[derive(Debug)]
 pub struct Leader {
     key: Arc<str>,
-    tx: watch::Sender<Option<Arc<Answer>>>,
+    rendezvous: Arc<Rendezvous>,
     owner: Arc<Inflight>,
     /// Where a streamed answer's driver writes its chunks (made only for streams).
     log: Option<Arc<StreamLog>>,
@@ -170,19 +218,20 @@ impl Inflight {
             }
         };
         let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(slot) = running.get(joined) {
+        if let Some(rendezvous) = running.get(joined) {
+            // Counted under the map's lock: a leader retiring sees every follower that joined.
             return if retry {
-                Join::Follow(slot.clone())
+                Join::Follow(Slot::new(rendezvous))
             } else {
                 Join::Alone
             };
         }
-        let (tx, rx) = watch::channel(None);
+        let rendezvous = Arc::new(Rendezvous::default());
         let key: Arc<str> = Arc::from(joined);
-        running.insert(Arc::clone(&key), rx);
+        running.insert(Arc::clone(&key), Arc::clone(&rendezvous));
         Join::Lead(Leader {
             key,
-            tx,
+            rendezvous,
             owner: Arc::clone(self),
             log: None,
             retired: false,
@@ -210,10 +259,10 @@ impl Leader {
     /// Leave the map, so that no retry joins from now on, and say whether any joined before.
     fn retire(&mut self) -> bool {
         let mut running = self.owner.running.lock().unwrap_or_else(|p| p.into_inner());
-        // The map's own receiver goes with its entry: what is left are the followers'.
+        // Its entry goes (retiring once: a later leader of the same request owns the next).
         drop(running.remove(&self.key));
         self.retired = true;
-        self.tx.receiver_count() > 0
+        self.rendezvous.followers.load(Ordering::Relaxed) > 0
     }
 
     /// Share `response` with the followers, and return it: a stream (its driver attached to
@@ -229,7 +278,7 @@ impl Leader {
                 headers: parts.headers.clone(),
                 body: Shared::Stream(Arc::clone(&log)),
             });
-            let _ = self.tx.send(Some(answer));
+            self.rendezvous.settle(Some(answer));
             {
                 let mut state = log.state();
                 if !state.done {
@@ -251,7 +300,7 @@ impl Leader {
             headers: parts.headers.clone(),
             body: Shared::Whole(bytes.clone()),
         });
-        let _ = self.tx.send(Some(answer));
+        self.rendezvous.settle(Some(answer));
         Response::from_parts(parts, Body::from(bytes))
     }
 }
@@ -261,6 +310,8 @@ impl Drop for Leader {
         if !self.retired {
             self.retire();
         }
+        // Ended without an answer (or after one, which stays): followers stop waiting.
+        self.rendezvous.settle(None);
     }
 }
 
@@ -272,8 +323,8 @@ fn own_header(name: &str) -> bool {
 
 /// Wait for the leader's answer; `None` when it ended without one (the follower then runs on
 /// its own).
-pub async fn follow(mut slot: Slot) -> Option<Response> {
-    let answer = slot.wait_for(Option::is_some).await.ok()?.clone()?;
+pub async fn follow(slot: Slot) -> Option<Response> {
+    let answer = slot.outcome().await?;
     let body = match &answer.body {
         Shared::Whole(bytes) => Body::from(bytes.clone()),
         Shared::Stream(log) => Arc::clone(log).replay(),

@@ -969,3 +969,36 @@ async fn stopping_the_server_ends_every_background_loop_of_its_components() {
         );
     }
 }
+
+/// What the upstream receives and the client gets back, byte for byte where the gateway now
+/// writes less itself: the `Host` the HTTP/1 client would have written (made once per replica),
+/// and the upstream's `content-length` passed on with the unchanged body.
+#[tokio::test]
+async fn the_upstream_gets_its_own_host_and_the_client_the_answers_length() {
+    let up = delayed_upstream(Duration::ZERO).await;
+    let c = config(
+        vec![replica("w1", &format!("{}/v1", up.uri()), "m")],
+        vec![replica("w2", &format!("{}/v1", up.uri()), "m")],
+    );
+    let app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    for _ in 0..2 {
+        let resp = app.chat(chat_body("fast", "hi")).await;
+        assert_eq!(resp.status(), 200);
+        let length = resp.headers()["content-length"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        let body = resp.bytes().await.unwrap();
+        assert_eq!(length, body.len().to_string());
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v, completion_json("m"), "the upstream's body, unchanged");
+    }
+    let seen = up.received_requests().await.unwrap_or_default();
+    assert_eq!(seen.len(), 2);
+    let authority = up.uri().trim_start_matches("http://").to_owned();
+    for r in &seen {
+        let hosts: Vec<_> = r.headers.get_all("host").iter().collect();
+        assert_eq!(hosts.len(), 1, "one Host header: {:?}", r.headers);
+        assert_eq!(hosts[0].to_str().unwrap(), authority);
+    }
+}

@@ -80,24 +80,16 @@ impl StreamLog {
     /// The body of a follower: every chunk from the first, then each new one, to the end.
     fn replay(self: Arc<Self>) -> Body {
         let chunks = futures_util::stream::unfold((self, 0usize), |(log, next)| async move {
-            let waiter = Arc::clone(&log);
-            loop {
-                let more = waiter.more.notified();
-                tokio::pin!(more);
-                more.as_mut().enable();
-                {
-                    let state = log.state();
-                    if let Some(chunk) = state.chunks.get(next) {
-                        let chunk = chunk.clone();
-                        drop(state);
-                        return Some((Ok::<_, std::io::Error>(chunk), (log, next + 1)));
-                    }
-                    if state.done {
-                        return None;
-                    }
+            let chunk = wait_until(&log.more, || {
+                let state = log.state();
+                match state.chunks.get(next) {
+                    Some(chunk) => Some(Some(chunk.clone())),
+                    None if state.done => Some(None),
+                    None => None,
                 }
-                more.await;
-            }
+            })
+            .await?;
+            Some((Ok::<_, std::io::Error>(chunk), (log, next + 1)))
         });
         Body::from_stream(chunks)
     }
@@ -132,6 +124,20 @@ impl Rendezvous {
     }
 }
 
+/// Wait until `look` finds something, looking again each time `notify` wakes its waiters. It
+/// listens before it looks, so a change made (and notified) in between is not missed.
+async fn wait_until<T>(notify: &Notify, mut look: impl FnMut() -> Option<T>) -> T {
+    loop {
+        let woken = notify.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        if let Some(found) = look() {
+            return found;
+        }
+        woken.await;
+    }
+}
+
 /// Where a follower waits for the answer.
 #[derive(Debug)]
 pub struct Slot(Arc<Rendezvous>);
@@ -144,16 +150,7 @@ impl Slot {
 
     /// The leader's answer, once it has one; `None` when it ended without.
     async fn outcome(&self) -> Option<Arc<Answer>> {
-        loop {
-            let ready = self.0.ready.notified();
-            tokio::pin!(ready);
-            // Listening before looking: a settle in between is not missed.
-            ready.as_mut().enable();
-            if let Some(outcome) = self.0.outcome.get() {
-                return outcome.clone();
-            }
-            ready.await;
-        }
+        wait_until(&self.0.ready, || self.0.outcome.get().cloned()).await
     }
 }
 

@@ -74,11 +74,17 @@ fn measure(name: &str, body: &Map<String, Value>) {
         .and_then(Value::as_array)
         .cloned()
         .unwrap_or_default();
+    let text = serde_json::to_vec(body).unwrap_or_default();
+    let Ok(req) = gateway::openai::ParsedRequest::parse(gateway::openai::Endpoint::Chat, &text)
+    else {
+        println!("{name}: not a valid chat request");
+        return;
+    };
     let mut times = Vec::with_capacity(20_000);
     let mut found = 0;
     for _ in 0..20_000 {
         let t = Instant::now();
-        let s = session::of(None, "key_bench", body);
+        let s = session::of(None, "key_bench", &req);
         if signals::in_request(&messages).is_some() {
             found += 1;
         }

@@ -147,6 +147,12 @@ impl Guard {
         }
     }
 
+    /// Whether the loop check runs (it reads the conversation; off, only the session and the
+    /// client-retry bookkeeping remain).
+    pub fn enabled(&self) -> bool {
+        self.config.enabled
+    }
+
     /// The guard step: find a loop in the request and in its session's window, and decide
     /// what to do by the tenant's policy. A store that fails leaves the in-request signal.
     pub async fn check(&self, req: Check<'_>) -> Decision {

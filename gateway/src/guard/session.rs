@@ -5,11 +5,11 @@
 //! conversation's root (system prompt and first user message), so an agent that sends no id at
 //! all is still one session. Metrics never carry a session; the ledger row does (tag `session`).
 
-use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
 use crate::error::ApiError;
 use crate::headers;
+use crate::openai::ParsedRequest;
 
 /// Longest accepted session id, bytes.
 pub const MAX_SESSION_ID: usize = 128;
@@ -53,70 +53,41 @@ pub fn validate_header(value: &[u8]) -> Result<String, ApiError> {
     }
 }
 
-/// The session of a request by `key_id` with `body`, given the client's id (header or tag).
-pub fn of(client: Option<&str>, key_id: &str, body: &Map<String, Value>) -> Session {
+/// The session of `req` by `key_id`, given the client's id (header or tag).
+pub fn of(client: Option<&str>, key_id: &str, req: &ParsedRequest) -> Session {
     if let Some(id) = client {
         return Session {
             id: id.to_owned(),
             source: Source::Client,
         };
     }
-    let short = |v: &Value| {
-        v.as_str()
-            .filter(|s| !s.is_empty() && s.len() <= MAX_SESSION_ID)
-            .map(str::to_owned)
-    };
-    if let Some(id) = body.get("user").and_then(short) {
+    let short = |s: &str| (!s.is_empty() && s.len() <= MAX_SESSION_ID).then(|| s.to_owned());
+    if let Some(id) = req.end_user().and_then(short) {
         return Session {
             id,
             source: Source::User,
         };
     }
-    if let Some(id) = body
-        .get("metadata")
-        .and_then(|m| m.get("session_id"))
-        .and_then(short)
-    {
+    if let Some(id) = req.metadata_session_id().and_then(short) {
         return Session {
             id,
             source: Source::Metadata,
         };
     }
     Session {
-        id: derived(key_id, body),
+        id: derived(key_id, req),
         source: Source::Derived,
     }
 }
 
 /// `drv_` + a hash of the key, the system prompt and the first user message (or the prompt).
-fn derived(key_id: &str, body: &Map<String, Value>) -> String {
-    // The JSON of the root's parts is written straight into the hash (a first message may be
-    // megabytes; it is not copied).
+fn derived(key_id: &str, req: &ParsedRequest) -> String {
+    // The root's parts are written straight into the hash (a first message may be megabytes;
+    // it is not copied).
     let mut w = crate::openai::HashWriter(Sha256::new());
-    let h = &mut w;
-    h.0.update(key_id.as_bytes());
-    h.0.update([0]);
-    match body.get("messages") {
-        Some(Value::Array(messages)) => {
-            let first = |role: &str| {
-                messages
-                    .iter()
-                    .find(|m| m.get("role").and_then(Value::as_str) == Some(role))
-                    .and_then(|m| m.get("content"))
-            };
-            for part in [first("system"), first("user")] {
-                if let Some(v) = part {
-                    let _ = serde_json::to_writer(&mut *h, v);
-                }
-                h.0.update([0]);
-            }
-        }
-        _ => {
-            if let Some(p) = body.get("prompt") {
-                let _ = serde_json::to_writer(&mut *h, p);
-            }
-        }
-    }
+    w.0.update(key_id.as_bytes());
+    w.0.update([0]);
+    req.write_conversation_root(&mut w);
     format!("drv_{}", crate::keys::lower_hex(&w.0.finalize()[..8]))
 }
 
@@ -124,10 +95,13 @@ fn derived(key_id: &str, body: &Map<String, Value>) -> String {
 #[expect(clippy::unwrap_used, reason = "tests")]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use crate::openai::Endpoint;
+    use serde_json::{json, Value};
 
-    fn body(v: Value) -> Map<String, Value> {
-        v.as_object().unwrap().clone()
+    /// A chat request with `v`'s fields (and a model).
+    fn body(mut v: Value) -> ParsedRequest {
+        v["model"] = json!("m");
+        ParsedRequest::parse(Endpoint::Chat, v.to_string().as_bytes()).unwrap()
     }
 
     #[test]
@@ -136,7 +110,8 @@ mod tests {
                             "messages": [{"role": "user", "content": "hi"}]}));
         assert_eq!(of(Some("h1"), "k", &b).id, "h1");
         assert_eq!(of(None, "k", &b).source, Source::User);
-        let b = body(json!({"metadata": {"session_id": "m1"}, "messages": []}));
+        let b = body(json!({"metadata": {"session_id": "m1"},
+                            "messages": [{"role": "user", "content": "hi"}]}));
         assert_eq!(of(None, "k", &b).id, "m1");
         let b = body(json!({"messages": [{"role": "user", "content": "hi"}]}));
         assert_eq!(of(None, "k", &b).source, Source::Derived);
@@ -167,7 +142,10 @@ mod tests {
     #[test]
     fn derived_ids_are_the_ones_earlier_versions_made() {
         let key = "key_8569144fb1394cefa2c70f447ec44853";
-        let id = |body: &str| of(None, key, &serde_json::from_str(body).unwrap()).id;
+        let id = |body: &str| {
+            let req = ParsedRequest::parse(Endpoint::Chat, body.as_bytes()).unwrap();
+            of(None, key, &req).id
+        };
         assert_eq!(id(crate::openai::GOLDEN_BODIES[0]), "drv_2400791bb8dc354f");
         assert_eq!(id(crate::openai::GOLDEN_BODIES[1]), "drv_a2d41292aa209204");
     }

@@ -10,6 +10,7 @@
 //! - `usage`: token usage as reported in responses and chunks;
 //! - `sse`: the stream rewriter, the stream assembler (for the cache) and SSE replay.
 
+mod canon;
 mod request;
 mod sse;
 mod usage;

@@ -270,7 +270,7 @@ impl Call {
         let client = self.ctx.session.as_deref().or(tagged.as_deref());
         // A derived session hashes the conversation's root: a large one off the async workers.
         let session = crate::tokens::off_workers(self.req.body_bytes, || {
-            crate::guard::session::of(client, &self.ctx.key.id, self.req.body())
+            crate::guard::session::of(client, &self.ctx.key.id, &self.req)
         })
         .await;
         if !self.event.tags.contains_key("session") {
@@ -278,8 +278,13 @@ impl Call {
                 .tags
                 .insert("session".to_owned(), session.id.clone());
         }
-        let messages = match (self.req.endpoint, self.req.body().get("messages")) {
-            (Endpoint::Chat, Some(serde_json::Value::Array(m))) => Some(m.as_slice()),
+        // The conversation is read (and the body built into a tree for it) only by the loop
+        // check.
+        let messages = match self.req.endpoint {
+            Endpoint::Chat if self.state.guard.enabled() => match self.req.body().get("messages") {
+                Some(serde_json::Value::Array(m)) => Some(m.as_slice()),
+                _ => None,
+            },
             _ => None,
         };
         let check = crate::guard::Check {

@@ -1,0 +1,362 @@
+//! The compact JSON serde_json writes for a parsed value, written straight from the client's
+//! text: objects' keys in sorted order (serde_json's map is a `BTreeMap`), a duplicated key's
+//! last value, strings and numbers as serde_json writes them back. A hash of it equals the hash
+//! of the parsed tree written out (the fingerprint, a derived session), so a request read this
+//! way, without a tree, hashes as one read into a tree does.
+//!
+//! The text must be valid JSON (it was read by serde_json first). Anything this writer does not
+//! reproduce byte for byte (nesting near serde_json's limit, more objects than a body may hold,
+//! a string or number serde_json would refuse) gives `None`, and the caller reads the tree.
+
+use std::borrow::Cow;
+use std::ops::Range;
+
+use super::MAX_OBJECTS;
+
+/// Deeper nesting is left to the parser (serde_json refuses 128 levels).
+const MAX_DEPTH: usize = 100;
+
+/// Writes values of one text.
+pub struct Writer<'a> {
+    text: &'a str,
+    /// Whole floats (`1.0`) written as integers, as the fingerprint wants.
+    whole_floats: bool,
+    /// Objects written so far (a body holds at most [`MAX_OBJECTS`]).
+    objects: usize,
+    /// The entries of the objects being written, innermost last.
+    entries: Vec<Entry<'a>>,
+    /// An unsorted object's text while it is put in order.
+    scratch: Vec<u8>,
+}
+
+/// One `"key":value` of an object, as written into the output.
+struct Entry<'a> {
+    key: Cow<'a, str>,
+    at: Range<usize>,
+}
+
+/// Keys of the top-level object left out, and string members merged in (sorted among the
+/// rest by key), as the fingerprint wants.
+#[derive(Clone, Copy)]
+pub struct Edits<'e> {
+    /// Keys left out.
+    pub skip: &'e [&'e str],
+    /// Members added, in key order; their keys are among `skip`.
+    pub add: &'e [(&'e str, &'e str)],
+}
+
+impl<'a> Writer<'a> {
+    /// A writer of values of `text`.
+    pub fn new(text: &'a str, whole_floats: bool) -> Self {
+        Self {
+            text,
+            whole_floats,
+            objects: 0,
+            entries: Vec::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// The whole text, an object, with `edits` applied to its top level.
+    pub fn object(&mut self, edits: Edits<'_>, out: &mut Vec<u8>) -> Option<()> {
+        let at = self.space(0);
+        if self.byte(at)? != b'{' {
+            return None;
+        }
+        let end = self.object_at(at, 1, Some(edits), out)?;
+        (self.space(end) == self.text.len()).then_some(())
+    }
+
+    /// The value at `range` (as a `serde_json::value::RawValue` of this text spans it).
+    pub fn value(&mut self, range: Range<usize>, out: &mut Vec<u8>) -> Option<()> {
+        let end = self.value_at(range.start, 0, out)?;
+        (self.space(end) == range.end).then_some(())
+    }
+
+    fn byte(&self, at: usize) -> Option<u8> {
+        self.text.as_bytes().get(at).copied()
+    }
+
+    fn space(&self, mut at: usize) -> usize {
+        while matches!(self.byte(at), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            at += 1;
+        }
+        at
+    }
+
+    /// Writes the value at `at` (spacing before it skipped); the index past it.
+    fn value_at(&mut self, at: usize, depth: usize, out: &mut Vec<u8>) -> Option<usize> {
+        let at = self.space(at);
+        match self.byte(at)? {
+            b'{' => self.object_at(at, depth + 1, None, out),
+            b'[' => self.array_at(at, depth + 1, out),
+            b'"' => {
+                let (end, _) = self.string_at(at, out)?;
+                Some(end)
+            }
+            b't' => self.literal(at, "true", out),
+            b'f' => self.literal(at, "false", out),
+            b'n' => self.literal(at, "null", out),
+            b'-' | b'0'..=b'9' => self.number_at(at, out),
+            _ => None,
+        }
+    }
+
+    fn literal(&self, at: usize, word: &str, out: &mut Vec<u8>) -> Option<usize> {
+        let end = at + word.len();
+        (self.text.get(at..end)? == word).then(|| {
+            out.extend_from_slice(word.as_bytes());
+            end
+        })
+    }
+
+    /// Writes the string whose opening quote is at `at`; the index past it and its value.
+    fn string_at(&self, at: usize, out: &mut Vec<u8>) -> Option<(usize, Cow<'a, str>)> {
+        let text: &'a str = self.text;
+        let end = super::string_end(text.as_bytes(), at)?;
+        let inner = text.get(at + 1..end - 1)?;
+        // serde_json refuses control characters in a string and writes back only these as
+        // escapes: a string without them or a backslash is written back as it came.
+        if inner.bytes().any(|b| b < 0x20) {
+            return None;
+        }
+        if !inner.contains('\\') {
+            out.extend_from_slice(text.get(at..end)?.as_bytes());
+            return Some((end, Cow::Borrowed(inner)));
+        }
+        let value: String = serde_json::from_str(text.get(at..end)?).ok()?;
+        serde_json::to_writer(&mut *out, &value).ok()?;
+        Some((end, Cow::Owned(value)))
+    }
+
+    fn number_at(&self, at: usize, out: &mut Vec<u8>) -> Option<usize> {
+        let bytes = self.text.as_bytes();
+        let mut end = at;
+        while matches!(
+            bytes.get(end),
+            Some(b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9')
+        ) {
+            end += 1;
+        }
+        let token = self.text.get(at..end)?;
+        // A small non-negative integer is written back as it came (`u64`, then its digits).
+        let plain = token.len() <= 18
+            && token.bytes().all(|b| b.is_ascii_digit())
+            && (token.len() == 1 || !token.starts_with('0'));
+        if plain {
+            out.extend_from_slice(token.as_bytes());
+            return Some(end);
+        }
+        let n: serde_json::Number = serde_json::from_str(token).ok()?;
+        match super::request::whole(&n).filter(|_| self.whole_floats) {
+            Some(i) => serde_json::to_writer(&mut *out, &i).ok()?,
+            None => serde_json::to_writer(&mut *out, &n).ok()?,
+        }
+        Some(end)
+    }
+
+    fn array_at(&mut self, at: usize, depth: usize, out: &mut Vec<u8>) -> Option<usize> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        out.push(b'[');
+        let mut i = self.space(at + 1);
+        if self.byte(i)? == b']' {
+            out.push(b']');
+            return Some(i + 1);
+        }
+        loop {
+            i = self.value_at(i, depth, out)?;
+            i = self.space(i);
+            match self.byte(i)? {
+                b',' => out.push(b','),
+                b']' => {
+                    out.push(b']');
+                    return Some(i + 1);
+                }
+                _ => return None,
+            }
+            i += 1;
+        }
+    }
+
+    fn object_at(
+        &mut self,
+        at: usize,
+        depth: usize,
+        edits: Option<Edits<'_>>,
+        out: &mut Vec<u8>,
+    ) -> Option<usize> {
+        self.objects += 1;
+        if depth > MAX_DEPTH || self.objects > MAX_OBJECTS {
+            return None;
+        }
+        let start = out.len();
+        let base = self.entries.len();
+        let mut sorted = true;
+        out.push(b'{');
+        let mut i = self.space(at + 1);
+        if self.byte(i)? == b'}' {
+            i += 1;
+        } else {
+            loop {
+                if self.byte(i)? != b'"' {
+                    return None;
+                }
+                if self.entries.len() > base {
+                    out.push(b',');
+                }
+                let from = out.len();
+                let (end, key) = self.string_at(i, out)?;
+                i = self.space(end);
+                if self.byte(i)? != b':' {
+                    return None;
+                }
+                out.push(b':');
+                i = self.value_at(i + 1, depth, out)?;
+                if let Some(last) = self.entries.last().filter(|_| self.entries.len() > base) {
+                    sorted &= last.key < key;
+                }
+                self.entries.push(Entry {
+                    key,
+                    at: from..out.len(),
+                });
+                i = self.space(i);
+                match self.byte(i)? {
+                    b',' => i = self.space(i + 1),
+                    b'}' => {
+                        i += 1;
+                        break;
+                    }
+                    _ => return None,
+                }
+            }
+        }
+        if sorted && edits.is_none() {
+            out.push(b'}');
+        } else {
+            self.reorder(start, base, edits, out);
+        }
+        self.entries.truncate(base);
+        Some(i)
+    }
+
+    /// Rewrites the object written from `start` (its entries from `base`) in key order, a
+    /// duplicated key's last entry kept, `edits` applied.
+    fn reorder(&mut self, start: usize, base: usize, edits: Option<Edits<'_>>, out: &mut Vec<u8>) {
+        let entries = &mut self.entries[base..];
+        // Stable: a duplicated key's entries stay in the order they came.
+        entries.sort_by(|a, b| a.key.cmp(&b.key));
+        self.scratch.clear();
+        self.scratch.extend_from_slice(&out[start..]);
+        out.truncate(start);
+        out.push(b'{');
+        let edits = edits.unwrap_or(Edits {
+            skip: &[],
+            add: &[],
+        });
+        let mut added = edits.add.iter().peekable();
+        let mut first = true;
+        let mut comma = |out: &mut Vec<u8>| {
+            if !std::mem::take(&mut first) {
+                out.push(b',');
+            }
+        };
+        let add = |out: &mut Vec<u8>, (k, v): &(&str, &str)| {
+            // Writing strings into a Vec cannot fail.
+            let _ = serde_json::to_writer(&mut *out, k);
+            out.push(b':');
+            let _ = serde_json::to_writer(&mut *out, v);
+        };
+        for (n, e) in entries.iter().enumerate() {
+            let later = entries.get(n + 1).is_some_and(|next| next.key == e.key);
+            if later || edits.skip.contains(&&*e.key) {
+                continue;
+            }
+            while let Some(a) = added.next_if(|(k, _)| *k < &*e.key) {
+                comma(out);
+                add(out, a);
+            }
+            comma(out);
+            out.extend_from_slice(&self.scratch[e.at.start - start..e.at.end - start]);
+        }
+        for a in added {
+            comma(out);
+            add(out, a);
+        }
+        out.push(b'}');
+    }
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "tests")]
+mod tests {
+    use super::*;
+    use serde_json::Value;
+
+    /// What serde_json writes for the parsed value (whole floats as integers when asked).
+    fn reference(text: &str, whole_floats: bool) -> Vec<u8> {
+        let mut v: Value = serde_json::from_str(text).unwrap();
+        if whole_floats {
+            crate::openai::canonical_numbers(&mut v);
+        }
+        serde_json::to_vec(&v).unwrap()
+    }
+
+    fn written(text: &str, whole_floats: bool) -> Option<Vec<u8>> {
+        let mut out = Vec::new();
+        Writer::new(text, whole_floats)
+            .value(0..text.len(), &mut out)
+            .map(|()| out)
+    }
+
+    #[test]
+    fn values_are_written_as_serde_json_writes_them_parsed() {
+        for text in [
+            r#" { "b" : 1 , "a" : [ 1.0 , -0 , 2.50, 1e2, -7, 0, 12345678901234567890, 3E-2 ] } "#,
+            r#"{"z":{"y":{"x":null,"w":true}},"a":false,"m":"\u00e9\n\"q\"\/","\u0061":"dup"}"#,
+            r#"{"k":1,"k":2,"j":{"k":[],"k":{}}}"#,
+            r#"[{"role":"user","content":"hi"},{"content":"x","role":"assistant"}]"#,
+            r#""plain""#,
+            r#""a\ud83d\udc4db""#,
+            "{}",
+            "[]",
+            "-0.0",
+            "1.5e300",
+        ] {
+            for whole in [false, true] {
+                assert_eq!(
+                    written(text, whole).map(String::from_utf8),
+                    Some(String::from_utf8(reference(text, whole))),
+                    "{text} whole={whole}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn what_serde_json_would_refuse_is_left_to_it() {
+        let deep = format!("{}1{}", "[".repeat(120), "]".repeat(120));
+        for text in [r#""\ud800""#, "1e400", &deep] {
+            assert_eq!(written(text, true), None, "{text}");
+        }
+    }
+
+    #[test]
+    fn the_top_level_edits_skip_keys_and_merge_members_in_order() {
+        let text = r#"{"stream":true,"n":1,"messages":[],"temperature":0.0,"model":"x"}"#;
+        let mut out = Vec::new();
+        let edits = Edits {
+            skip: &["stream", "model", "endpoint"],
+            add: &[("endpoint", "chat"), ("model", "m\"y")],
+        };
+        Writer::new(text, true).object(edits, &mut out).unwrap();
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            r#"{"endpoint":"chat","messages":[],"model":"m\"y","n":1,"temperature":0}"#
+        );
+        let mut out = Vec::new();
+        assert_eq!(Writer::new("[1]", true).object(edits, &mut out), None);
+        assert_eq!(Writer::new("{} x", true).object(edits, &mut out), None);
+    }
+}

@@ -57,13 +57,20 @@ impl<'a> Writer<'a> {
         }
     }
 
-    /// The whole text, an object, with `edits` applied to its top level.
-    pub fn object(&mut self, edits: Edits<'_>, out: &mut Vec<u8>) -> Option<()> {
+    /// The whole text, an object, with `edits` applied to its top level, written into `sink`
+    /// (`out` holds the text of its members on the way; the top level is written from it in
+    /// order, not copied back).
+    pub fn object(
+        &mut self,
+        edits: Edits<'_>,
+        out: &mut Vec<u8>,
+        sink: &mut dyn std::io::Write,
+    ) -> Option<()> {
         let at = self.space(0);
         if self.byte(at)? != b'{' {
             return None;
         }
-        let end = self.object_at(at, 1, Some(edits), out)?;
+        let end = self.object_at(at, 1, Some((edits, sink)), out)?;
         (self.space(end) == self.text.len()).then_some(())
     }
 
@@ -113,14 +120,24 @@ impl<'a> Writer<'a> {
     /// Writes the string whose opening quote is at `at`; the index past it and its value.
     fn string_at(&self, at: usize, out: &mut Vec<u8>) -> Option<(usize, Cow<'a, str>)> {
         let text: &'a str = self.text;
-        let end = super::string_end(text.as_bytes(), at)?;
+        let bytes = text.as_bytes();
+        // The closing quote (as `super::string_end` finds it), noting any escape on the way.
+        let (mut j, mut escaped) = (at + 1, false);
+        let end = loop {
+            let k = memchr::memchr2(b'"', b'\\', bytes.get(j..)?)?;
+            if bytes[j + k] == b'"' {
+                break j + k + 1;
+            }
+            escaped = true;
+            j += k + 2;
+        };
         let inner = text.get(at + 1..end - 1)?;
         // serde_json refuses control characters in a string and writes back only these as
         // escapes: a string without them or a backslash is written back as it came.
         if inner.bytes().any(|b| b < 0x20) {
             return None;
         }
-        if !inner.contains('\\') {
+        if !escaped {
             out.extend_from_slice(text.get(at..end)?.as_bytes());
             return Some((end, Cow::Borrowed(inner)));
         }
@@ -184,7 +201,7 @@ impl<'a> Writer<'a> {
         &mut self,
         at: usize,
         depth: usize,
-        edits: Option<Edits<'_>>,
+        top: Option<(Edits<'_>, &mut dyn std::io::Write)>,
         out: &mut Vec<u8>,
     ) -> Option<usize> {
         self.objects += 1;
@@ -232,41 +249,59 @@ impl<'a> Writer<'a> {
                 }
             }
         }
-        if sorted && edits.is_none() {
-            out.push(b'}');
-        } else {
-            self.reorder(start, base, edits, out);
+        match top {
+            None if sorted => out.push(b'}'),
+            None => self.reorder(start, base, None, out),
+            Some((edits, sink)) => self.write_sorted(start, base, edits, out, sink).ok()?,
         }
         self.entries.truncate(base);
         Some(i)
     }
 
     /// Rewrites the object written from `start` (its entries from `base`) in key order, a
-    /// duplicated key's last entry kept, `edits` applied.
+    /// duplicated key's last entry kept.
     fn reorder(&mut self, start: usize, base: usize, edits: Option<Edits<'_>>, out: &mut Vec<u8>) {
-        let entries = &mut self.entries[base..];
-        // Stable: a duplicated key's entries stay in the order they came.
-        entries.sort_by(|a, b| a.key.cmp(&b.key));
-        self.scratch.clear();
-        self.scratch.extend_from_slice(&out[start..]);
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.clear();
+        scratch.extend_from_slice(&out[start..]);
         out.truncate(start);
-        out.push(b'{');
         let edits = edits.unwrap_or(Edits {
             skip: &[],
             add: &[],
         });
+        // Writing into a Vec cannot fail.
+        let _ = self.write_sorted(start, base, edits, &scratch, out);
+        self.scratch = scratch;
+    }
+
+    /// Writes the object whose text is `from[start..]` (its entries from `base`, their ranges
+    /// offset by `start`) into `to` in key order, a duplicated key's last entry kept, `edits`
+    /// applied.
+    fn write_sorted(
+        &mut self,
+        start: usize,
+        base: usize,
+        edits: Edits<'_>,
+        from: &[u8],
+        to: &mut dyn std::io::Write,
+    ) -> std::io::Result<()> {
+        let entries = &mut self.entries[base..];
+        // Stable: a duplicated key's entries stay in the order they came.
+        entries.sort_by(|a, b| a.key.cmp(&b.key));
+        to.write_all(b"{")?;
         let mut added = edits.add.iter().peekable();
         let mut first = true;
-        let mut comma = |out: &mut Vec<u8>| {
-            if !std::mem::take(&mut first) {
-                out.push(b',');
+        let mut comma = |to: &mut dyn std::io::Write| {
+            if std::mem::take(&mut first) {
+                Ok(())
+            } else {
+                to.write_all(b",")
             }
         };
-        let add = |out: &mut Vec<u8>, (k, v): &(&str, &str)| {
-            // Writing strings into a Vec cannot fail.
-            let _ = serde_json::to_writer(&mut *out, k);
-            out.push(b':');
-            let _ = serde_json::to_writer(&mut *out, v);
+        let add = |to: &mut dyn std::io::Write, (k, v): &(&str, &str)| {
+            serde_json::to_writer(&mut *to, k)?;
+            to.write_all(b":")?;
+            serde_json::to_writer(&mut *to, v).map_err(std::io::Error::other)
         };
         for (n, e) in entries.iter().enumerate() {
             let later = entries.get(n + 1).is_some_and(|next| next.key == e.key);
@@ -274,17 +309,17 @@ impl<'a> Writer<'a> {
                 continue;
             }
             while let Some(a) = added.next_if(|(k, _)| *k < &*e.key) {
-                comma(out);
-                add(out, a);
+                comma(to)?;
+                add(to, a)?;
             }
-            comma(out);
-            out.extend_from_slice(&self.scratch[e.at.start - start..e.at.end - start]);
+            comma(to)?;
+            to.write_all(&from[e.at.start - start..e.at.end - start])?;
         }
         for a in added {
-            comma(out);
-            add(out, a);
+            comma(to)?;
+            add(to, a)?;
         }
-        out.push(b'}');
+        to.write_all(b"}")
     }
 }
 
@@ -345,18 +380,25 @@ mod tests {
     #[test]
     fn the_top_level_edits_skip_keys_and_merge_members_in_order() {
         let text = r#"{"stream":true,"n":1,"messages":[],"temperature":0.0,"model":"x"}"#;
-        let mut out = Vec::new();
+        let (mut out, mut sink) = (Vec::new(), Vec::new());
         let edits = Edits {
             skip: &["stream", "model", "endpoint"],
             add: &[("endpoint", "chat"), ("model", "m\"y")],
         };
-        Writer::new(text, true).object(edits, &mut out).unwrap();
+        Writer::new(text, true)
+            .object(edits, &mut out, &mut sink)
+            .unwrap();
         assert_eq!(
-            String::from_utf8(out).unwrap(),
+            std::str::from_utf8(&sink).unwrap(),
             r#"{"endpoint":"chat","messages":[],"model":"m\"y","n":1,"temperature":0}"#
         );
-        let mut out = Vec::new();
-        assert_eq!(Writer::new("[1]", true).object(edits, &mut out), None);
-        assert_eq!(Writer::new("{} x", true).object(edits, &mut out), None);
+        assert_eq!(
+            Writer::new("[1]", true).object(edits, &mut out, &mut sink),
+            None
+        );
+        assert_eq!(
+            Writer::new("{} x", true).object(edits, &mut out, &mut sink),
+            None
+        );
     }
 }

@@ -256,15 +256,15 @@ impl ParsedRequest {
 
     /// Parse and validate a body for `endpoint`.
     pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Self, ApiError> {
-        Self::parse_bytes(endpoint, Bytes::copy_from_slice(body))
+        Self::parse_bytes(endpoint, Bytes::copy_from_slice(body), false)
     }
 
-    /// [`Self::parse`], keeping `raw` (the client's bytes) without a copy. A chat body is read
-    /// from its text where that reads exactly as its tree would ([`Self::read_chat_text`]);
-    /// anything else, and every invalid body, is parsed into a tree, whose views name what is
-    /// wrong.
-    pub fn parse_bytes(endpoint: Endpoint, raw: Bytes) -> Result<Self, ApiError> {
-        if endpoint == Endpoint::Chat {
+    /// [`Self::parse`], keeping `raw` (the client's bytes) without a copy. Unless `walked` (a
+    /// step will walk the conversation, so the tree is needed anyway), a chat body is read from
+    /// its text where that reads exactly as its tree would ([`Self::read_chat_text`]); anything
+    /// else, and every invalid body, is parsed into a tree, whose views name what is wrong.
+    pub fn parse_bytes(endpoint: Endpoint, raw: Bytes, walked: bool) -> Result<Self, ApiError> {
+        if endpoint == Endpoint::Chat && !walked {
             if let Some(req) = Self::read_chat_text(raw.clone()) {
                 return Ok(req);
             }
@@ -324,12 +324,16 @@ impl ParsedRequest {
             content[slot].get_or_insert(span);
         }
         let model = view.model.into_owned();
-        let mut canonical = Vec::with_capacity(text.len() + model.len() + 32);
         let edits = super::canon::Edits {
             skip: &FINGERPRINT_SKIP,
             add: &[("endpoint", Endpoint::Chat.label()), ("model", &model)],
         };
-        super::canon::Writer::new(text, true).object(edits, &mut canonical)?;
+        let mut hasher = HashWriter(sha2::Digest::new());
+        super::canon::Writer::new(text, true).object(
+            edits,
+            &mut Vec::with_capacity(text.len()),
+            &mut hasher,
+        )?;
         let stream = view.stream.unwrap_or(false);
         let client_wants_usage = view
             .stream_options
@@ -350,7 +354,7 @@ impl ParsedRequest {
             max_tokens: view.max_completion_tokens.or(view.max_tokens),
             body_bytes: raw.len(),
             encoded: None,
-            fingerprint: digest16(&canonical),
+            fingerprint: first16(hasher.0),
             user: view.user.map(Cow::into_owned),
             choices: choices.into_iter().flatten().max().unwrap_or(1).max(1),
             root: Some(Root {
@@ -827,11 +831,11 @@ fn write_clamp(body: &mut Map<String, Value>, max_tokens: u64) {
     }
 }
 
-/// The first 16 bytes of SHA-256.
-fn digest16(bytes: &[u8]) -> [u8; 16] {
+/// The first 16 bytes of a hash.
+fn first16(hasher: sha2::Sha256) -> [u8; 16] {
     use sha2::Digest as _;
     let mut out = [0; 16];
-    out.copy_from_slice(&sha2::Sha256::digest(bytes)[..16]);
+    out.copy_from_slice(&hasher.finalize()[..16]);
     out
 }
 
@@ -872,9 +876,7 @@ fn tree_fingerprint(body: &Map<String, Value>, endpoint: Endpoint, model: &str) 
     };
     let mut hasher = HashWriter(sha2::Sha256::new());
     let _ = serde_json::to_writer(&mut hasher, &view);
-    let mut out = [0; 16];
-    out.copy_from_slice(&hasher.0.finalize()[..16]);
-    out
+    first16(hasher.0)
 }
 
 /// Write whole-valued floats as integers (`0.0` → `0`), so equal requests hash equally whatever

@@ -99,9 +99,12 @@ pub async fn run(
     body: Bytes,
 ) -> Response {
     let mut event = new_event(&ctx, endpoint);
-    // Parsing and fingerprinting read the whole body: a large one off the async workers.
+    // Parsing and fingerprinting read the whole body: a large one off the async workers. The
+    // loop check walks a chat's conversation as a tree: with it on, the body is parsed into one
+    // at once (reading the text first would be work on top).
+    let walked = state.guard.enabled();
     let parsed = crate::tokens::off_workers(body.len(), || {
-        match ParsedRequest::parse_bytes(endpoint, body.clone()) {
+        match ParsedRequest::parse_bytes(endpoint, body.clone(), walked) {
             Ok(req) => {
                 record_request(&mut event, &ctx.key, &req);
                 Ok(req)

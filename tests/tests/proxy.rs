@@ -1002,3 +1002,66 @@ async fn the_upstream_gets_its_own_host_and_the_client_the_answers_length() {
         assert_eq!(hosts[0].to_str().unwrap(), authority);
     }
 }
+
+/// With the loop check off, a chat body is read from its text, not parsed into a tree: what
+/// the gateway records of it (fingerprint, derived session, `user` tag) and what the upstream
+/// and the client get are the same as for the tree the library parses it into.
+#[tokio::test]
+async fn a_chat_read_from_its_text_is_recorded_as_its_tree_would_be() {
+    use gateway::openai::{Endpoint, ParsedRequest};
+    let mut s = setup_with(StoreKind::Sqlite, zero_small(), |c| {
+        c.guard.enabled = false;
+    })
+    .await;
+    // Keys out of order, spacing, whole floats, escapes, nested objects, a stream whose usage
+    // the gateway asks for on its own behalf.
+    let bodies = [
+        r#"{"temperature": 1.0, "model": "fast", "max_tokens": 4, "messages": [{"role": "system", "content": "Be \"brief\".\n\u00e9"}, {"role": "user", "content": "hi \\ there"}], "user": "u-7"}"#,
+        r#" { "messages" : [ {"content": [{"type": "text", "text": "x\u2028y"}], "role": "user"} ], "model":"fast", "logit_bias": {"50256": -100.0, "1": 2.5}, "metadata": {"b": [1, 2.0], "a": {"z": "\b"}}, "stream": true } "#,
+    ];
+    for body in bodies {
+        let tree =
+            ParsedRequest::parse_bytes(Endpoint::Chat, body.as_bytes().to_vec().into(), true)
+                .unwrap();
+        let session = gateway::guard::session::of(None, &s.app.key_id, &tree);
+        let r = s
+            .app
+            .http
+            .post(format!("{}/v1/chat/completions", s.app.base))
+            .bearer_auth(&s.app.api_key)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{body}");
+        let text = r.text().await.unwrap();
+        let e = s.app.next_event().await;
+        assert_eq!(e.fingerprint, tree.fingerprint(), "{body}");
+        assert_eq!(e.tags["session"], session.id, "{body}");
+        assert_eq!(
+            e.tags.get("user").map(String::as_str),
+            tree.end_user(),
+            "{body}"
+        );
+        assert_eq!(e.stream, tree.stream);
+        assert!(e.prompt_tokens > 0 && e.completion_tokens > 0, "{e:?}");
+        if tree.stream {
+            // The usage chunk the gateway asked for is not passed on.
+            assert!(
+                text.contains("[DONE]") && !text.contains("\"usage\":{"),
+                "{text}"
+            );
+        }
+        // The upstream got the client's body with the upstream model (and, for the stream,
+        // usage asked for), as the tree would be written out.
+        let mut tree = tree;
+        let expected: Value = serde_json::from_slice(&tree.upstream_body("sim-small")).unwrap();
+        let mut got = Vec::new();
+        for sim in &s.small {
+            got.push(sim.last_request().await);
+        }
+        assert!(got.contains(&expected), "{expected} not in {got:?}");
+    }
+    s.app.stop().await;
+}

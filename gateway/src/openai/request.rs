@@ -224,8 +224,9 @@ pub struct ParsedRequest {
     fingerprint: [u8; 16],
     /// The `user` field.
     user: Option<String>,
-    /// How many completions the request generates ([`Self::choices`]).
-    choices: u64,
+    /// How many completions the request generates ([`Self::choices`]), when read from the
+    /// text (a tree answers when asked).
+    choices: Option<u64>,
     /// Where the conversation's root is in `raw`, for a body read from its text.
     root: Option<Root>,
 }
@@ -356,7 +357,7 @@ impl ParsedRequest {
             encoded: None,
             fingerprint: first16(hasher.0),
             user: view.user.map(Cow::into_owned),
-            choices: choices.into_iter().flatten().max().unwrap_or(1).max(1),
+            choices: Some(choices.into_iter().flatten().max().unwrap_or(1).max(1)),
             root: Some(Root {
                 content: content.map(Option::flatten),
                 metadata_session_id: view
@@ -445,12 +446,6 @@ impl ParsedRequest {
         if usage_added {
             ask_usage(&mut body);
         }
-        let choices = ["n", "best_of"]
-            .iter()
-            .filter_map(|f| body.get(*f).and_then(Value::as_u64))
-            .max()
-            .unwrap_or(1)
-            .max(1);
         let fingerprint = tree_fingerprint(&body, endpoint, &model);
         Ok(Self {
             endpoint,
@@ -466,7 +461,7 @@ impl ParsedRequest {
             encoded: None,
             fingerprint,
             user,
-            choices,
+            choices: None,
             root: None,
         })
     }
@@ -596,7 +591,14 @@ impl ParsedRequest {
 
     /// How many completions one request generates (`n`, or `best_of` for completions).
     pub fn choices(&self) -> u64 {
-        self.choices
+        self.choices.unwrap_or_else(|| {
+            ["n", "best_of"]
+                .iter()
+                .filter_map(|f| self.body().get(*f).and_then(Value::as_u64))
+                .max()
+                .unwrap_or(1)
+                .max(1)
+        })
     }
 
     /// Fingerprint of the request: the body with `model` as the client named it, minus the fields

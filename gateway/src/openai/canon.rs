@@ -35,6 +35,34 @@ struct Entry<'a> {
     at: Range<usize>,
 }
 
+/// What escapes a string holds.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Escapes {
+    None,
+    /// Only ones serde_json writes back as they are.
+    Kept,
+    /// Some that serde_json writes back otherwise (`\u`, `\/`).
+    Rewritten,
+}
+
+/// Whether `bytes` holds a byte below 0x20, eight at a time.
+fn has_control(bytes: &[u8]) -> bool {
+    const LOW: u64 = 0x2020_2020_2020_2020;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let mut chunks = bytes.chunks_exact(8);
+    for chunk in &mut chunks {
+        let Ok(word) = <[u8; 8]>::try_from(chunk) else {
+            return true;
+        };
+        let x = u64::from_le_bytes(word);
+        // A byte below 0x20 borrows into its high bit where that bit was clear.
+        if x.wrapping_sub(LOW) & !x & HIGH != 0 {
+            return true;
+        }
+    }
+    chunks.remainder().iter().any(|&b| b < 0x20)
+}
+
 /// Keys of the top-level object left out, and string members merged in (sorted among the
 /// rest by key), as the fingerprint wants.
 #[derive(Clone, Copy)]
@@ -97,10 +125,7 @@ impl<'a> Writer<'a> {
         match self.byte(at)? {
             b'{' => self.object_at(at, depth + 1, None, out),
             b'[' => self.array_at(at, depth + 1, out),
-            b'"' => {
-                let (end, _) = self.string_at(at, out)?;
-                Some(end)
-            }
+            b'"' => self.string_value_at(at, out),
             b't' => self.literal(at, "true", out),
             b'f' => self.literal(at, "false", out),
             b'n' => self.literal(at, "null", out),
@@ -119,33 +144,53 @@ impl<'a> Writer<'a> {
 
     /// Writes the string whose opening quote is at `at`; the index past it and its value.
     fn string_at(&self, at: usize, out: &mut Vec<u8>) -> Option<(usize, Cow<'a, str>)> {
-        let text: &'a str = self.text;
-        let bytes = text.as_bytes();
-        // The closing quote (as `super::string_end` finds it), noting any escape on the way.
-        let (mut j, mut escaped) = (at + 1, false);
+        let (end, escapes) = self.scan_string(at)?;
+        let literal = self.text.get(at..end)?;
+        let inner = &literal[1..literal.len() - 1];
+        if escapes == Escapes::None {
+            out.extend_from_slice(literal.as_bytes());
+            return Some((end, Cow::Borrowed(inner)));
+        }
+        let value: String = serde_json::from_str(literal).ok()?;
+        serde_json::to_writer(&mut *out, &value).ok()?;
+        Some((end, Cow::Owned(value)))
+    }
+
+    /// [`Self::string_at`] for a value, whose text is not needed: a string whose escapes
+    /// serde_json writes back as they are (`\n`, `\"`, ...; an agent's history is full of
+    /// them) is copied as it came, without being decoded and encoded again.
+    fn string_value_at(&self, at: usize, out: &mut Vec<u8>) -> Option<usize> {
+        let (end, escapes) = self.scan_string(at)?;
+        if escapes == Escapes::Rewritten {
+            return self.string_at(at, out).map(|(end, _)| end);
+        }
+        out.extend_from_slice(self.text.get(at..end)?.as_bytes());
+        Some(end)
+    }
+
+    /// The index past the string whose opening quote is at `at`, and what escapes it holds;
+    /// `None` when serde_json would refuse it (a control character).
+    fn scan_string(&self, at: usize) -> Option<(usize, Escapes)> {
+        let bytes = self.text.as_bytes();
+        let (mut j, mut escapes) = (at + 1, Escapes::None);
+        // The closing quote, as `super::string_end` finds it.
         let end = loop {
             let k = memchr::memchr2(b'"', b'\\', bytes.get(j..)?)?;
             if bytes[j + k] == b'"' {
                 break j + k + 1;
             }
-            escaped = true;
+            // serde_json writes back `\"`, `\\` and the short escapes of control characters as
+            // they are; `\/` and `\u` come back as what they stand for.
+            escapes = match bytes.get(j + k + 1)? {
+                b'u' | b'/' => Escapes::Rewritten,
+                _ if escapes == Escapes::Rewritten => Escapes::Rewritten,
+                _ => Escapes::Kept,
+            };
             j += k + 2;
         };
-        let inner = text.get(at + 1..end - 1)?;
-        // serde_json refuses control characters in a string and writes back only these as
-        // escapes: a string without them or a backslash is written back as it came.
-        if inner.bytes().any(|b| b < 0x20) {
-            return None;
-        }
-        if !escaped {
-            out.extend_from_slice(text.get(at..end)?.as_bytes());
-            return Some((end, Cow::Borrowed(inner)));
-        }
-        let value: String = serde_json::from_str(text.get(at..end)?).ok()?;
-        serde_json::to_writer(&mut *out, &value).ok()?;
-        Some((end, Cow::Owned(value)))
+        // serde_json refuses control characters in a string (they must be escaped).
+        (!has_control(&bytes[at + 1..end - 1])).then_some((end, escapes))
     }
-
     fn number_at(&self, at: usize, out: &mut Vec<u8>) -> Option<usize> {
         let bytes = self.text.as_bytes();
         let mut end = at;
@@ -354,6 +399,7 @@ mod tests {
             r#"[{"role":"user","content":"hi"},{"content":"x","role":"assistant"}]"#,
             r#""plain""#,
             r#""a\ud83d\udc4db""#,
+            r#"{"k\n":"a\nb\t\"c\\ \r\b\f","j":["x\/y","\u0041\n","\n\u001f"]}"#,
             "{}",
             "[]",
             "-0.0",
@@ -365,6 +411,19 @@ mod tests {
                     Some(String::from_utf8(reference(text, whole))),
                     "{text} whole={whole}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn control_characters_are_found_in_any_position() {
+        for len in 0..40 {
+            for at in 0..len {
+                for b in [0u8, 0x1f, 0x20, 0x7f, 0x80, 0xff] {
+                    let mut bytes = vec![b'a'; len];
+                    bytes[at] = b;
+                    assert_eq!(has_control(&bytes), b < 0x20, "{len} {at} {b}");
+                }
             }
         }
     }

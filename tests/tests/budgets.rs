@@ -884,10 +884,12 @@ async fn post_chat(http: &reqwest::Client, base: &str, key: &str, body: &Value) 
         .unwrap_or(0)
 }
 
-/// Wait until every replica at `bases` enforces a budget with room left: a one-token request
-/// with `key` is admitted and names the budget in `x-gateway-budget-policy` (before the
-/// replica's policy refresh it is admitted without one, or refused by the old, spent budget).
-async fn policy_everywhere(http: &reqwest::Client, bases: &[String], key: &str) {
+/// Wait until every replica at `bases` enforces a budget with room left: a request with `key`
+/// asking for `max_tokens` is admitted and names the budget in `x-gateway-budget-policy`
+/// (before the replica's policy refresh it is admitted without one, or refused by the old
+/// budget). Where an old budget still has some room, `max_tokens` must be more than that room,
+/// or the old budget admits the probe too.
+async fn policy_everywhere(http: &reqwest::Client, bases: &[String], key: &str, max_tokens: u64) {
     for base in bases {
         e2e::eventually(
             "every replica enforces the new budget",
@@ -896,7 +898,7 @@ async fn policy_everywhere(http: &reqwest::Client, bases: &[String], key: &str) 
                 let r = http
                     .post(format!("{base}/v1/chat/completions"))
                     .bearer_auth(key)
-                    .json(&body_with_max("fast", "probe", 1))
+                    .json(&body_with_max("fast", "probe", max_tokens))
                     .send()
                     .await
                     .ok()?;
@@ -976,7 +978,7 @@ async fn three_processes_share_one_budget(kind: BudgetKind) {
         .unwrap();
     assert_eq!(r.status(), 201);
     let bases: Vec<String> = procs.iter().map(|p| p.base.clone()).collect();
-    policy_everywhere(&http, &bases, &key).await;
+    policy_everywhere(&http, &bases, &key, 1).await;
     let tasks: Vec<_> = (0..500)
         .map(|i| {
             let (http, key, base) = (http.clone(), key.clone(), bases[i % 3].clone());
@@ -1013,16 +1015,20 @@ async fn three_processes_share_one_budget(kind: BudgetKind) {
     assert!(ok >= 50, "only {ok} admitted");
     eprintln!("{kind:?}, 3 processes: {ok} admitted, spent {spent} of {limit}");
 
-    // Raise the budget, park requests on the slow large tier, and kill their gateway.
+    // Raise the budget, park requests on the slow large tier, and kill their gateway. The old
+    // budget may have some room left (the replicas stop short of it), so each replica's probe
+    // asks for more than the whole old budget: only the new one admits it (and the new one has
+    // room for the three probes and the five parked requests).
     let r = http
         .post(format!("{}/admin/v1/budgets", procs[0].base))
         .bearer_auth(e2e::ADMIN_TOKEN)
-        .json(&json!({"tenant": "acme", "window": "day", "limit_tokens": spent + 10_000}))
+        .json(&json!({"tenant": "acme", "window": "day",
+                      "limit_tokens": spent + 10_000 + 3 * (limit + p)}))
         .send()
         .await
         .unwrap();
     assert_eq!(r.status(), 201);
-    policy_everywhere(&http, &bases, &key).await;
+    policy_everywhere(&http, &bases, &key, limit).await;
     let doomed = procs[2].base.clone();
     for _ in 0..5 {
         let (http, key, base) = (http.clone(), key.clone(), doomed.clone());

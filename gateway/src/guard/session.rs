@@ -82,8 +82,8 @@ pub fn of(client: Option<&str>, key_id: &str, req: &ParsedRequest) -> Session {
 
 /// `drv_` + a hash of the key, the system prompt and the first user message (or the prompt).
 fn derived(key_id: &str, req: &ParsedRequest) -> String {
-    // The root's parts are written straight into the hash (a first message may be megabytes;
-    // it is not copied).
+    // The root's parts go into the hash as they are written: from a tree, straight in; from the
+    // text (`ParsedRequest::write_conversation_root`), through one buffer of their size.
     let mut w = crate::openai::HashWriter(Sha256::new());
     w.0.update(key_id.as_bytes());
     w.0.update([0]);

@@ -172,25 +172,20 @@ impl<'a> Writer<'a> {
     /// `None` when serde_json would refuse it (a control character).
     fn scan_string(&self, at: usize) -> Option<(usize, Escapes)> {
         let bytes = self.text.as_bytes();
-        let (mut j, mut escapes) = (at + 1, Escapes::None);
-        // The closing quote, as `super::string_end` finds it.
-        let end = loop {
-            let k = memchr::memchr2(b'"', b'\\', bytes.get(j..)?)?;
-            if bytes[j + k] == b'"' {
-                break j + k + 1;
-            }
+        let mut escapes = Escapes::None;
+        let end = super::string_end_noting(bytes, at, |c| {
             // serde_json writes back `\"`, `\\` and the short escapes of control characters as
             // they are; `\/` and `\u` come back as what they stand for.
-            escapes = match bytes.get(j + k + 1)? {
+            escapes = match c {
                 b'u' | b'/' => Escapes::Rewritten,
                 _ if escapes == Escapes::Rewritten => Escapes::Rewritten,
                 _ => Escapes::Kept,
             };
-            j += k + 2;
-        };
+        })?;
         // serde_json refuses control characters in a string (they must be escaped).
         (!has_control(&bytes[at + 1..end - 1])).then_some((end, escapes))
     }
+
     fn number_at(&self, at: usize, out: &mut Vec<u8>) -> Option<usize> {
         let bytes = self.text.as_bytes();
         let mut end = at;
@@ -296,7 +291,7 @@ impl<'a> Writer<'a> {
         }
         match top {
             None if sorted => out.push(b'}'),
-            None => self.reorder(start, base, None, out),
+            None => self.reorder(start, base, out),
             Some((edits, sink)) => self.write_sorted(start, base, edits, out, sink).ok()?,
         }
         self.entries.truncate(base);
@@ -305,17 +300,17 @@ impl<'a> Writer<'a> {
 
     /// Rewrites the object written from `start` (its entries from `base`) in key order, a
     /// duplicated key's last entry kept.
-    fn reorder(&mut self, start: usize, base: usize, edits: Option<Edits<'_>>, out: &mut Vec<u8>) {
+    fn reorder(&mut self, start: usize, base: usize, out: &mut Vec<u8>) {
         let mut scratch = std::mem::take(&mut self.scratch);
         scratch.clear();
         scratch.extend_from_slice(&out[start..]);
         out.truncate(start);
-        let edits = edits.unwrap_or(Edits {
+        let none = Edits {
             skip: &[],
             add: &[],
-        });
+        };
         // Writing into a Vec cannot fail.
-        let _ = self.write_sorted(start, base, edits, &scratch, out);
+        let _ = self.write_sorted(start, base, none, &scratch, out);
         self.scratch = scratch;
     }
 

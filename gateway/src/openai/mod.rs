@@ -115,6 +115,11 @@ pub fn json_bytes(json: &[u8]) -> impl Iterator<Item = (u8, bool)> + '_ {
 /// The index just past the string literal whose opening quote is at `open`: the next `"` that
 /// is not escaped, found with memchr (many bytes at a time); `None` when it is unterminated.
 fn string_end(json: &[u8], open: usize) -> Option<usize> {
+    string_end_noting(json, open, |_| {})
+}
+
+/// [`string_end`], calling `escaped` with the character after each backslash on the way.
+fn string_end_noting(json: &[u8], open: usize, mut escaped: impl FnMut(u8)) -> Option<usize> {
     let mut j = open + 1;
     loop {
         let k = memchr::memchr2(b'"', b'\\', json.get(j..)?)?;
@@ -122,6 +127,9 @@ fn string_end(json: &[u8], open: usize) -> Option<usize> {
             return Some(j + k + 1);
         }
         // An escape: skip the backslash and the character it escapes.
+        if let Some(&c) = json.get(j + k + 1) {
+            escaped(c);
+        }
         j += k + 2;
     }
 }

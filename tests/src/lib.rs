@@ -386,6 +386,19 @@ impl TestApp {
             .expect("metrics text")
     }
 
+    /// POST `body`, text as it is (a client's own spelling of JSON, or none), as a chat
+    /// completion with this app's key.
+    pub async fn chat_text(&self, body: &str) -> reqwest::Response {
+        self.http
+            .post(format!("{}/v1/chat/completions", self.base))
+            .bearer_auth(&self.api_key)
+            .header("content-type", "application/json")
+            .body(body.to_owned())
+            .send()
+            .await
+            .expect("request sent")
+    }
+
     /// POST a chat completion.
     pub async fn chat(&self, body: Value) -> reqwest::Response {
         self.post("/v1/chat/completions", &body).await

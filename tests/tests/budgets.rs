@@ -564,20 +564,12 @@ async fn requests_refused_before_admission_still_count_against_the_request_rate(
             )
             .await;
         assert_eq!(r.status(), 200);
-        let url = format!("{}/v1/chat/completions", s.app.base);
         let mut statuses = Vec::new();
         for i in 0..6 {
             let resp = if i % 2 == 0 {
                 s.app.chat(chat_body("no-such-model", "hi")).await
             } else {
-                s.app
-                    .http
-                    .post(&url)
-                    .bearer_auth(&s.app.api_key)
-                    .body("{not json")
-                    .send()
-                    .await
-                    .unwrap()
+                s.app.chat_text("{not json").await
             };
             statuses.push(resp.status().as_u16());
         }

@@ -263,17 +263,7 @@ async fn bad_requests_get_openai_shaped_errors_naming_the_problem() {
     .await;
     let url = format!("{}/v1/chat/completions", s.app.base);
 
-    let (st, b) = error_of(
-        s.app
-            .http
-            .post(&url)
-            .bearer_auth(&s.app.api_key)
-            .body("{nope")
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await;
+    let (st, b) = error_of(s.app.chat_text("{nope").await).await;
     assert_eq!(st, 400);
     assert_eq!(b["error"]["code"], "invalid_json");
 
@@ -1024,16 +1014,7 @@ async fn a_chat_read_from_its_text_is_recorded_as_its_tree_would_be() {
             ParsedRequest::parse_bytes(Endpoint::Chat, body.as_bytes().to_vec().into(), true)
                 .unwrap();
         let session = gateway::guard::session::of(None, &s.app.key_id, &tree);
-        let r = s
-            .app
-            .http
-            .post(format!("{}/v1/chat/completions", s.app.base))
-            .bearer_auth(&s.app.api_key)
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
-            .await
-            .unwrap();
+        let r = s.app.chat_text(body).await;
         assert_eq!(r.status(), 200, "{body}");
         let text = r.text().await.unwrap();
         let e = s.app.next_event().await;

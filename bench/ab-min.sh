@@ -17,7 +17,9 @@
 # budget step (and its prompt token count) runs. PIN=1 runs the gateways on CPU 0 and the
 # upstream and wrk on CPU 1, so the gateway under test has a core to itself and the others do
 # not take turns with it (on a 2-core machine the ratio is then the gateway's own cost, far less
-# noisy than sharing both cores). Needs: wrk, python3.
+# noisy than sharing both cores). WATCH=PID also reports that process's CPU per request (a Redis
+# both gateways share, say: `EXTRA=$'[guard]\nenabled = true\nstore = "redis"\nredis_urls =
+# ["redis://127.0.0.1:6379"]' WATCH=$(pidof redis-server)`). Needs: wrk, python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -88,10 +90,12 @@ for r in $(seq 1 "$ROUNDS"); do
     pid=${GW_PID[$v]}
     "${LOAD_CPU[@]}" wrk -t2 -c"$CONNS" -d2s -s "$WORK/$v.lua" "$url" >/dev/null
     before=$(awk '{print $14 + $15}' "/proc/$pid/stat")
+    w_before=$(if [ -n "${WATCH:-}" ]; then awk '{print $14 + $15}' "/proc/$WATCH/stat"; else echo 0; fi)
     read -r n secs errors < <("${LOAD_CPU[@]}" wrk -t2 -c"$CONNS" -d"$DURATION" -s "$WORK/$v.lua" "$url" | awk '/^WRK/ {print $2, $3, $4}')
     after=$(awk '{print $14 + $15}' "/proc/$pid/stat")
+    w_after=$(if [ -n "${WATCH:-}" ]; then awk '{print $14 + $15}' "/proc/$WATCH/stat"; else echo 0; fi)
     ticks=$(getconf CLK_TCK)
-    echo "$r $v $n $secs $errors $((after - before)) $ticks" | tee -a "$WORK/results" >&2
+    echo "$r $v $n $secs $errors $((after - before)) $ticks $((w_after - w_before))" | tee -a "$WORK/results" >&2
   done
 done
 
@@ -99,14 +103,15 @@ python3 - "$WORK/results" <<'PY'
 import statistics, sys
 rows = {"A": [], "B": []}
 for line in open(sys.argv[1]):
-    r, v, n, secs, errors, ticks, hz = line.split()
-    n, secs, ticks, hz = int(n), float(secs), int(ticks), int(hz)
-    rows[v].append((n / secs, ticks / hz * 1e6 / n, int(errors)))
-print("| build | rounds | req/s (median) | CPU µs per request (median) | errors |")
-print("|---|---|---|---|---|")
+    r, v, n, secs, errors, ticks, hz, watched = line.split()
+    n, secs, ticks, hz, watched = int(n), float(secs), int(ticks), int(hz), int(watched)
+    rows[v].append((n / secs, ticks / hz * 1e6 / n, int(errors), watched / hz * 1e6 / n))
+print("| build | rounds | req/s (median) | CPU µs per request (median) | watched process's CPU µs per request (median) | errors |")
+print("|---|---|---|---|---|---|")
 med = {}
 for v, rs in rows.items():
     med[v] = (statistics.median(x[0] for x in rs), statistics.median(x[1] for x in rs))
-    print(f"| {v} | {', '.join(f'{x[0]:,.0f}' for x in rs)} | {med[v][0]:,.0f} | {med[v][1]:.1f} | {sum(x[2] for x in rs)} |")
+    watched = statistics.median(x[3] for x in rs)
+    print(f"| {v} | {', '.join(f'{x[0]:,.0f}' for x in rs)} | {med[v][0]:,.0f} | {med[v][1]:.1f} | {watched:.1f} | {sum(x[2] for x in rs)} |")
 print(f"B / A: throughput {100 * med['B'][0] / med['A'][0]:.1f}%, CPU per request {100 * med['B'][1] / med['A'][1]:.1f}%")
 PY

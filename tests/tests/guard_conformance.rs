@@ -410,3 +410,112 @@ async fn a_repeat_of_a_request_that_got_an_error_answer_is_counted_as_a_retry_fo
         assert!(!later.after_error, "{kind:?}: forgotten after its ttl");
     }
 }
+
+#[tokio::test]
+async fn a_turn_and_its_retry_count_in_one_call_answer_as_the_two_calls_do() {
+    for kind in e2e::BUDGET_STORES {
+        let s = store(kind, 100, Duration::from_secs(60));
+        let (apart, together) = (fresh_tenant(), fresh_tenant());
+        let now = chrono::Utc::now().timestamp_millis();
+        for tenant in [&apart, &together] {
+            s.mark_failed(tenant, "key_a", "fp-failed", now, 60_000)
+                .await
+                .unwrap();
+        }
+        // (at, step, request, the client said it retries, fingerprint, bucket): a new turn, a
+        // retry of it unanswered, the SDK's retry, a repeat of a request that got an error
+        // answer, the same step again (its window comes back), a bucket past the window.
+        let plan = [
+            (1_000, 11, 101, false, "fp-1", 100),
+            (1_100, 11, 101, false, "fp-1", 100),
+            (1_200, 12, 102, true, "fp-2", 101),
+            (1_300, 13, 103, false, "fp-failed", 104),
+            (1_400, 11, 104, false, "fp-4", 109),
+            (1_500, 14, 105, false, "fp-5", 112),
+        ];
+        for (at, step, request, retry, fingerprint, slot) in plan {
+            let t = turn(at, step, request);
+            let known = if retry {
+                Known::Retry
+            } else {
+                Known::IfFailed {
+                    key_id: "key_a",
+                    fingerprint,
+                    now_ms: now,
+                    ttl_ms: 60_000,
+                }
+            };
+            let seen = s
+                .record(&SessionKey::new(&apart, "run"), &t, LIMITS)
+                .await
+                .unwrap();
+            let counts = s.retry_counts(&apart, known, slot, 60_000).await.unwrap();
+            let both = s
+                .record_and_count(
+                    &SessionKey::new(&together, "run"),
+                    &t,
+                    LIMITS,
+                    known,
+                    slot,
+                    60_000,
+                )
+                .await
+                .unwrap();
+            assert_eq!(both, (seen, counts), "{kind:?}: turn {request}");
+        }
+        let (_, last) = s
+            .record_and_count(
+                &SessionKey::new(&together, "run"),
+                &turn(1_600, 11, 106),
+                LIMITS,
+                Known::Retry,
+                112,
+                60_000,
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (last.requests, last.retries),
+            (4, 2),
+            "{kind:?}: buckets 103..=112 hold the last four requests, two of them retries"
+        );
+    }
+}
+
+/// On Redis a session's keys get their expiry pushed only once a tenth of the ttl has passed
+/// since the last push (two calls saved on most requests): a session still lives at least its
+/// ttl after its latest request, and is gone by 1.1 ttl. (The in-process store forgets a
+/// session by its own clock; its ttl is the store's, tested with it.)
+#[tokio::test]
+async fn a_session_on_redis_lives_its_ttl_after_its_latest_request_and_no_longer() {
+    const TTL: Limits = Limits {
+        turns: 4,
+        ttl_ms: 2_000,
+    };
+    for kind in [e2e::BudgetKind::Redis, e2e::BudgetKind::RedisCluster] {
+        let s = store(kind, 100, Duration::from_secs(60));
+        let key = SessionKey::new(&fresh_tenant(), "short");
+        let start = std::time::Instant::now();
+        let now = || chrono::Utc::now().timestamp_millis();
+        s.record(&key, &turn(now(), 1, 1), TTL).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Within a tenth of the ttl: the expiry is not pushed by this request.
+        let latest = start.elapsed();
+        s.record(&key, &turn(now(), 2, 2), TTL).await.unwrap();
+        tokio::time::sleep((latest + Duration::from_millis(1_900)).saturating_sub(start.elapsed()))
+            .await;
+        let info = s.get(&key).await.unwrap();
+        assert_eq!(
+            info.map(|i| (i.state.requests, i.turns)),
+            Some((2, 2)),
+            "{kind:?}: 1.9 s after its latest request"
+        );
+        tokio::time::sleep((latest + Duration::from_millis(2_400)).saturating_sub(start.elapsed()))
+            .await;
+        assert_eq!(
+            s.get(&key).await.unwrap(),
+            None,
+            "{kind:?}: gone by 1.1 ttl"
+        );
+    }
+}

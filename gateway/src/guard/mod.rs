@@ -39,7 +39,7 @@ pub use crate::types::guard::{GuardPolicy, LoopAction};
 pub use decide::{Decision, Refusal};
 pub use session::Session;
 pub use signals::Loop;
-use store::{GuardError, GuardStore, Limits, SessionInfo, SessionKey, Turn};
+use store::{GuardError, GuardStore, Limits, Seen, SessionInfo, SessionKey, Turn};
 
 /// The guard: policies, the session store and the near-duplicate model.
 pub struct Guard {
@@ -67,6 +67,36 @@ impl std::fmt::Debug for Guard {
             .field("near", &self.near)
             .finish_non_exhaustive()
     }
+}
+
+/// A request's part in the retry budget, for [`Guard::step`].
+#[derive(Debug, Clone, Copy)]
+pub struct RetryCheck<'a> {
+    /// The API key that sent it.
+    pub key: &'a crate::store::ApiKey,
+    /// What its client said about it being a retry.
+    pub client: &'a retries::ClientRetry,
+    /// Its fingerprint (a repeat of a request that got an error answer is a retry).
+    pub fingerprint: &'a str,
+}
+
+/// What [`Guard::look`] found before the store is asked.
+struct Looked {
+    key: SessionKey,
+    turn: Turn,
+    in_request: Option<Loop>,
+    policy: GuardPolicy,
+    repeats: usize,
+    similarity: f32,
+    now: i64,
+}
+
+/// What [`Guard::retry_ask`] knows before the request is counted.
+struct RetryAsk<'a> {
+    signal: Option<retries::Signal>,
+    known: store::Known<'a>,
+    slot: u64,
+    window_ms: i64,
 }
 
 /// A request as the guard sees it.
@@ -153,12 +183,67 @@ impl Guard {
         self.config.enabled
     }
 
-    /// The guard step: find a loop in the request and in its session's window, and decide
-    /// what to do by the tenant's policy. A store that fails leaves the in-request signal.
+    /// The loop check alone: find a loop in the request and in its session's window, and
+    /// decide what to do by the tenant's policy. A store that fails leaves the in-request
+    /// signal. (The request path runs [`Self::step`], which also counts the retry budget.)
     pub async fn check(&self, req: Check<'_>) -> Decision {
         if !self.config.enabled {
             return Decision::Allow;
         }
+        let looked = self.look(&req);
+        let seen = match self
+            .store
+            .record(&looked.key, &looked.turn, self.limits())
+            .await
+        {
+            Ok(seen) => Some(seen),
+            Err(e) => {
+                tracing::warn!(error = %e, "guard store unavailable; the in-request signal alone applies");
+                None
+            }
+        };
+        self.decide(&req, looked, seen).await
+    }
+
+    /// The guard step of a request: the loop check ([`Self::check`]) and whether the request
+    /// is a client retry beyond its tenant's retry budget (every request counts toward the
+    /// budget's base; a store that fails lets the request through, logged), with the
+    /// session's turn and the budget's count in one store call (one round trip on Redis).
+    pub async fn step(&self, req: Check<'_>, retry: RetryCheck<'_>) -> (Decision, RetryVerdict) {
+        let ask = self.retry_ask(&retry).await;
+        if !self.config.enabled {
+            return (Decision::Allow, self.count_retry(&retry, ask).await);
+        }
+        let looked = self.look(&req);
+        let result = self
+            .store
+            .record_and_count(
+                &looked.key,
+                &looked.turn,
+                self.limits(),
+                ask.known,
+                ask.slot,
+                ask.window_ms,
+            )
+            .await;
+        let (seen, counts) = match result {
+            Ok((seen, counts)) => (Some(seen), Some(counts)),
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    "guard store unavailable; the in-request signal alone applies and the retry \
+                     budget was not checked"
+                );
+                (None, None)
+            }
+        };
+        let verdict = self.retry_verdict(retry.key, ask.signal, counts);
+        (self.decide(&req, looked, seen).await, verdict)
+    }
+
+    /// What the loop check finds without the store: the tenant's policy, a loop inside the
+    /// request, and the turn it adds to its session's window.
+    fn look(&self, req: &Check<'_>) -> Looked {
         let policy = self.policy(req.tenant_id);
         let repeats = policy.repeats.unwrap_or(3) as usize;
         let similarity = policy.similarity.unwrap_or(1.0) as f32;
@@ -175,7 +260,6 @@ impl Guard {
             .map(|m| signals::Conversation::read(m, near.is_some()));
         let in_request = conversation.as_ref().and_then(|c| c.detect(detect));
         let now = self.clock.now_ms();
-        let key = SessionKey::new(req.tenant_id, req.session);
         let turn = conversation
             .as_ref()
             .and_then(signals::Conversation::latest_turn)
@@ -199,13 +283,29 @@ impl Guard {
             answered: false,
             sketch: None,
         });
-        let seen = match self.store.record(&key, &turn, self.limits()).await {
-            Ok(seen) => Some(seen),
-            Err(e) => {
-                tracing::warn!(error = %e, "guard store unavailable; the in-request signal alone applies");
-                None
-            }
-        };
+        Looked {
+            key: SessionKey::new(req.tenant_id, req.session),
+            turn,
+            in_request,
+            policy,
+            repeats,
+            similarity,
+            now,
+        }
+    }
+
+    /// The loop check's decision, from what [`Self::look`] found and the session as the store
+    /// had it (`None`: the store failed), written back to the store when it marks anything.
+    async fn decide(&self, req: &Check<'_>, looked: Looked, seen: Option<Seen>) -> Decision {
+        let Looked {
+            key,
+            turn,
+            in_request,
+            policy,
+            repeats,
+            similarity,
+            now,
+        } = looked;
         let window_ms = i64::try_from(policy.window_secs.unwrap_or(600).saturating_mul(1000))
             .unwrap_or(i64::MAX);
         let across = seen
@@ -237,18 +337,13 @@ impl Guard {
         decision
     }
 
-    /// Whether a request by `key` is a client retry (by what `client` says) and, if so, whether
-    /// it is beyond its tenant's retry budget. Every request counts toward the budget's base. A store that fails lets
-    /// the request through (logged).
-    pub async fn client_retry(
-        &self,
-        key: &crate::store::ApiKey,
-        client: &retries::ClientRetry,
-        fingerprint: &str,
-    ) -> RetryVerdict {
+    /// What is known of a request being a client retry before it is counted: the client's
+    /// word, then a repeated `Idempotency-Key` (one store call, only for a request with one).
+    async fn retry_ask<'a>(&self, retry: &RetryCheck<'a>) -> RetryAsk<'a> {
         let now = self.clock.now_ms();
         let rule = self.config.retry_rule();
-        let repeated_key = match &client.idempotency_key {
+        let key = retry.key;
+        let repeated_key = match &retry.client.idempotency_key {
             Some(idem) => self
                 .store
                 .idempotency_seen(&key.tenant_id, &key.id, idem, now, rule.window_ms())
@@ -259,24 +354,50 @@ impl Guard {
                 }),
             None => false,
         };
-        let mut signal = retries::signal(client, repeated_key);
+        let signal = retries::signal(retry.client, repeated_key);
         let known = match signal {
             Some(_) => store::Known::Retry,
             // Whether it repeats a request that got an error answer is found in the same
             // round trip as the counts.
             None => store::Known::IfFailed {
                 key_id: &key.id,
-                fingerprint,
+                fingerprint: retry.fingerprint,
                 now_ms: now,
                 ttl_ms: self.after_error_ms(),
             },
         };
+        RetryAsk {
+            signal,
+            known,
+            slot: rule.slot(now),
+            window_ms: rule.window_ms(),
+        }
+    }
+
+    /// Count the request in its tenant's retry budget, and judge it.
+    async fn count_retry(&self, retry: &RetryCheck<'_>, ask: RetryAsk<'_>) -> RetryVerdict {
         let counts = self
             .store
-            .retry_counts(&key.tenant_id, known, rule.slot(now), rule.window_ms())
-            .await;
+            .retry_counts(&retry.key.tenant_id, ask.known, ask.slot, ask.window_ms)
+            .await
+            .map_err(
+                |e| tracing::warn!(error = %e, "guard store: the retry budget was not checked"),
+            )
+            .ok();
+        self.retry_verdict(retry.key, ask.signal, counts)
+    }
+
+    /// The retry budget's verdict on a request recognised by `signal` (before the store's
+    /// word), given its tenant's `counts` (`None`: the store failed, the request goes on).
+    fn retry_verdict(
+        &self,
+        key: &crate::store::ApiKey,
+        mut signal: Option<retries::Signal>,
+        counts: Option<store::RetryCounts>,
+    ) -> RetryVerdict {
+        let rule = self.config.retry_rule();
         let over = match counts {
-            Ok(c) => {
+            Some(c) => {
                 if c.after_error {
                     signal = Some(retries::Signal::AfterError);
                 }
@@ -291,10 +412,7 @@ impl Guard {
                 }
                 signal.is_some() && rule.over(requests, retries)
             }
-            Err(e) => {
-                tracing::warn!(error = %e, "guard store: the retry budget was not checked");
-                false
-            }
+            None => false,
         };
         if let Some(s) = signal {
             self.metrics

@@ -1,6 +1,8 @@
 //! The Redis [`GuardStore`], shared by every replica: one session window whichever replica a
 //! request reaches. Each call is one Lua script (one round trip, atomic); every key carries the
 //! tenant's `{hash tag}` and is passed in `KEYS`, so the scripts run unchanged on Redis Cluster.
+//! A request's turn and its retry-budget count, both made for every request while the loop check
+//! is on, are one script (`admit.lua`, running the functions of `record.lua` and `retries.lua`).
 //!
 //! Keys, for tenant `t` and session `s`: `{g:t}:s:s` (a hash: counters, cooldown, block, the
 //! latest loop), `{g:t}:w:s` (a list of encoded [`Turn`]s), `{g:t}:i` (a sorted set of the
@@ -28,6 +30,8 @@ pub struct RedisGuard {
     mark: Script,
     settle: Script,
     retries: Script,
+    /// `record` and `retries` in one script.
+    admit: Script,
     /// The clock [`Self::down_until_ms`] counts from.
     since: Instant,
     /// Calls fail at once until then (ms since `since`): Redis failed moments ago.
@@ -35,6 +39,11 @@ pub struct RedisGuard {
     /// How long a block lasts unless cleared, ms.
     block_ttl_ms: i64,
 }
+
+/// The function `record(keys, argv)`: a request's turn in its session's window.
+const RECORD: &str = include_str!("lua/record.lua");
+/// The function `retries(keys, argv)`: a request counted in its tenant's retry budget.
+const RETRIES: &str = include_str!("lua/retries.lua");
 
 /// How long calls are skipped after Redis failed.
 const BACKOFF: Duration = Duration::from_secs(1);
@@ -82,9 +91,13 @@ impl RedisGuard {
     pub fn new(urls: Vec<String>, timeout: Duration) -> Result<Self, GuardError> {
         Ok(Self {
             redis: RedisConn::new(urls, timeout)?,
-            record: Script::new(include_str!("lua/record.lua")),
+            record: Script::new(&format!("{RECORD}\nreturn record(KEYS, ARGV)")),
             mark: Script::new(include_str!("lua/mark.lua")),
-            retries: Script::new(include_str!("lua/retries.lua")),
+            retries: Script::new(&format!("{RETRIES}\nreturn retries(KEYS, ARGV)")),
+            admit: Script::new(&format!(
+                "{RECORD}\n{RETRIES}\n{}",
+                include_str!("lua/admit.lua")
+            )),
             settle: Script::new(include_str!("lua/settle.lua")),
             since: Instant::now(),
             down_until_ms: AtomicU64::new(0),
@@ -221,38 +234,27 @@ impl GuardStore for RedisGuard {
         limits: Limits,
     ) -> Result<Seen, GuardError> {
         let mut inv = self.record.prepare_invoke();
-        inv.key(state_key(key))
-            .key(window_key(key))
-            .key(index_key(key.tenant_id()))
-            .arg(turn.at_ms)
-            .arg(turn.encode())
-            .arg(&Turn::request_bytes(turn.request)[..])
-            .arg(limits.turns)
-            .arg(limits.ttl_ms)
-            .arg(key.session())
-            .arg(FLAGS_AT);
+        record_args(&mut inv, key, turn, limits);
+        seen_of(self.invoke(inv).await?, turn)
+    }
+
+    async fn record_and_count(
+        &self,
+        key: &SessionKey,
+        turn: &Turn,
+        limits: Limits,
+        known: Known<'_>,
+        slot: u64,
+        ttl_ms: i64,
+    ) -> Result<(Seen, RetryCounts), GuardError> {
+        let mut inv = self.admit.prepare_invoke();
+        record_args(&mut inv, key, turn, limits);
+        retry_args(&mut inv, key.tenant_id(), known, slot, ttl_ms);
         let mut parts = array(self.invoke(inv).await?)?.into_iter();
-        let (Some(flat), Some(window), Some(retry)) = (parts.next(), parts.next(), parts.next())
-        else {
-            return Err(GuardError::Protocol("record: expected three parts".into()));
+        let (Some(seen), Some(counts)) = (parts.next(), parts.next()) else {
+            return Err(GuardError::Protocol("admit: expected two parts".into()));
         };
-        let mut fields = HashMap::new();
-        let mut flat = array(flat)?.into_iter();
-        while let (Some(k), Some(v)) = (flat.next(), flat.next()) {
-            fields.insert(String::from_utf8_lossy(&bytes(k)?).into_owned(), bytes(v)?);
-        }
-        let mut window: Vec<Turn> = array(window)?
-            .into_iter()
-            .filter_map(|t| bytes(t).ok().and_then(|b| Turn::decode(&b)))
-            .collect();
-        if !turn.may_repeat(window.iter()) {
-            window.clear();
-        }
-        Ok(Seen {
-            state: state_of(&fields)?,
-            window,
-            retry: matches!(retry, Value::Int(1)),
-        })
+        Ok((seen_of(seen, turn)?, counts_of(counts)?))
     }
 
     async fn mark(&self, key: &SessionKey, mark: &Mark) -> Result<(), GuardError> {
@@ -389,34 +391,89 @@ impl GuardStore for RedisGuard {
         ttl_ms: i64,
     ) -> Result<RetryCounts, GuardError> {
         let mut inv = self.retries.prepare_invoke();
-        inv.key(format!("{}:rb", tag(tenant_id)));
-        let retry = match known {
-            Known::Retry => "1",
-            Known::IfFailed {
-                key_id,
-                fingerprint,
-                ..
-            } => {
-                // Same hash tag: one slot in a Cluster.
-                inv.key(failed_key(tenant_id, key_id, fingerprint));
-                "failed"
-            }
-        };
-        inv.arg(slot)
-            .arg(retry)
-            .arg(router::window::SlidingCounts::BUCKETS)
-            .arg(ttl_ms.max(1));
-        let v = array(self.invoke(inv).await?)?;
-        let num = |i: usize| match v.get(i) {
-            Some(Value::Int(n)) => Ok(u32::try_from(*n).unwrap_or(u32::MAX)),
-            other => Err(GuardError::Protocol(format!(
-                "retry counts: expected an integer, got {other:?}"
-            ))),
-        };
-        Ok(RetryCounts {
-            requests: num(0)?,
-            retries: num(1)?,
-            after_error: num(2)? == 1,
-        })
+        retry_args(&mut inv, tenant_id, known, slot, ttl_ms);
+        counts_of(self.invoke(inv).await?)
     }
+}
+
+/// `record`'s keys and arguments (see `lua/record.lua`).
+fn record_args(inv: &mut ScriptInvocation<'_>, key: &SessionKey, turn: &Turn, limits: Limits) {
+    inv.key(state_key(key))
+        .key(window_key(key))
+        .key(index_key(key.tenant_id()))
+        .arg(turn.at_ms)
+        .arg(turn.encode())
+        .arg(&Turn::request_bytes(turn.request)[..])
+        .arg(limits.turns)
+        .arg(limits.ttl_ms)
+        .arg(key.session())
+        .arg(FLAGS_AT);
+}
+
+/// `record`'s answer: the session before `turn`.
+fn seen_of(answer: Value, turn: &Turn) -> Result<Seen, GuardError> {
+    let mut parts = array(answer)?.into_iter();
+    let (Some(flat), Some(window), Some(retry)) = (parts.next(), parts.next(), parts.next()) else {
+        return Err(GuardError::Protocol("record: expected three parts".into()));
+    };
+    let mut fields = HashMap::new();
+    let mut flat = array(flat)?.into_iter();
+    while let (Some(k), Some(v)) = (flat.next(), flat.next()) {
+        fields.insert(String::from_utf8_lossy(&bytes(k)?).into_owned(), bytes(v)?);
+    }
+    let mut window: Vec<Turn> = array(window)?
+        .into_iter()
+        .filter_map(|t| bytes(t).ok().and_then(|b| Turn::decode(&b)))
+        .collect();
+    if !turn.may_repeat(window.iter()) {
+        window.clear();
+    }
+    Ok(Seen {
+        state: state_of(&fields)?,
+        window,
+        retry: matches!(retry, Value::Int(1)),
+    })
+}
+
+/// `retries`' keys and arguments (see `lua/retries.lua`).
+fn retry_args(
+    inv: &mut ScriptInvocation<'_>,
+    tenant_id: &str,
+    known: Known<'_>,
+    slot: u64,
+    ttl_ms: i64,
+) {
+    inv.key(format!("{}:rt", tag(tenant_id)));
+    let retry = match known {
+        Known::Retry => "1",
+        Known::IfFailed {
+            key_id,
+            fingerprint,
+            ..
+        } => {
+            // Same hash tag: one slot in a Cluster.
+            inv.key(failed_key(tenant_id, key_id, fingerprint));
+            "failed"
+        }
+    };
+    inv.arg(slot)
+        .arg(retry)
+        .arg(router::window::SlidingCounts::BUCKETS)
+        .arg(ttl_ms.max(1));
+}
+
+/// `retries`' answer.
+fn counts_of(answer: Value) -> Result<RetryCounts, GuardError> {
+    let v = array(answer)?;
+    let num = |i: usize| match v.get(i) {
+        Some(Value::Int(n)) => Ok(u32::try_from(*n).unwrap_or(u32::MAX)),
+        other => Err(GuardError::Protocol(format!(
+            "retry counts: expected an integer, got {other:?}"
+        ))),
+    };
+    Ok(RetryCounts {
+        requests: num(0)?,
+        retries: num(1)?,
+        after_error: num(2)? == 1,
+    })
 }

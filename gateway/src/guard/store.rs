@@ -338,4 +338,22 @@ pub trait GuardStore: Send + Sync + 'static {
         slot: u64,
         ttl_ms: i64,
     ) -> Result<RetryCounts, GuardError>;
+    /// [`Self::record`], then [`Self::retry_counts`] for the session's tenant: the two calls
+    /// every request makes while the loop check is on, in one round trip where the store has
+    /// round trips (Redis overrides this).
+    async fn record_and_count(
+        &self,
+        key: &SessionKey,
+        turn: &Turn,
+        limits: Limits,
+        known: Known<'_>,
+        slot: u64,
+        ttl_ms: i64,
+    ) -> Result<(Seen, RetryCounts), GuardError> {
+        let seen = self.record(key, turn, limits).await?;
+        let counts = self
+            .retry_counts(key.tenant_id(), known, slot, ttl_ms)
+            .await?;
+        Ok((seen, counts))
+    }
 }

@@ -297,8 +297,13 @@ impl Call {
             messages,
             request: crate::guard::request_hash(&self.event.fingerprint),
         };
-        let decision = self.state.guard.check(check).await;
-        self.client_retry().await?;
+        let retry = crate::guard::RetryCheck {
+            key: &self.ctx.key,
+            client: &self.ctx.retry,
+            fingerprint: &self.event.fingerprint,
+        };
+        let (decision, verdict) = self.state.guard.step(check, retry).await;
+        self.client_retry(verdict)?;
         let (found, verb) = match decision {
             crate::guard::Decision::Allow => return Ok(()),
             crate::guard::Decision::Flag { found, throttled } => {
@@ -353,11 +358,8 @@ impl Call {
 
     /// The retry budget: a client retry beyond the tenant's budget is flagged
     /// (`retry_storm_flag`) and, unless `guard.retry_action = "flag"`, refused at once.
-    async fn client_retry(&mut self) -> Result<(), ApiError> {
+    fn client_retry(&mut self, verdict: crate::guard::RetryVerdict) -> Result<(), ApiError> {
         let guard = &self.state.guard;
-        let verdict = guard
-            .client_retry(&self.ctx.key, &self.ctx.retry, &self.event.fingerprint)
-            .await;
         self.retry = verdict.signal.is_some();
         if !verdict.over_budget {
             return Ok(());

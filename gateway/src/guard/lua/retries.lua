@@ -1,34 +1,61 @@
 -- Count one request of a tenant (and a retry, when ARGV[2] = 1, or when ARGV[2] = failed and
 -- KEYS[2] exists: the same request got an error answer lately) in bucket ARGV[1] of its
--- retry-budget hash, and answer {requests, retries, after_error} over the last ARGV[3] buckets.
--- KEYS[1]: the tenant's hash ({g:t}:rb): fields n<bucket> and r<bucket>.
+-- retry-budget hash, and answer {requests, retries, after_error} over the window of the last
+-- ARGV[3] buckets.
+-- KEYS[1]: the tenant's hash ({g:t}:rt): `s` the newest bucket counted, `N` and `R` the totals
+--   over the window ending at it, `n<bucket>` and `r<bucket>` each bucket's counts in the window.
 -- KEYS[2] (with ARGV[2] = failed): the mark of an error answer ({g:t}:failed:<key>:<fp>).
 -- ARGV: bucket, retry (1|failed), buckets in the window, ttl ms.
-local slot = tonumber(ARGV[1])
-local buckets = tonumber(ARGV[3])
-local after_error = 0
-if ARGV[2] == 'failed' and redis.call('EXISTS', KEYS[2]) == 1 then
-  after_error = 1
+-- (`keys` and `argv` as this says of KEYS and ARGV: the function is also run by admit.lua.)
+--
+-- The totals are kept as they change, so a request reads and writes five fields in one call
+-- each; only the first request of a new bucket reads and drops the buckets that left the window
+-- (every `redis.call` costs microseconds inside a script). A request whose bucket is older than
+-- the newest (a replica's clock behind another's) counts into its own bucket while that is in
+-- the window, and is answered the window ending at the newest.
+local function retries(keys, argv)
+  local slot = tonumber(argv[1])
+  local buckets = tonumber(argv[3])
+  local after_error = 0
+  if argv[2] == 'failed' and redis.call('EXISTS', keys[2]) == 1 then
+    after_error = 1
+  end
+  local retry = (argv[2] == '1' or after_error == 1) and 1 or 0
+  local nf, rf = 'n' .. slot, 'r' .. slot
+  local got = redis.call('HMGET', keys[1], 's', 'N', 'R', nf, rf)
+  local last = tonumber(got[1])
+  local n, r = tonumber(got[2] or '0'), tonumber(got[3] or '0')
+  local bn, br = tonumber(got[4] or '0'), tonumber(got[5] or '0')
+  if last == nil or slot - last >= buckets then
+    -- A new window: everything counted before left it.
+    if last ~= nil then
+      local gone = {}
+      for s = last - buckets + 1, last do
+        gone[#gone + 1] = 'n' .. s
+        gone[#gone + 1] = 'r' .. s
+      end
+      redis.call('HDEL', keys[1], unpack(gone))
+    end
+    last, n, r, bn, br = slot, 0, 0, 0, 0
+  elseif slot > last then
+    -- The window moves on: drop the buckets that left it from the totals.
+    local gone = {}
+    for s = last - buckets + 1, slot - buckets do
+      gone[#gone + 1] = 'n' .. s
+      gone[#gone + 1] = 'r' .. s
+    end
+    local old = redis.call('HMGET', keys[1], unpack(gone))
+    for i = 1, #old, 2 do
+      n = n - tonumber(old[i] or '0')
+      r = r - tonumber(old[i + 1] or '0')
+    end
+    redis.call('HDEL', keys[1], unpack(gone))
+    last = slot
+  end
+  if slot > last - buckets then
+    n, r, bn, br = n + 1, r + retry, bn + 1, br + retry
+    redis.call('HSET', keys[1], 's', last, 'N', n, 'R', r, nf, bn, rf, br)
+  end
+  redis.call('PEXPIRE', keys[1], argv[4])
+  return {n, r, after_error}
 end
-redis.call('HINCRBY', KEYS[1], 'n' .. slot, 1)
-if ARGV[2] == '1' or after_error == 1 then
-  redis.call('HINCRBY', KEYS[1], 'r' .. slot, 1)
-end
--- The window's buckets in one HMGET, and those that left it in one HDEL: two calls instead of
--- three per bucket (this runs on every request of a tenant).
-local inside, outside = {}, {}
-for s = slot - buckets + 1, slot do
-  inside[#inside + 1] = 'n' .. s
-  inside[#inside + 1] = 'r' .. s
-  outside[#outside + 1] = 'n' .. (s - buckets)
-  outside[#outside + 1] = 'r' .. (s - buckets)
-end
-local got = redis.call('HMGET', KEYS[1], unpack(inside))
-local n, r = 0, 0
-for i = 1, #got, 2 do
-  n = n + tonumber(got[i] or '0')
-  r = r + tonumber(got[i + 1] or '0')
-end
-redis.call('HDEL', KEYS[1], unpack(outside))
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-return {n, r, after_error}

@@ -37,8 +37,9 @@ local function record(keys, argv)
   end
   local ttl = tonumber(argv[5])
   -- The keys' expiry is pushed to 1.1 ttl ahead once a tenth of the ttl has passed since it
-  -- last was (field `x`): a session lives between ttl and 1.1 ttl after its latest request,
-  -- for two calls on one request in many. The tenant's index outlives each of its sessions.
+  -- last was (field `x`, by the gateways' clocks): a session lives between ttl and 1.1 ttl
+  -- after its latest request (less by as much as replicas' clocks disagree), for two calls on
+  -- one request in many. The tenant's index outlives each of its sessions.
   -- A blocked session keeps the block's expiry.
   local refresh = not blocked and (refreshed == nil or now - refreshed >= ttl / 10)
   if refresh then

@@ -159,6 +159,12 @@ pub async fn serve(
     // Every request task has settled (or the grace ran out): their budget commits go out, the
     // components' loops stop, then the ledger is flushed last.
     state.budgets.flush(grace).await;
+    if tokio::time::timeout(grace, state.guard.flush())
+        .await
+        .is_err()
+    {
+        tracing::warn!("shutdown grace expired with the guard's settles still being sent");
+    }
     if !state.background.stop(grace).await {
         tracing::warn!(
             running = state.background.running(),

@@ -519,3 +519,116 @@ async fn a_session_on_redis_lives_its_ttl_after_its_latest_request_and_no_longer
         );
     }
 }
+
+/// On Redis a settle is queued: it reaches Redis with the tenant's next turn from the same
+/// gateway (in that turn's call, applied before the turn is recorded) or, with no turn coming,
+/// on its own moments later. Either way another gateway reading Redis sees it: at once after
+/// the next turn, and within a fraction of a second without one.
+#[tokio::test]
+async fn a_settle_on_redis_rides_on_the_tenants_next_turn_or_goes_on_its_own_moments_later() {
+    for kind in [e2e::BudgetKind::Redis, e2e::BudgetKind::RedisCluster] {
+        let this = store(kind, 100, Duration::from_secs(60));
+        let other = store(kind, 100, Duration::from_secs(60));
+        let tenant = fresh_tenant();
+        let (a, b) = (
+            SessionKey::new(&tenant, "agent-a"),
+            SessionKey::new(&tenant, "agent-b"),
+        );
+        this.record(&a, &turn(1_000, 1, 71), LIMITS).await.unwrap();
+        this.record(&a, &turn(1_001, 2, 72), LIMITS).await.unwrap();
+
+        // A settle, then the tenant's next turn (another session) at once: the settle went
+        // with it, so the other gateway reads it answered without waiting. (The turn settled
+        // is not the newest: it is found further back in the window.)
+        this.settle(&a, 71, true, 40).await.unwrap();
+        this.record_and_count(&b, &turn(1_002, 9, 90), LIMITS, Known::Retry, 1, 60_000)
+            .await
+            .unwrap();
+        let seen = other.get(&a).await.unwrap().unwrap();
+        assert_eq!(
+            (seen.state.cost_micros, seen.state.last_cost_micros),
+            (40, 40),
+            "{kind:?}: the settle rode on the next turn"
+        );
+        let window = other
+            .record(&a, &turn(1_003, 2, 73), LIMITS)
+            .await
+            .unwrap()
+            .window;
+        let answered: Vec<(u64, bool)> = window.iter().map(|t| (t.request, t.answered)).collect();
+        assert_eq!(
+            answered,
+            vec![(71, true), (72, false)],
+            "{kind:?}: the settled turn, not the newest, is marked answered"
+        );
+
+        // A settle with no turn after it: on its own, soon.
+        this.settle(&a, 73, true, 5).await.unwrap();
+        let start = std::time::Instant::now();
+        loop {
+            let state = other.get(&a).await.unwrap().unwrap().state;
+            if state.cost_micros == 45 {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(2),
+                "{kind:?}: the settle never arrived: {state:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // The identical request again, now answered: a new step, not a retry.
+        let again = other.record(&a, &turn(1_004, 2, 73), LIMITS).await.unwrap();
+        assert!(!again.retry, "{kind:?}");
+
+        // A settle and, at once, the identical request of the same session through the same
+        // gateway: the settle goes along with the turn (nothing else ran in between on this
+        // test's thread) and is applied first, so the repeat is a step, not a retry.
+        this.record(&a, &turn(1_005, 5, 80), LIMITS).await.unwrap();
+        this.settle(&a, 80, true, 1).await.unwrap();
+        let (repeat, _) = this
+            .record_and_count(&a, &turn(1_006, 5, 80), LIMITS, Known::Retry, 1, 60_000)
+            .await
+            .unwrap();
+        assert!(
+            !repeat.retry && repeat.window.last().is_some_and(|t| t.answered),
+            "{kind:?}: {repeat:?}"
+        );
+    }
+}
+
+/// An error answer's mark counts for its own ttl even when the retry budget's window is
+/// shorter (the budget's state in Redis is kept while a mark may be live), and once the marks
+/// have ended a new one counts again.
+#[tokio::test]
+async fn an_error_mark_outlives_a_short_retry_window_and_a_mark_after_the_last_one_ended_counts() {
+    for kind in e2e::BUDGET_STORES {
+        let s = store(kind, 100, Duration::from_secs(60));
+        let tenant = fresh_tenant();
+        let now = || chrono::Utc::now().timestamp_millis();
+        let ask = |fingerprint: &'static str| Known::IfFailed {
+            key_id: "key_a",
+            fingerprint,
+            now_ms: now(),
+            ttl_ms: 1_500,
+        };
+        // A window of 100 ms: the budget's own state lasts 110 ms after a request.
+        s.retry_counts(&tenant, ask("fp-0"), 1, 100).await.unwrap();
+        s.mark_failed(&tenant, "key_a", "fp-1", now(), 1_500)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let during = s.retry_counts(&tenant, ask("fp-1"), 2, 100).await.unwrap();
+        assert!(during.after_error, "{kind:?}: the mark outlives the window");
+        tokio::time::sleep(Duration::from_millis(1_300)).await;
+        let after = s.retry_counts(&tenant, ask("fp-1"), 3, 100).await.unwrap();
+        assert!(!after.after_error, "{kind:?}: the mark ended");
+        s.mark_failed(&tenant, "key_a", "fp-2", now(), 1_500)
+            .await
+            .unwrap();
+        let again = s.retry_counts(&tenant, ask("fp-2"), 3, 100).await.unwrap();
+        assert!(
+            again.after_error,
+            "{kind:?}: a new mark after the last one ended"
+        );
+    }
+}

@@ -471,6 +471,11 @@ impl Guard {
         }
     }
 
+    /// Send the settles the store queued (at shutdown, once the requests have settled).
+    pub async fn flush(&self) {
+        self.store.flush().await;
+    }
+
     /// A tenant's sessions, most recently seen first.
     pub async fn sessions(
         &self,

@@ -3,6 +3,11 @@
 //! tenant's `{hash tag}` and is passed in `KEYS`, so the scripts run unchanged on Redis Cluster.
 //! A request's turn and its retry-budget count, both made for every request while the loop check
 //! is on, are one script (`admit.lua`, running the functions of `record.lua` and `retries.lua`).
+//! A request's settle (its turn answered, its cost) is queued for one flusher task, which
+//! sends every settle queued by then in one script per tenant; a turn of the tenant that this
+//! gateway sends first takes the queued settles along (the same script, applied before the
+//! turn is recorded). Under load nearly every settle rides on a turn: one round trip per
+//! request instead of two.
 //!
 //! Keys, for tenant `t` and session `s`: `{g:t}:s:s` (a hash: counters, cooldown, block, the
 //! latest loop), `{g:t}:w:s` (a list of encoded [`Turn`]s), `{g:t}:i` (a sorted set of the
@@ -12,6 +17,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -25,25 +31,60 @@ use crate::redis_conn::RedisConn;
 
 /// Session windows in Redis (a single node, or a cluster when several URLs are given).
 pub struct RedisGuard {
-    redis: RedisConn,
+    link: Arc<Link>,
     record: Script,
     mark: Script,
-    settle: Script,
+    mark_failed: Script,
     retries: Script,
-    /// `record` and `retries` in one script.
+    /// The queued settles, then `record` and `retries`, in one script.
     admit: Script,
+    /// Settles not yet sent.
+    queue: Arc<Mutex<Queue>>,
+    /// How long a block lasts unless cleared, ms.
+    block_ttl_ms: i64,
+}
+
+/// The connection, and what every call through it shares (also held by a queued flush).
+struct Link {
+    redis: RedisConn,
+    /// Queued settles on their own (`lua/settle.lua`).
+    settle: Script,
     /// The clock [`Self::down_until_ms`] counts from.
     since: Instant,
     /// Calls fail at once until then (ms since `since`): Redis failed moments ago.
     down_until_ms: AtomicU64,
-    /// How long a block lasts unless cleared, ms.
-    block_ttl_ms: i64,
 }
+
+/// Settles waiting to be sent, by tenant (one tenant's keys share a slot, so they go in one
+/// script).
+#[derive(Default)]
+struct Queue {
+    by_tenant: HashMap<String, Vec<Settled>>,
+    /// The flusher is running (it clears this when it finds the queue empty).
+    scheduled: bool,
+}
+
+/// One request settled (the arguments of [`GuardStore::settle`]).
+struct Settled {
+    key: SessionKey,
+    request: u64,
+    ok: bool,
+    cost_micros: i64,
+}
+
+/// At most this many settles ride on one call (the rest wait for the next).
+const SETTLES_PER_CALL: usize = 32;
+
+/// At most this many settles wait per tenant; beyond it the oldest is dropped (Redis is not
+/// answering, or a flood): a settle lost leaves a turn unanswered, never a count wrong.
+const MAX_QUEUED: usize = 4096;
 
 /// The function `record(keys, argv)`: a request's turn in its session's window.
 const RECORD: &str = include_str!("lua/record.lua");
 /// The function `retries(keys, argv)`: a request counted in its tenant's retry budget.
 const RETRIES: &str = include_str!("lua/retries.lua");
+/// The functions `settle(...)` and `settle_all(keys, k, argv, a, at)`: requests settled.
+const SETTLE: &str = include_str!("lua/settle.lua");
 
 /// How long calls are skipped after Redis failed.
 const BACKOFF: Duration = Duration::from_secs(1);
@@ -51,7 +92,7 @@ const BACKOFF: Duration = Duration::from_secs(1);
 impl std::fmt::Debug for RedisGuard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisGuard")
-            .field("redis", &self.redis)
+            .field("redis", &self.link.redis)
             .finish_non_exhaustive()
     }
 }
@@ -62,27 +103,42 @@ fn millis(d: Duration) -> i64 {
 
 /// The key marking an error answer to `fingerprint` for API key `key_id`.
 fn failed_key(tenant_id: &str, key_id: &str, fingerprint: &str) -> String {
-    format!("{}:failed:{key_id}:{fingerprint}", tag(tenant_id))
+    tenant_key(tenant_id, &[":failed:", key_id, ":", fingerprint])
 }
 
-fn tag(tenant_id: &str) -> String {
-    format!("{{g:{tenant_id}}}")
+/// A key of tenant `tenant_id`: its hash tag (`{g:<tenant>}`, so all of a tenant's keys share
+/// a Cluster slot) and `parts`, put together in one allocation.
+fn tenant_key(tenant_id: &str, parts: &[&str]) -> String {
+    let len = 4 + tenant_id.len() + parts.iter().map(|p| p.len()).sum::<usize>();
+    let mut key = String::with_capacity(len);
+    key.push_str("{g:");
+    key.push_str(tenant_id);
+    key.push('}');
+    for part in parts {
+        key.push_str(part);
+    }
+    key
 }
 
 fn state_key(k: &SessionKey) -> String {
-    format!("{}:s:{}", tag(k.tenant_id()), k.session())
+    tenant_key(k.tenant_id(), &[":s:", k.session()])
 }
 
 fn window_key(k: &SessionKey) -> String {
-    format!("{}:w:{}", tag(k.tenant_id()), k.session())
+    tenant_key(k.tenant_id(), &[":w:", k.session()])
+}
+
+/// The tenant's retry-budget hash (see `lua/retries.lua`).
+fn budget_key(tenant_id: &str) -> String {
+    tenant_key(tenant_id, &[":rt"])
 }
 
 fn index_key(tenant_id: &str) -> String {
-    format!("{}:i", tag(tenant_id))
+    tenant_key(tenant_id, &[":i"])
 }
 
 fn blocked_key(tenant_id: &str) -> String {
-    format!("{}:bl", tag(tenant_id))
+    tenant_key(tenant_id, &[":bl"])
 }
 
 impl RedisGuard {
@@ -90,17 +146,23 @@ impl RedisGuard {
     /// lazily; every call is bounded by `timeout`.
     pub fn new(urls: Vec<String>, timeout: Duration) -> Result<Self, GuardError> {
         Ok(Self {
-            redis: RedisConn::new(urls, timeout)?,
+            link: Arc::new(Link {
+                redis: RedisConn::new(urls, timeout)?,
+                settle: Script::new(&format!(
+                    "{SETTLE}\nreturn settle_all(KEYS, 1, ARGV, 2, tonumber(ARGV[1]) + 1)"
+                )),
+                since: Instant::now(),
+                down_until_ms: AtomicU64::new(0),
+            }),
             record: Script::new(&format!("{RECORD}\nreturn record(KEYS, ARGV)")),
             mark: Script::new(include_str!("lua/mark.lua")),
+            mark_failed: Script::new(include_str!("lua/mark_failed.lua")),
             retries: Script::new(&format!("{RETRIES}\nreturn retries(KEYS, ARGV)")),
             admit: Script::new(&format!(
-                "{RECORD}\n{RETRIES}\n{}",
+                "{RECORD}\n{RETRIES}\n{SETTLE}\n{}",
                 include_str!("lua/admit.lua")
             )),
-            settle: Script::new(include_str!("lua/settle.lua")),
-            since: Instant::now(),
-            down_until_ms: AtomicU64::new(0),
+            queue: Arc::default(),
             block_ttl_ms: millis(super::memory::DEFAULT_BLOCK_TTL),
         })
     }
@@ -112,6 +174,46 @@ impl RedisGuard {
         self
     }
 
+    /// Send `tenant_id`'s queued settles now (before reading a session, so that it is read
+    /// as this gateway settled it).
+    async fn flush_tenant(&self, tenant_id: &str) {
+        loop {
+            let settles = lock(&self.queue).take(tenant_id);
+            if settles.is_empty() {
+                return;
+            }
+            self.link.send_settles(settles).await;
+        }
+    }
+
+    async fn read(&self, key: &SessionKey) -> Result<Option<SessionInfo>, GuardError> {
+        self.flush_tenant(key.tenant_id()).await;
+        let fields = match self
+            .link
+            .query::<Value>(redis::cmd("HGETALL").arg(state_key(key)))
+            .await?
+        {
+            // RESP3 answers a map.
+            Value::Map(kv) => kv.into_iter().flat_map(|(k, v)| [k, v]).collect(),
+            flat => array(flat)?,
+        };
+        if fields.is_empty() {
+            return Ok(None);
+        }
+        let turns: usize = self
+            .link
+            .query(redis::cmd("LLEN").arg(window_key(key)))
+            .await?;
+        Ok(Some(SessionInfo {
+            tenant_id: key.tenant_id().to_owned(),
+            session: key.session().to_owned(),
+            state: state_of(pairs(&fields))?,
+            turns,
+        }))
+    }
+}
+
+impl Link {
     /// Run `call` bounded by the timeout. After a failure every call fails at once for
     /// [`BACKOFF`], so an outage costs the requests on the path one timeout, not one each.
     async fn bounded<T>(
@@ -152,20 +254,71 @@ impl RedisGuard {
         .await
     }
 
-    async fn read(&self, key: &SessionKey) -> Result<Option<SessionInfo>, GuardError> {
-        let fields: HashMap<String, Vec<u8>> = self
-            .query(redis::cmd("HGETALL").arg(state_key(key)))
-            .await?;
-        if fields.is_empty() {
-            return Ok(None);
+    /// Send one tenant's settles on their own, [`SETTLES_PER_CALL`] to a call. A failure is
+    /// logged: the turns stay unanswered (the next identical request reads as a retry).
+    async fn send_settles(&self, settles: Vec<Settled>) {
+        for chunk in settles.chunks(SETTLES_PER_CALL) {
+            let mut inv = self.settle.prepare_invoke();
+            inv.arg(FLAGS_AT);
+            settle_args(&mut inv, chunk);
+            if let Err(e) = self.invoke(inv).await {
+                tracing::debug!(error = %e, settles = chunk.len(), "guard store: settles not recorded");
+            }
         }
-        let turns: usize = self.query(redis::cmd("LLEN").arg(window_key(key))).await?;
-        Ok(Some(SessionInfo {
-            tenant_id: key.tenant_id().to_owned(),
-            session: key.session().to_owned(),
-            state: state_of(&fields)?,
-            turns,
-        }))
+    }
+}
+
+impl Queue {
+    /// Up to [`SETTLES_PER_CALL`] of `tenant_id`'s settles, oldest first.
+    fn take(&mut self, tenant_id: &str) -> Vec<Settled> {
+        match self.by_tenant.get_mut(tenant_id) {
+            Some(list) if list.len() > SETTLES_PER_CALL => list.drain(..SETTLES_PER_CALL).collect(),
+            Some(list) => std::mem::take(list),
+            None => Vec::new(),
+        }
+    }
+}
+
+/// Lock the queue (a panic while it was held leaves nothing half-done in it).
+fn lock(queue: &Mutex<Queue>) -> std::sync::MutexGuard<'_, Queue> {
+    queue
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Send every settle queued, and again while more arrive during a send: one flush at a time,
+/// so settles queued while one is on its way go together in the next (and a turn of their
+/// tenant sent meanwhile takes its own along). It starts once the task that queued the first
+/// settle lets go of its thread, so a settle reaches Redis about as soon as a call of its own
+/// would have.
+async fn flush_later(link: Arc<Link>, queue: Arc<Mutex<Queue>>) {
+    tokio::task::yield_now().await;
+    loop {
+        let all = {
+            let mut q = lock(&queue);
+            if q.by_tenant.values().all(Vec::is_empty) {
+                // Cleared under the lock: a settle queued after this schedules the next flush.
+                q.scheduled = false;
+                return;
+            }
+            std::mem::take(&mut q.by_tenant)
+        };
+        for (_, settles) in all {
+            if !settles.is_empty() {
+                link.send_settles(settles).await;
+            }
+        }
+    }
+}
+
+/// The keys and arguments of `settles` for `settle_all` (two keys and three arguments each).
+fn settle_args(inv: &mut ScriptInvocation<'_>, settles: &[Settled]) {
+    for s in settles {
+        inv.key(state_key(&s.key))
+            .key(window_key(&s.key))
+            .arg(&Turn::request_bytes(s.request)[..])
+            .arg(u8::from(s.ok))
+            .arg(s.cost_micros);
     }
 }
 
@@ -190,34 +343,49 @@ fn array(v: Value) -> Result<Vec<Value>, GuardError> {
     }
 }
 
-fn state_of(fields: &HashMap<String, Vec<u8>>) -> Result<SessionState, GuardError> {
-    let num = |name: &str| -> i64 {
-        fields
-            .get(name)
-            .and_then(|v| std::str::from_utf8(v).ok())
+/// A session's state from its hash's fields and values (`HGETALL`'s pairs, in any order;
+/// fields this version does not know are skipped).
+fn state_of<'a>(
+    pairs: impl Iterator<Item = (&'a [u8], &'a [u8])>,
+) -> Result<SessionState, GuardError> {
+    let num = |v: &[u8]| -> i64 {
+        std::str::from_utf8(v)
+            .ok()
             .and_then(|s| s.parse().ok())
             .unwrap_or(0)
     };
-    let count = |name: &str| u64::try_from(num(name)).unwrap_or(0);
-    let last_loop = match fields.get("lp") {
-        Some(json) => Some(
-            serde_json::from_slice::<LoopNote>(json)
-                .map_err(|e| GuardError::Protocol(format!("session loop note: {e}")))?,
-        ),
-        None => None,
-    };
-    Ok(SessionState {
-        first_seen_ms: num("f"),
-        last_seen_ms: num("l"),
-        requests: count("n"),
-        flagged: count("fl"),
-        refused: count("rf"),
-        cost_micros: num("c"),
-        last_cost_micros: num("lc"),
-        avoided_micros: num("av"),
-        cooldown_until_ms: num("cd"),
-        blocked_at_ms: num("bk"),
-        last_loop,
+    let count = |v: &[u8]| u64::try_from(num(v)).unwrap_or(0);
+    let mut state = SessionState::default();
+    for (field, value) in pairs {
+        match field {
+            b"f" => state.first_seen_ms = num(value),
+            b"l" => state.last_seen_ms = num(value),
+            b"n" => state.requests = count(value),
+            b"fl" => state.flagged = count(value),
+            b"rf" => state.refused = count(value),
+            b"c" => state.cost_micros = num(value),
+            b"lc" => state.last_cost_micros = num(value),
+            b"av" => state.avoided_micros = num(value),
+            b"cd" => state.cooldown_until_ms = num(value),
+            b"bk" => state.blocked_at_ms = num(value),
+            b"lp" => {
+                state.last_loop = Some(
+                    serde_json::from_slice::<LoopNote>(value)
+                        .map_err(|e| GuardError::Protocol(format!("session loop note: {e}")))?,
+                );
+            }
+            _ => {}
+        }
+    }
+    Ok(state)
+}
+
+/// The pairs of a flat `[field, value, field, value, ...]` reply (a string's bytes, an
+/// integer's digits are not expected here and end the pairs).
+fn pairs(flat: &[Value]) -> impl Iterator<Item = (&[u8], &[u8])> {
+    flat.chunks_exact(2).map_while(|kv| match (&kv[0], &kv[1]) {
+        (Value::BulkString(k), Value::BulkString(v)) => Some((k.as_slice(), v.as_slice())),
+        _ => None,
     })
 }
 
@@ -233,9 +401,10 @@ impl GuardStore for RedisGuard {
         turn: &Turn,
         limits: Limits,
     ) -> Result<Seen, GuardError> {
+        self.flush_tenant(key.tenant_id()).await;
         let mut inv = self.record.prepare_invoke();
         record_args(&mut inv, key, turn, limits);
-        seen_of(self.invoke(inv).await?, turn)
+        seen_of(self.link.invoke(inv).await?, turn)
     }
 
     async fn record_and_count(
@@ -249,8 +418,13 @@ impl GuardStore for RedisGuard {
     ) -> Result<(Seen, RetryCounts), GuardError> {
         let mut inv = self.admit.prepare_invoke();
         record_args(&mut inv, key, turn, limits);
-        retry_args(&mut inv, key.tenant_id(), known, slot, ttl_ms);
-        let mut parts = array(self.invoke(inv).await?)?.into_iter();
+        let first_settle = retry_args(&mut inv, key.tenant_id(), known, slot, ttl_ms) + 4;
+        // The tenant's queued settles ride along (applied before the turn is recorded); if the
+        // call fails they are lost with it, as their own call would have been.
+        let settles = lock(&self.queue).take(key.tenant_id());
+        inv.arg(first_settle);
+        settle_args(&mut inv, &settles);
+        let mut parts = array(self.link.invoke(inv).await?)?.into_iter();
         let (Some(seen), Some(counts)) = (parts.next(), parts.next()) else {
             return Err(GuardError::Protocol("admit: expected two parts".into()));
         };
@@ -274,7 +448,7 @@ impl GuardStore for RedisGuard {
             .arg(found)
             .arg(key.session())
             .arg(self.block_ttl_ms);
-        self.invoke(inv).await.map(drop)
+        self.link.invoke(inv).await.map(drop)
     }
 
     async fn settle(
@@ -284,22 +458,51 @@ impl GuardStore for RedisGuard {
         ok: bool,
         cost_micros: i64,
     ) -> Result<(), GuardError> {
-        let mut inv = self.settle.prepare_invoke();
-        inv.key(state_key(key))
-            .key(window_key(key))
-            .arg(&Turn::request_bytes(request)[..])
-            .arg(u8::from(ok))
-            .arg(cost_micros)
-            .arg(FLAGS_AT);
-        self.invoke(inv).await.map(drop)
+        let settled = Settled {
+            key: key.clone(),
+            request,
+            ok,
+            cost_micros,
+        };
+        let schedule = {
+            let mut q = lock(&self.queue);
+            match q.by_tenant.get_mut(key.tenant_id()) {
+                Some(list) => {
+                    if list.len() >= MAX_QUEUED {
+                        list.remove(0);
+                    }
+                    list.push(settled);
+                }
+                None => {
+                    q.by_tenant
+                        .insert(key.tenant_id().to_owned(), vec![settled]);
+                }
+            }
+            !std::mem::replace(&mut q.scheduled, true)
+        };
+        if schedule {
+            tokio::spawn(flush_later(Arc::clone(&self.link), Arc::clone(&self.queue)));
+        }
+        Ok(())
+    }
+
+    async fn flush(&self) {
+        let all = std::mem::take(&mut lock(&self.queue).by_tenant);
+        for (_, settles) in all {
+            if !settles.is_empty() {
+                self.link.send_settles(settles).await;
+            }
+        }
     }
 
     async fn list(&self, tenant_id: &str, limit: usize) -> Result<Vec<SessionInfo>, GuardError> {
+        self.flush_tenant(tenant_id).await;
         // The most recently seen sessions, then the most recently blocked (a blocked one may
         // have dropped out of the index).
         let mut ids: Vec<String> = Vec::new();
         for set in [index_key(tenant_id), blocked_key(tenant_id)] {
             let newest: Vec<String> = self
+                .link
                 .query(
                     redis::cmd("ZREVRANGE")
                         .arg(set)
@@ -329,11 +532,13 @@ impl GuardStore for RedisGuard {
 
     async fn clear(&self, key: &SessionKey) -> Result<bool, GuardError> {
         let deleted: i64 = self
+            .link
             .query(redis::cmd("DEL").arg(state_key(key)).arg(window_key(key)))
             .await?;
         // Same slot as the session's keys (the tenant's hash tag).
         for set in [index_key(key.tenant_id()), blocked_key(key.tenant_id())] {
             let _: i64 = self
+                .link
                 .query(redis::cmd("ZREM").arg(set).arg(key.session()))
                 .await?;
         }
@@ -348,8 +553,9 @@ impl GuardStore for RedisGuard {
         _now_ms: i64,
         ttl_ms: i64,
     ) -> Result<bool, GuardError> {
-        let key = format!("{}:idem:{key_id}:{idem}", tag(tenant_id));
+        let key = tenant_key(tenant_id, &[":idem:", key_id, ":", idem]);
         let set: Option<String> = self
+            .link
             .query(
                 redis::cmd("SET")
                     .arg(key)
@@ -370,17 +576,11 @@ impl GuardStore for RedisGuard {
         _now_ms: i64,
         ttl_ms: i64,
     ) -> Result<(), GuardError> {
-        let key = failed_key(tenant_id, key_id, fingerprint);
-        let _: Option<String> = self
-            .query(
-                redis::cmd("SET")
-                    .arg(key)
-                    .arg(1)
-                    .arg("PX")
-                    .arg(ttl_ms.max(1)),
-            )
-            .await?;
-        Ok(())
+        let mut inv = self.mark_failed.prepare_invoke();
+        inv.key(failed_key(tenant_id, key_id, fingerprint))
+            .key(budget_key(tenant_id))
+            .arg(ttl_ms.max(1));
+        self.link.invoke(inv).await.map(drop)
     }
 
     async fn retry_counts(
@@ -392,7 +592,7 @@ impl GuardStore for RedisGuard {
     ) -> Result<RetryCounts, GuardError> {
         let mut inv = self.retries.prepare_invoke();
         retry_args(&mut inv, tenant_id, known, slot, ttl_ms);
-        counts_of(self.invoke(inv).await?)
+        counts_of(self.link.invoke(inv).await?)
     }
 }
 
@@ -416,11 +616,7 @@ fn seen_of(answer: Value, turn: &Turn) -> Result<Seen, GuardError> {
     let (Some(flat), Some(window), Some(retry)) = (parts.next(), parts.next(), parts.next()) else {
         return Err(GuardError::Protocol("record: expected three parts".into()));
     };
-    let mut fields = HashMap::new();
-    let mut flat = array(flat)?.into_iter();
-    while let (Some(k), Some(v)) = (flat.next(), flat.next()) {
-        fields.insert(String::from_utf8_lossy(&bytes(k)?).into_owned(), bytes(v)?);
-    }
+    let flat = array(flat)?;
     let mut window: Vec<Turn> = array(window)?
         .into_iter()
         .filter_map(|t| bytes(t).ok().and_then(|b| Turn::decode(&b)))
@@ -429,23 +625,23 @@ fn seen_of(answer: Value, turn: &Turn) -> Result<Seen, GuardError> {
         window.clear();
     }
     Ok(Seen {
-        state: state_of(&fields)?,
+        state: state_of(pairs(&flat))?,
         window,
         retry: matches!(retry, Value::Int(1)),
     })
 }
 
-/// `retries`' keys and arguments (see `lua/retries.lua`).
+/// `retries`' keys and arguments (see `lua/retries.lua`); how many keys (1 or 2).
 fn retry_args(
     inv: &mut ScriptInvocation<'_>,
     tenant_id: &str,
     known: Known<'_>,
     slot: u64,
     ttl_ms: i64,
-) {
-    inv.key(format!("{}:rt", tag(tenant_id)));
-    let retry = match known {
-        Known::Retry => "1",
+) -> usize {
+    inv.key(budget_key(tenant_id));
+    let (retry, keys) = match known {
+        Known::Retry => ("1", 1),
         Known::IfFailed {
             key_id,
             fingerprint,
@@ -453,13 +649,14 @@ fn retry_args(
         } => {
             // Same hash tag: one slot in a Cluster.
             inv.key(failed_key(tenant_id, key_id, fingerprint));
-            "failed"
+            ("failed", 2)
         }
     };
     inv.arg(slot)
         .arg(retry)
         .arg(router::window::SlidingCounts::BUCKETS)
         .arg(ttl_ms.max(1));
+    keys
 }
 
 /// `retries`' answer.
@@ -476,4 +673,61 @@ fn counts_of(answer: Value) -> Result<RetryCounts, GuardError> {
         retries: num(1)?,
         after_error: num(2)? == 1,
     })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, reason = "tests")]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_keep_the_names_earlier_versions_stored() {
+        let k = SessionKey::new("ten_1", "run:7");
+        assert_eq!(state_key(&k), "{g:ten_1}:s:run:7");
+        assert_eq!(window_key(&k), "{g:ten_1}:w:run:7");
+        assert_eq!(index_key("ten_1"), "{g:ten_1}:i");
+        assert_eq!(blocked_key("ten_1"), "{g:ten_1}:bl");
+        assert_eq!(budget_key("ten_1"), "{g:ten_1}:rt");
+        assert_eq!(
+            failed_key("ten_1", "key_2", "fp"),
+            "{g:ten_1}:failed:key_2:fp"
+        );
+    }
+
+    #[test]
+    fn a_state_is_read_from_its_fields_in_any_order() {
+        let flat: Vec<Value> = [
+            ("n", "3"),
+            ("zz", "unknown"),
+            ("f", "1000"),
+            ("lc", "250"),
+            ("l", "1200"),
+            ("bk", "1300"),
+            (
+                "lp",
+                r#"{"what":"tool call `x`","repeats":3,"period":1,"at_ms":1100}"#,
+            ),
+        ]
+        .iter()
+        .flat_map(|(k, v)| {
+            [
+                Value::BulkString(k.as_bytes().to_vec()),
+                Value::BulkString(v.as_bytes().to_vec()),
+            ]
+        })
+        .collect();
+        let state = state_of(pairs(&flat)).unwrap();
+        assert_eq!(
+            (
+                state.first_seen_ms,
+                state.last_seen_ms,
+                state.requests,
+                state.last_cost_micros,
+                state.blocked_at_ms,
+                state.flagged
+            ),
+            (1000, 1200, 3, 250, 1300, 0)
+        );
+        assert_eq!(state.last_loop.map(|l| l.repeats), Some(3));
+    }
 }

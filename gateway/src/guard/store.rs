@@ -291,7 +291,10 @@ pub trait GuardStore: Send + Sync + 'static {
     /// Write a decision back.
     async fn mark(&self, key: &SessionKey, mark: &Mark) -> Result<(), GuardError>;
     /// A request of the session settled: mark its turn (by request hash) answered when `ok`,
-    /// and add its cost.
+    /// and add its cost. A store with round trips may queue it for a moment (Redis: until its
+    /// flusher or the tenant's next turn from this gateway takes it); this store's own calls
+    /// for the session ([`Self::record`], [`Self::record_and_count`], [`Self::get`],
+    /// [`Self::list`]) see it.
     async fn settle(
         &self,
         key: &SessionKey,
@@ -299,6 +302,8 @@ pub trait GuardStore: Send + Sync + 'static {
         ok: bool,
         cost_micros: i64,
     ) -> Result<(), GuardError>;
+    /// Send whatever [`Self::settle`] queued (at shutdown).
+    async fn flush(&self) {}
     /// A tenant's sessions, most recently seen first, at most `limit`.
     async fn list(&self, tenant_id: &str, limit: usize) -> Result<Vec<SessionInfo>, GuardError>;
     /// One session.

@@ -1,26 +1,49 @@
--- A request settled. KEYS[1] state hash, KEYS[2] window list.
--- ARGV: request hash (8 bytes), ok (0/1), cost micros, offset of the flags byte (0-based).
+-- Requests settled, in a batch: a gateway queues its settles for a few milliseconds and sends
+-- them with the tenant's next turn (admit.lua) or on their own (this script's body below).
+-- `settle(state, window, hash, ok, cost, at)`: one request settled. `state` the session's hash,
+-- `window` its list, `hash` the request's hash (8 bytes), `ok` '1' when answered (2xx), `cost`
+-- micros, `at` the flags byte's 1-based offset in an encoded turn.
 -- The state and the window are written and expire together, so a session without turns has
 -- expired or was cleared: nothing is recreated.
-local window = redis.call('LRANGE', KEYS[2], 0, -1)
-if #window == 0 then
-  return 0
-end
-if ARGV[2] == '1' then
-  local at = tonumber(ARGV[4]) + 1
-  for i = #window, 1, -1 do
-    local t = window[i]
-    if string.sub(t, 17, 24) == ARGV[1] then
+-- The turn settled is nearly always the newest, so that one is read alone (`LINDEX`): every
+-- `redis.call` costs microseconds inside a script, and the whole window's copy most of all.
+local function settle(state, window, hash, ok, cost, at)
+  local newest = redis.call('LINDEX', window, -1)
+  if not newest then
+    return 0
+  end
+  if ok == '1' then
+    local function answer(t, index)
       local flags = string.byte(t, at)
       if math.floor(flags / 2) % 2 == 0 then
         flags = flags + 2
-        local updated = string.sub(t, 1, at - 1) .. string.char(flags) .. string.sub(t, at + 1)
-        redis.call('LSET', KEYS[2], i - 1, updated)
+        redis.call('LSET', window, index, string.sub(t, 1, at - 1) .. string.char(flags) .. string.sub(t, at + 1))
       end
-      break
     end
+    if string.sub(newest, 17, 24) == hash then
+      answer(newest, -1)
+    else
+      local turns = redis.call('LRANGE', window, 0, -1)
+      for i = #turns - 1, 1, -1 do
+        if string.sub(turns[i], 17, 24) == hash then
+          answer(turns[i], i - 1)
+          break
+        end
+      end
+    end
+    redis.call('HSET', state, 'lc', cost)
   end
-  redis.call('HSET', KEYS[1], 'lc', ARGV[3])
+  redis.call('HINCRBY', state, 'c', tonumber(cost))
+  return 1
 end
-redis.call('HINCRBY', KEYS[1], 'c', tonumber(ARGV[3]))
-return 1
+
+-- The settles in `keys` from `k` on (two keys each: state, window) and `argv` from `a` on
+-- (three each: hash, ok, cost); `at` as settle's. Answers how many found their session.
+local function settle_all(keys, k, argv, a, at)
+  local found = 0
+  while keys[k] do
+    found = found + settle(keys[k], keys[k + 1], argv[a], argv[a + 1], argv[a + 2], at)
+    k, a = k + 2, a + 3
+  end
+  return found
+end

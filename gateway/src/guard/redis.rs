@@ -76,7 +76,8 @@ struct Settled {
 const SETTLES_PER_CALL: usize = 32;
 
 /// At most this many settles wait per tenant; beyond it the oldest is dropped (Redis is not
-/// answering, or a flood): a settle lost leaves a turn unanswered, never a count wrong.
+/// answering, or a flood): a settle lost leaves its turn unanswered and its cost out of the
+/// session's total (the ledger still has it).
 const MAX_QUEUED: usize = 4096;
 
 /// The function `record(keys, argv)`: a request's turn in its session's window.

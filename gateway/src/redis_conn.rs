@@ -7,7 +7,7 @@ use std::time::Duration;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisError, RedisFuture, Value};
-use tokio::sync::Mutex;
+use tokio::sync::OnceCell;
 
 /// A connection to one node or to a cluster; cheap to clone (both multiplex).
 #[derive(Clone)]
@@ -50,7 +50,8 @@ impl ConnectionLike for Conn {
 pub struct RedisConn {
     urls: Vec<String>,
     timeout: Duration,
-    conn: Mutex<Option<Conn>>,
+    /// Set by the first call that connects (a failed attempt leaves it unset for the next).
+    conn: OnceCell<Conn>,
 }
 
 impl std::fmt::Debug for RedisConn {
@@ -71,7 +72,7 @@ impl RedisConn {
         Ok(Self {
             urls,
             timeout,
-            conn: Mutex::new(None),
+            conn: OnceCell::new(),
         })
     }
 
@@ -80,13 +81,14 @@ impl RedisConn {
         self.timeout
     }
 
-    /// The connection, made on first use.
+    /// The connection, made on first use (then a clone, without a lock: every call on the
+    /// request path comes here).
     pub async fn get(&self) -> Result<Conn, RedisError> {
-        let mut slot = self.conn.lock().await;
-        if let Some(c) = slot.as_ref() {
-            return Ok(c.clone());
-        }
-        let conn = if self.urls.len() == 1 {
+        self.conn.get_or_try_init(|| self.connect()).await.cloned()
+    }
+
+    async fn connect(&self) -> Result<Conn, RedisError> {
+        Ok(if self.urls.len() == 1 {
             let client = redis::Client::open(self.urls[0].as_str())?;
             let config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(self.timeout))
@@ -100,8 +102,6 @@ impl RedisConn {
                 .response_timeout(self.timeout)
                 .build()?;
             Conn::Cluster(client.get_async_connection().await?)
-        };
-        *slot = Some(conn.clone());
-        Ok(conn)
+        })
     }
 }

@@ -632,3 +632,59 @@ async fn an_error_mark_outlives_a_short_retry_window_and_a_mark_after_the_last_o
         );
     }
 }
+
+/// A session that an earlier version wrote to Redis (its state without the fields that now
+/// judge a turn: the window's steps, the newest request and whether it was answered) is judged
+/// from its window the first time, exactly as before, and from its state after that.
+#[tokio::test]
+async fn a_session_written_by_an_earlier_version_is_judged_from_its_window() {
+    for kind in [e2e::BudgetKind::Redis, e2e::BudgetKind::RedisCluster] {
+        let s = store(kind, 100, Duration::from_secs(60));
+        let tenant = fresh_tenant();
+        let key = SessionKey::new(&tenant, "old");
+        let conn =
+            gateway::redis_conn::RedisConn::new(kind.redis_urls(), Duration::from_secs(2)).unwrap();
+        let mut c = conn.get().await.unwrap();
+        let (state, window) = (
+            format!("{{g:{tenant}}}:s:old"),
+            format!("{{g:{tenant}}}:w:old"),
+        );
+        let _: i64 = redis::cmd("HSET")
+            .arg(&state)
+            .arg(&["f", "1000", "l", "1001", "n", "2"])
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        let (t1, t2) = (turn(1_000, 5, 51), turn(1_001, 6, 61));
+        let _: i64 = redis::cmd("RPUSH")
+            .arg(&window)
+            .arg(t1.encode())
+            .arg(t2.encode())
+            .query_async(&mut c)
+            .await
+            .unwrap();
+
+        // The newest request again, unanswered: a retry; its step is in the window, which
+        // comes back.
+        let again = s.record(&key, &turn(1_002, 6, 61), LIMITS).await.unwrap();
+        assert!(again.retry, "{kind:?}: {again:?}");
+        assert_eq!(again.window, vec![t1.clone(), t2.clone()], "{kind:?}");
+        assert_eq!(again.state.requests, 2, "{kind:?}");
+        // Answered, then sent again: a step (now judged from the state's fields).
+        s.settle(&key, 61, true, 7).await.unwrap();
+        let step = s.record(&key, &turn(1_003, 6, 61), LIMITS).await.unwrap();
+        assert!(!step.retry, "{kind:?}");
+        assert!(step.window[1].answered, "{kind:?}: {step:?}");
+        // And that one, unanswered, repeated: a retry again; a new step sends no window back.
+        assert!(
+            s.record(&key, &turn(1_004, 6, 61), LIMITS)
+                .await
+                .unwrap()
+                .retry
+        );
+        let new = s.record(&key, &turn(1_005, 9, 91), LIMITS).await.unwrap();
+        assert!(!new.retry && new.window.is_empty(), "{kind:?}: {new:?}");
+        let info = s.get(&key).await.unwrap().unwrap();
+        assert_eq!((info.state.requests, info.turns), (6, 4), "{kind:?}");
+    }
+}

@@ -4,36 +4,86 @@
 --       offset of the flags byte (0-based).
 -- (`keys` and `argv` as this says of KEYS and ARGV: the function is also run by admit.lua.)
 -- Every `redis.call` costs microseconds inside a script, so the state's fields are read once
--- and written in one call.
+-- and written in one call, and the window itself is read only when the client needs it: the
+-- state keeps what a turn is judged by (`st`: the window's steps, 8 bytes each, oldest first;
+-- `rq`: the newest turn's request hash; `ra`: '1' once it was answered, set by settle.lua).
+-- A session written before those fields existed has them filled from its window once.
 local function record(keys, argv)
   local now = tonumber(argv[1])
   local state = redis.call('HGETALL', keys[1])
-  local window = redis.call('LRANGE', keys[2], 0, -1)
-  local retry = 0
-  local newest = window[#window]
-  if newest then
-    local flags = string.byte(newest, tonumber(argv[7]) + 1)
-    local answered = math.floor(flags / 2) % 2 == 1
-    if string.sub(newest, 17, 24) == argv[3] and not answered then
-      retry = 1
+  local at = tonumber(argv[7]) + 1
+  local first, requests, blocked, refreshed = nil, 0, false, nil
+  local steps, newest, answered = nil, nil, false
+  -- The state as the client reads it (the judging fields stay here).
+  local shown = {}
+  for i = 1, #state, 2 do
+    local field, value = state[i], state[i + 1]
+    if field == 'st' then
+      steps = value
+    elseif field == 'rq' then
+      newest = value
+    elseif field == 'ra' then
+      answered = value == '1'
+    else
+      shown[#shown + 1] = field
+      shown[#shown + 1] = value
+      if field == 'f' then
+        first = value
+      elseif field == 'n' then
+        requests = tonumber(value)
+      elseif field == 'bk' then
+        blocked = true
+      elseif field == 'x' then
+        refreshed = tonumber(value)
+      end
     end
+  end
+  local window = nil
+  if #state > 0 and steps == nil then
+    window = redis.call('LRANGE', keys[2], 0, -1)
+    local parts = {}
+    for i = 1, #window do
+      parts[i] = string.sub(window[i], 9, 16)
+    end
+    steps = table.concat(parts)
+    local last = window[#window]
+    if last then
+      newest = string.sub(last, 17, 24)
+      answered = math.floor(string.byte(last, at) / 2) % 2 == 1
+    end
+  end
+  steps = steps or ''
+  local retry = 0
+  if newest == argv[3] and not answered then
+    retry = 1
+  end
+  -- The earlier turns go back only when a loop could end at this one (Turn::may_repeat): it
+  -- has a sketch, or an earlier turn is the same step. Almost every request sends none back.
+  local step = string.sub(argv[2], 9, 16)
+  local may_repeat = math.floor(string.byte(argv[2], at) / 4) % 2 == 1
+  if not may_repeat then
+    for i = 1, #steps, 8 do
+      if string.sub(steps, i, i + 7) == step then
+        may_repeat = true
+        break
+      end
+    end
+  end
+  if may_repeat then
+    window = window or redis.call('LRANGE', keys[2], 0, -1)
+  else
+    window = {}
   end
   local turns = tonumber(argv[4])
-  if retry == 0 and redis.call('RPUSH', keys[2], argv[2]) > turns then
-    redis.call('LTRIM', keys[2], -turns, -1)
-  end
-  local first, requests, blocked, refreshed = nil, 0, false, nil
-  for i = 1, #state, 2 do
-    local field = state[i]
-    if field == 'f' then
-      first = state[i + 1]
-    elseif field == 'n' then
-      requests = tonumber(state[i + 1])
-    elseif field == 'bk' then
-      blocked = true
-    elseif field == 'x' then
-      refreshed = tonumber(state[i + 1])
+  if retry == 0 then
+    if redis.call('RPUSH', keys[2], argv[2]) > turns then
+      redis.call('LTRIM', keys[2], -turns, -1)
     end
+    steps = steps .. step
+    if #steps > 8 * turns then
+      steps = string.sub(steps, -8 * turns)
+    end
+    newest, answered = argv[3], false
   end
   local ttl = tonumber(argv[5])
   -- The keys' expiry is pushed to 1.1 ttl ahead once a tenth of the ttl has passed since it
@@ -42,34 +92,21 @@ local function record(keys, argv)
   -- one request in many. The tenant's index outlives each of its sessions.
   -- A blocked session keeps the block's expiry.
   local refresh = not blocked and (refreshed == nil or now - refreshed >= ttl / 10)
+  local ra = answered and '1' or '0'
   if refresh then
-    redis.call('HSET', keys[1], 'f', first or now, 'l', now, 'n', requests + 1, 'x', now)
+    redis.call('HSET', keys[1], 'f', first or now, 'l', now, 'n', requests + 1, 'x', now,
+      'st', steps, 'rq', newest, 'ra', ra)
     local expiry = math.floor(ttl * 1.1)
     redis.call('PEXPIRE', keys[1], expiry)
     redis.call('PEXPIRE', keys[2], expiry)
     redis.call('PEXPIRE', keys[3], expiry)
   else
-    redis.call('HSET', keys[1], 'f', first or now, 'l', now, 'n', requests + 1)
+    redis.call('HSET', keys[1], 'f', first or now, 'l', now, 'n', requests + 1,
+      'st', steps, 'rq', newest, 'ra', ra)
   end
   -- The index grows only by a new session: that is when the ones that expired are dropped.
   if redis.call('ZADD', keys[3], now, argv[6]) == 1 then
     redis.call('ZREMRANGEBYSCORE', keys[3], '-inf', now - ttl)
   end
-  -- The earlier turns go back only when a loop could end at this one (Turn::may_repeat): it
-  -- has a sketch, or an earlier turn is the same step. Almost every request sends none back.
-  local sketched = math.floor(string.byte(argv[2], tonumber(argv[7]) + 1) / 4) % 2 == 1
-  if not sketched then
-    local step = string.sub(argv[2], 9, 16)
-    local same = false
-    for i = 1, #window do
-      if string.sub(window[i], 9, 16) == step then
-        same = true
-        break
-      end
-    end
-    if not same then
-      window = {}
-    end
-  end
-  return {state, window, retry}
+  return {shown, window, retry}
 end

@@ -22,6 +22,8 @@ local function settle(state, window, hash, ok, cost, at)
     end
     if string.sub(newest, 17, 24) == hash then
       answer(newest, -1)
+      -- The state's note of the newest turn (record.lua's `ra`).
+      redis.call('HSET', state, 'lc', cost, 'ra', '1')
     else
       local turns = redis.call('LRANGE', window, 0, -1)
       for i = #turns - 1, 1, -1 do
@@ -30,8 +32,8 @@ local function settle(state, window, hash, ok, cost, at)
           break
         end
       end
+      redis.call('HSET', state, 'lc', cost)
     end
-    redis.call('HSET', state, 'lc', cost)
   end
   redis.call('HINCRBY', state, 'c', tonumber(cost))
   return 1

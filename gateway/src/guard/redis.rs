@@ -187,8 +187,8 @@ impl RedisGuard {
         }
     }
 
+    /// One session as Redis has it (the caller sends the tenant's queued settles first).
     async fn read(&self, key: &SessionKey) -> Result<Option<SessionInfo>, GuardError> {
-        self.flush_tenant(key.tenant_id()).await;
         let fields = match self
             .link
             .query::<Value>(redis::cmd("HGETALL").arg(state_key(key)))
@@ -255,6 +255,15 @@ impl Link {
         .await
     }
 
+    /// Send every tenant's settles in `all` (each tenant's in calls of its own).
+    async fn send_all(&self, all: HashMap<String, Vec<Settled>>) {
+        for (_, settles) in all {
+            if !settles.is_empty() {
+                self.send_settles(settles).await;
+            }
+        }
+    }
+
     /// Send one tenant's settles on their own, [`SETTLES_PER_CALL`] to a call. A failure is
     /// logged: the turns stay unanswered (the next identical request reads as a retry).
     async fn send_settles(&self, settles: Vec<Settled>) {
@@ -304,11 +313,7 @@ async fn flush_later(link: Arc<Link>, queue: Arc<Mutex<Queue>>) {
             }
             std::mem::take(&mut q.by_tenant)
         };
-        for (_, settles) in all {
-            if !settles.is_empty() {
-                link.send_settles(settles).await;
-            }
-        }
+        link.send_all(all).await;
     }
 }
 
@@ -419,7 +424,8 @@ impl GuardStore for RedisGuard {
     ) -> Result<(Seen, RetryCounts), GuardError> {
         let mut inv = self.admit.prepare_invoke();
         record_args(&mut inv, key, turn, limits);
-        let first_settle = retry_args(&mut inv, key.tenant_id(), known, slot, ttl_ms) + 4;
+        // The settles' keys follow record's three and retries' one or two (admit.lua's ARGV[12]).
+        let first_settle = 3 + retry_args(&mut inv, key.tenant_id(), known, slot, ttl_ms) + 1;
         // The tenant's queued settles ride along (applied before the turn is recorded); if the
         // call fails they are lost with it, as their own call would have been.
         let settles = lock(&self.queue).take(key.tenant_id());
@@ -489,11 +495,7 @@ impl GuardStore for RedisGuard {
 
     async fn flush(&self) {
         let all = std::mem::take(&mut lock(&self.queue).by_tenant);
-        for (_, settles) in all {
-            if !settles.is_empty() {
-                self.link.send_settles(settles).await;
-            }
-        }
+        self.link.send_all(all).await;
     }
 
     async fn list(&self, tenant_id: &str, limit: usize) -> Result<Vec<SessionInfo>, GuardError> {
@@ -528,6 +530,7 @@ impl GuardStore for RedisGuard {
     }
 
     async fn get(&self, key: &SessionKey) -> Result<Option<SessionInfo>, GuardError> {
+        self.flush_tenant(key.tenant_id()).await;
         self.read(key).await
     }
 

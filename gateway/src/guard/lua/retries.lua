@@ -18,6 +18,16 @@
 -- microseconds inside a script. A request whose bucket is older than the newest (a replica's
 -- clock behind another's) counts into its own bucket while that is in the window, and is
 -- answered the window ending at the newest.
+-- The fields of buckets `from` to `to`: n<bucket> and r<bucket> of each, in that order.
+local function bucket_fields(from, to)
+  local fields = {}
+  for s = from, to do
+    fields[#fields + 1] = 'n' .. s
+    fields[#fields + 1] = 'r' .. s
+  end
+  return fields
+end
+
 local function retries(keys, argv)
   local slot = tonumber(argv[1])
   local buckets = tonumber(argv[3])
@@ -37,19 +47,12 @@ local function retries(keys, argv)
     -- A new window: everything counted before left it.
     gone = {}
     if last ~= nil then
-      for s = last - buckets + 1, last do
-        gone[#gone + 1] = 'n' .. s
-        gone[#gone + 1] = 'r' .. s
-      end
+      gone = bucket_fields(last - buckets + 1, last)
     end
     last, n, r, bn, br = slot, 0, 0, 0, 0
   elseif slot > last then
     -- The window moves on: drop the buckets that left it from the totals.
-    gone = {}
-    for s = last - buckets + 1, slot - buckets do
-      gone[#gone + 1] = 'n' .. s
-      gone[#gone + 1] = 'r' .. s
-    end
+    gone = bucket_fields(last - buckets + 1, slot - buckets)
     local old = redis.call('HMGET', keys[1], unpack(gone))
     for i = 1, #old, 2 do
       n = n - tonumber(old[i] or '0')

@@ -538,8 +538,8 @@ async fn a_settle_on_redis_rides_on_the_tenants_next_turn_or_goes_on_its_own_mom
         this.record(&a, &turn(1_001, 2, 72), LIMITS).await.unwrap();
 
         // A settle, then the tenant's next turn (another session) at once: the settle went
-        // with it, so the other gateway reads it answered without waiting. (The turn settled
-        // is not the newest: it is found further back in the window.)
+        // with it, so the other gateway reads its cost without waiting. (The turn settled is
+        // not the newest: its cost counts, and the newest stays unanswered.)
         this.settle(&a, 71, true, 40).await.unwrap();
         this.record_and_count(&b, &turn(1_002, 9, 90), LIMITS, Known::Retry, 1, 60_000)
             .await
@@ -555,11 +555,14 @@ async fn a_settle_on_redis_rides_on_the_tenants_next_turn_or_goes_on_its_own_mom
             .await
             .unwrap()
             .window;
-        let answered: Vec<(u64, bool)> = window.iter().map(|t| (t.request, t.answered)).collect();
         assert_eq!(
-            answered,
-            vec![(71, true), (72, false)],
-            "{kind:?}: the settled turn, not the newest, is marked answered"
+            window.iter().map(|t| t.request).collect::<Vec<_>>(),
+            vec![71, 72],
+            "{kind:?}"
+        );
+        assert!(
+            !window[1].answered,
+            "{kind:?}: settling an older turn leaves the newest unanswered"
         );
 
         // A settle with no turn after it: on its own, soon.
@@ -633,6 +636,26 @@ async fn an_error_mark_outlives_a_short_retry_window_and_a_mark_after_the_last_o
     }
 }
 
+/// Session `old` of `tenant` written straight into Redis as a version before the state kept
+/// what a turn is judged by wrote it: its hash's `fields` and values, and its window's `turns`.
+async fn old_session(kind: BudgetKind, tenant: &str, fields: &[&str], turns: &[&Turn]) {
+    let conn =
+        gateway::redis_conn::RedisConn::new(kind.redis_urls(), Duration::from_secs(2)).unwrap();
+    let mut c = conn.get().await.unwrap();
+    let _: i64 = redis::cmd("HSET")
+        .arg(format!("{{g:{tenant}}}:s:old"))
+        .arg(fields)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let mut push = redis::cmd("RPUSH");
+    push.arg(format!("{{g:{tenant}}}:w:old"));
+    for t in turns {
+        push.arg(t.encode());
+    }
+    let _: i64 = push.query_async(&mut c).await.unwrap();
+}
+
 /// A session that an earlier version wrote to Redis (its state without the fields that now
 /// judge a turn: the window's steps, the newest request and whether it was answered) is judged
 /// from its window the first time, exactly as before, and from its state after that.
@@ -642,27 +665,14 @@ async fn a_session_written_by_an_earlier_version_is_judged_from_its_window() {
         let s = store(kind, 100, Duration::from_secs(60));
         let tenant = fresh_tenant();
         let key = SessionKey::new(&tenant, "old");
-        let conn =
-            gateway::redis_conn::RedisConn::new(kind.redis_urls(), Duration::from_secs(2)).unwrap();
-        let mut c = conn.get().await.unwrap();
-        let (state, window) = (
-            format!("{{g:{tenant}}}:s:old"),
-            format!("{{g:{tenant}}}:w:old"),
-        );
-        let _: i64 = redis::cmd("HSET")
-            .arg(&state)
-            .arg(&["f", "1000", "l", "1001", "n", "2"])
-            .query_async(&mut c)
-            .await
-            .unwrap();
         let (t1, t2) = (turn(1_000, 5, 51), turn(1_001, 6, 61));
-        let _: i64 = redis::cmd("RPUSH")
-            .arg(&window)
-            .arg(t1.encode())
-            .arg(t2.encode())
-            .query_async(&mut c)
-            .await
-            .unwrap();
+        old_session(
+            kind,
+            &tenant,
+            &["f", "1000", "l", "1001", "n", "2"],
+            &[&t1, &t2],
+        )
+        .await;
 
         // The newest request again, unanswered: a retry; its step is in the window, which
         // comes back.
@@ -686,5 +696,89 @@ async fn a_session_written_by_an_earlier_version_is_judged_from_its_window() {
         assert!(!new.retry && new.window.is_empty(), "{kind:?}: {new:?}");
         let info = s.get(&key).await.unwrap().unwrap();
         assert_eq!((info.state.requests, info.turns), (6, 4), "{kind:?}");
+    }
+}
+
+/// On Redis the window's list is trimmed once per few pushes, not at every push (each
+/// `redis.call` costs microseconds inside a script): it holds at most 8 turns beyond those
+/// kept, while every read — the window a turn gets back, the turns a listing counts — takes the
+/// newest `turns`. A cost total past 2^31 micros adds up exactly (the scripts write numbers as
+/// integers).
+#[tokio::test]
+async fn a_window_on_redis_reads_its_newest_turns_while_its_list_is_trimmed_now_and_then() {
+    for kind in [e2e::BudgetKind::Redis, e2e::BudgetKind::RedisCluster] {
+        let s = store(kind, 100, Duration::from_secs(60));
+        let tenant = fresh_tenant();
+        let key = SessionKey::new(&tenant, "long");
+        let conn =
+            gateway::redis_conn::RedisConn::new(kind.redis_urls(), Duration::from_secs(2)).unwrap();
+        let mut c = conn.get().await.unwrap();
+        let list = format!("{{g:{tenant}}}:w:long");
+        let mut longest = 0;
+        for n in 0..40_u64 {
+            // Every turn the same step (its request differs): the window always comes back.
+            let seen = s
+                .record(&key, &turn(1_000 + n as i64, 7, 500 + n), LIMITS)
+                .await
+                .unwrap();
+            let expect: Vec<u64> = (n.saturating_sub(4)..n).map(|r| 500 + r).collect();
+            let got: Vec<u64> = seen.window.iter().map(|t| t.request).collect();
+            assert_eq!(got, expect, "{kind:?}: turn {n}");
+            s.settle(&key, 500 + n, true, 3_000_000_000).await.unwrap();
+            let len: usize = redis::cmd("LLEN")
+                .arg(&list)
+                .query_async(&mut c)
+                .await
+                .unwrap();
+            longest = longest.max(len);
+        }
+        assert!(
+            (5..=12).contains(&longest),
+            "{kind:?}: the list held {longest} turns"
+        );
+        let info = s.get(&key).await.unwrap().unwrap();
+        assert_eq!(info.turns, 4, "{kind:?}");
+        assert_eq!(info.state.requests, 40, "{kind:?}");
+        assert_eq!(info.state.cost_micros, 120_000_000_000, "{kind:?}");
+        assert_eq!(info.state.last_cost_micros, 3_000_000_000, "{kind:?}");
+        // The newest was answered: its identical request is a step, and the window says so.
+        let again = s.record(&key, &turn(2_000, 7, 539), LIMITS).await.unwrap();
+        assert!(!again.retry, "{kind:?}");
+        assert!(again.window.last().is_some_and(|t| t.answered), "{kind:?}");
+    }
+}
+
+/// A settle that reaches a session an earlier version wrote (no `rq` in its state yet) is
+/// applied in its window, as that version did, and the next turn reads it from there.
+#[tokio::test]
+async fn a_settle_of_a_session_written_by_an_earlier_version_marks_its_window() {
+    for kind in [e2e::BudgetKind::Redis, e2e::BudgetKind::RedisCluster] {
+        let s = store(kind, 100, Duration::from_secs(60));
+        let tenant = fresh_tenant();
+        let key = SessionKey::new(&tenant, "old");
+        let state = ["f", "1000", "l", "1001", "n", "2", "c", "10"];
+        old_session(
+            kind,
+            &tenant,
+            &state,
+            &[&turn(1_000, 5, 51), &turn(1_001, 6, 61)],
+        )
+        .await;
+        s.settle(&key, 61, true, 7).await.unwrap();
+        // Reading the session sends the tenant's queued settles first.
+        let info = s.get(&key).await.unwrap().unwrap();
+        assert_eq!(
+            (
+                info.state.cost_micros,
+                info.state.last_cost_micros,
+                info.turns
+            ),
+            (17, 7, 2),
+            "{kind:?}"
+        );
+        // The newest turn was answered: the identical request is a step, not a retry.
+        let step = s.record(&key, &turn(1_002, 6, 61), LIMITS).await.unwrap();
+        assert!(!step.retry, "{kind:?}: {step:?}");
+        assert!(step.window[1].answered, "{kind:?}: {step:?}");
     }
 }

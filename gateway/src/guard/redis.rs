@@ -10,7 +10,8 @@
 //! request instead of two.
 //!
 //! Keys, for tenant `t` and session `s`: `{g:t}:s:s` (a hash: counters, cooldown, block, the
-//! latest loop), `{g:t}:w:s` (a list of encoded [`Turn`]s), `{g:t}:i` (a sorted set of the
+//! latest loop, what a turn is judged by), `{g:t}:w:s` (a list of encoded [`Turn`]s, the newest
+//! `turns` of them read, trimmed now and then), `{g:t}:i` (a sorted set of the
 //! tenant's sessions by latest request, for listing) and `{g:t}:bl` (its blocked sessions, a
 //! sorted set by when they were blocked). A session expires `session_ttl_secs` after its latest
 //! request; a blocked one `block_ttl_secs` after it was blocked, unless cleared first.
@@ -201,10 +202,17 @@ impl RedisGuard {
         if fields.is_empty() {
             return Ok(None);
         }
-        let turns: usize = self
-            .link
-            .query(redis::cmd("LLEN").arg(window_key(key)))
-            .await?;
+        // The window's steps (`st`, 8 bytes a turn) say how many turns it keeps; the list may
+        // hold a few more until its next trim (lua/record.lua). A session written before `st`
+        // existed is counted in its list.
+        let turns = match pairs(&fields).find(|(field, _)| *field == b"st") {
+            Some((_, steps)) => steps.len() / 8,
+            None => {
+                self.link
+                    .query(redis::cmd("LLEN").arg(window_key(key)))
+                    .await?
+            }
+        };
         Ok(Some(SessionInfo {
             tenant_id: key.tenant_id().to_owned(),
             session: key.session().to_owned(),

@@ -69,7 +69,10 @@ pub struct Turn {
     pub request: u64,
     /// A text reply or ask (not a tool call): compared by its sketch too.
     pub text: bool,
-    /// Set at settle when the request was answered (2xx).
+    /// Set at settle when the request was answered (2xx). Only the newest turn's mark decides
+    /// anything (a byte-identical request sent before it was answered is a retry; an older turn
+    /// never becomes the newest again), so a window a store answers carries it for its newest
+    /// turn; the Redis store keeps no older turn's.
     pub answered: bool,
     /// Its sketch, when the static model was loaded (boxed: most turns have none, and a window
     /// of unboxed ones would be four times the size).

@@ -8,6 +8,13 @@
 -- state keeps what a turn is judged by (`st`: the window's steps, 8 bytes each, oldest first;
 -- `rq`: the newest turn's request hash; `ra`: '1' once it was answered, set by settle.lua).
 -- A session written before those fields existed has them filled from its window once.
+-- The list may hold up to TRIM_SLACK turns more than are kept (it is trimmed once per that
+-- many pushes, not at every push); every read takes its newest `turns`.
+-- Numbers written to Redis go as the strings they came in as, or as `%d` (a Lua number turned
+-- into a string otherwise goes through the C library's floating-point formatting, which costs
+-- microseconds for a time in ms).
+local TRIM_SLACK = 8
+
 local function record(keys, argv)
   local now = tonumber(argv[1])
   local state = redis.call('HGETALL', keys[1])
@@ -38,9 +45,10 @@ local function record(keys, argv)
       end
     end
   end
+  local turns = tonumber(argv[4])
   local window = nil
   if #state > 0 and steps == nil then
-    window = redis.call('LRANGE', keys[2], 0, -1)
+    window = redis.call('LRANGE', keys[2], -turns, -1)
     local parts = {}
     for i = 1, #window do
       parts[i] = string.sub(window[i], 9, 16)
@@ -70,13 +78,19 @@ local function record(keys, argv)
     end
   end
   if may_repeat then
-    window = window or redis.call('LRANGE', keys[2], 0, -1)
+    window = window or redis.call('LRANGE', keys[2], -turns, -1)
+    -- The newest turn's answered mark lives in the state (`ra`, set by settle.lua), not in its
+    -- entry: the window goes back with it.
+    local last = window[#window]
+    if answered and last and math.floor(string.byte(last, at) / 2) % 2 == 0 then
+      window[#window] = string.sub(last, 1, at - 1) .. string.char(string.byte(last, at) + 2)
+        .. string.sub(last, at + 1)
+    end
   else
     window = {}
   end
-  local turns = tonumber(argv[4])
   if retry == 0 then
-    if redis.call('RPUSH', keys[2], argv[2]) > turns then
+    if redis.call('RPUSH', keys[2], argv[2]) > turns + TRIM_SLACK then
       redis.call('LTRIM', keys[2], -turns, -1)
     end
     steps = steps .. step
@@ -93,20 +107,21 @@ local function record(keys, argv)
   -- A blocked session keeps the block's expiry.
   local refresh = not blocked and (refreshed == nil or now - refreshed >= ttl / 10)
   local ra = answered and '1' or '0'
+  local count = string.format('%d', requests + 1)
   if refresh then
-    redis.call('HSET', keys[1], 'f', first or now, 'l', now, 'n', requests + 1, 'x', now,
+    redis.call('HSET', keys[1], 'f', first or argv[1], 'l', argv[1], 'n', count, 'x', argv[1],
       'st', steps, 'rq', newest, 'ra', ra)
-    local expiry = math.floor(ttl * 1.1)
+    local expiry = string.format('%d', math.floor(ttl * 1.1))
     redis.call('PEXPIRE', keys[1], expiry)
     redis.call('PEXPIRE', keys[2], expiry)
     redis.call('PEXPIRE', keys[3], expiry)
   else
-    redis.call('HSET', keys[1], 'f', first or now, 'l', now, 'n', requests + 1,
+    redis.call('HSET', keys[1], 'f', first or argv[1], 'l', argv[1], 'n', count,
       'st', steps, 'rq', newest, 'ra', ra)
   end
   -- The index grows only by a new session: that is when the ones that expired are dropped.
-  if redis.call('ZADD', keys[3], now, argv[6]) == 1 then
-    redis.call('ZREMRANGEBYSCORE', keys[3], '-inf', now - ttl)
+  if redis.call('ZADD', keys[3], argv[1], argv[6]) == 1 then
+    redis.call('ZREMRANGEBYSCORE', keys[3], '-inf', string.format('%d', now - ttl))
   end
   return {shown, window, retry}
 end

@@ -14,6 +14,7 @@
 -- each; only the first request of a new bucket reads and drops the buckets that left the window
 -- and pushes the hash's expiry (to 1.1 windows ahead, or to its latest error mark's end if that
 -- is later: the hash outlives the tenant's latest request by a window and its marks' `fx`).
+-- Numbers go to Redis as `%d` strings (see record.lua).
 -- The error mark is looked for only while one may be live (`fx`): every `redis.call` costs
 -- microseconds inside a script. A request whose bucket is older than the newest (a replica's
 -- clock behind another's) counts into its own bucket while that is in the window, and is
@@ -62,7 +63,9 @@ local function retries(keys, argv)
   end
   if slot > last - buckets then
     n, r, bn, br = n + 1, r + retry, bn + 1, br + retry
-    redis.call('HSET', keys[1], 's', last, 'N', n, 'R', r, nf, bn, rf, br)
+    local d = string.format
+    redis.call('HSET', keys[1], 's', d('%d', last), 'N', d('%d', n), 'R', d('%d', r),
+      nf, d('%d', bn), rf, d('%d', br))
   end
   if gone then
     -- A new bucket: once per bucket, not per request.
@@ -79,7 +82,7 @@ local function retries(keys, argv)
     if #gone > 0 then
       redis.call('HDEL', keys[1], unpack(gone))
     end
-    redis.call('PEXPIRE', keys[1], expiry)
+    redis.call('PEXPIRE', keys[1], string.format('%d', expiry))
   end
   return {n, r, after_error}
 end

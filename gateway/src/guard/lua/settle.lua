@@ -5,9 +5,13 @@
 -- micros, `at` the flags byte's 1-based offset in an encoded turn.
 -- The state and the window are written and expire together, so a session without turns has
 -- expired or was cleared: nothing is recreated.
--- The turn settled is nearly always the newest, so that one is read alone (`LINDEX`): every
--- `redis.call` costs microseconds inside a script, and the whole window's copy most of all.
-local function settle(state, window, hash, ok, cost, at)
+-- Only the newest turn's answered mark is ever read (a request identical to the newest turn and
+-- sent before it was answered is a retry; an older turn cannot become the newest again), and
+-- record.lua keeps it in the state (`rq` the newest turn's request hash, `ra` its mark), so a
+-- settle reads and writes the state alone: one `HMGET` and one `HSET` (every `redis.call` costs
+-- microseconds inside a script). The cost total is summed here and written back as `%d`.
+-- A session written before the state kept `rq` is settled in its window, as it was then.
+local function settle_in_window(state, window, hash, ok, cost, at)
   local newest = redis.call('LINDEX', window, -1)
   if not newest then
     return 0
@@ -22,8 +26,6 @@ local function settle(state, window, hash, ok, cost, at)
     end
     if string.sub(newest, 17, 24) == hash then
       answer(newest, -1)
-      -- The state's note of the newest turn (record.lua's `ra`).
-      redis.call('HSET', state, 'lc', cost, 'ra', '1')
     else
       local turns = redis.call('LRANGE', window, 0, -1)
       for i = #turns - 1, 1, -1 do
@@ -32,10 +34,29 @@ local function settle(state, window, hash, ok, cost, at)
           break
         end
       end
-      redis.call('HSET', state, 'lc', cost)
     end
+    redis.call('HSET', state, 'lc', cost)
   end
   redis.call('HINCRBY', state, 'c', tonumber(cost))
+  return 1
+end
+
+local function settle(state, window, hash, ok, cost, at)
+  local got = redis.call('HMGET', state, 'n', 'rq', 'c')
+  if not got[1] then
+    return 0
+  end
+  if not got[2] then
+    return settle_in_window(state, window, hash, ok, cost, at)
+  end
+  local total = string.format('%d', tonumber(got[3] or '0') + tonumber(cost))
+  if ok ~= '1' then
+    redis.call('HSET', state, 'c', total)
+  elseif got[2] == hash then
+    redis.call('HSET', state, 'c', total, 'lc', cost, 'ra', '1')
+  else
+    redis.call('HSET', state, 'c', total, 'lc', cost)
+  end
   return 1
 end
 

@@ -403,6 +403,12 @@ fn pairs(flat: &[Value]) -> impl Iterator<Item = (&[u8], &[u8])> {
     })
 }
 
+/// The pairs of `record.lua`'s state: fields and values joined by NUL bytes (none when empty).
+fn joined_pairs(joined: &[u8]) -> impl Iterator<Item = (&[u8], &[u8])> {
+    let mut parts = joined.split(|&b| b == 0);
+    std::iter::from_fn(move || Some((parts.next()?, parts.next()?)))
+}
+
 fn opt(v: Option<i64>) -> String {
     v.map(|n| n.to_string()).unwrap_or_default()
 }
@@ -628,7 +634,7 @@ fn seen_of(answer: Value, turn: &Turn) -> Result<Seen, GuardError> {
     let (Some(flat), Some(window), Some(retry)) = (parts.next(), parts.next(), parts.next()) else {
         return Err(GuardError::Protocol("record: expected three parts".into()));
     };
-    let flat = array(flat)?;
+    let flat = bytes(flat)?;
     let mut window: Vec<Turn> = array(window)?
         .into_iter()
         .filter_map(|t| bytes(t).ok().and_then(|b| Turn::decode(&b)))
@@ -637,7 +643,7 @@ fn seen_of(answer: Value, turn: &Turn) -> Result<Seen, GuardError> {
         window.clear();
     }
     Ok(Seen {
-        state: state_of(pairs(&flat))?,
+        state: state_of(joined_pairs(&flat))?,
         window,
         retry: matches!(retry, Value::Int(1)),
     })
@@ -741,5 +747,24 @@ mod tests {
             (1000, 1200, 3, 250, 1300, 0)
         );
         assert_eq!(state.last_loop.map(|l| l.repeats), Some(3));
+        // The same fields as record.lua answers them: joined by NUL bytes.
+        let joined: Vec<u8> = flat
+            .iter()
+            .map(|v| match v {
+                Value::BulkString(b) => b.clone(),
+                _ => unreachable!(),
+            })
+            .collect::<Vec<_>>()
+            .join(&0);
+        assert_eq!(
+            state_of(joined_pairs(&joined)).unwrap(),
+            state_of(pairs(&flat)).unwrap()
+        );
+        assert_eq!(joined_pairs(b"").count(), 0);
+        let empty_value: Vec<_> = joined_pairs(b"cd\0\0n\x003").collect();
+        assert_eq!(
+            empty_value,
+            vec![(&b"cd"[..], &b""[..]), (&b"n"[..], &b"3"[..])]
+        );
     }
 }

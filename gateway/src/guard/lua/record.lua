@@ -123,5 +123,8 @@ local function record(keys, argv)
   if redis.call('ZADD', keys[3], argv[1], argv[6]) == 1 then
     redis.call('ZREMRANGEBYSCORE', keys[3], '-inf', string.format('%d', now - ttl))
   end
-  return {shown, window, retry}
+  -- The state's fields and values go back joined by NUL bytes, one string instead of one per
+  -- field and value (the client parses each reply element at a cost): the shown values are
+  -- decimal numbers and serde_json's text, which never holds a raw NUL.
+  return {table.concat(shown, '\0'), window, retry}
 end

@@ -219,3 +219,52 @@ done = function(summary, latency, requests)
 end
 EOF
 }
+
+# cost_config NAME PORT UPSTREAM_PORT REDIS_PORT PG_DB_URL: bench/proxy-compare.sh's gateway
+# configuration NAME on stdout:
+#   plain    ledger off, no budget policy, cache off, guard off
+#   sqlite   the embedded default's cost control: SQLite ledger (journal on), in-process budgets,
+#            exact-cache policy, guard on
+#   pg       Postgres ledger and store (PG_DB_URL), Redis budgets (leases) and exact cache at
+#            REDIS_PORT, guard on with its session windows in that Redis
+cost_config() {
+  local name=$1 port=$2 up=$3 redis=$4 db=$5
+  case $name in
+    plain)
+      gateway_toml "$port" "$up" "$WORK/plain.db" "enabled = false"
+      printf '[cache]\nmode = "off"\n[guard]\nenabled = false\n' ;;
+    sqlite)
+      gateway_toml "$port" "$up" "$WORK/sqlite.db" "spool_dir = \"$WORK/spool-sqlite\""
+      printf '[budgets]\nstore = "memory"\n[cache]\nmode = "exact"\n' ;;
+    pg)
+      gateway_toml "$port" "$up" "$WORK/unused.db" "spool_dir = \"$WORK/spool-pg\"" |
+        sed "s|^url = \"sqlite://.*\"|url = \"$db\"|"
+      printf '[budgets]\nstore = "redis"\nredis_urls = ["redis://127.0.0.1:%s"]\n' "$redis"
+      printf '[cache]\nmode = "exact"\nredis_urls = ["redis://127.0.0.1:%s"]\n' "$redis" ;;
+  esac
+}
+
+# start_cost_config NAME PORT UPSTREAM_PORT REDIS_PORT PGURL: the gateway in configuration NAME
+# (cost_config) on PORT, its pid in $WORK/gw-NAME.pid, tenant `bench`'s key in $WORK/NAME.key and,
+# except for plain, its budgets set (bench_budgets). For pg: a Redis of its own on REDIS_PORT
+# (pid in $WORK/redis.pid) and a fresh database gw_proxy_bench on the server at PGURL.
+start_cost_config() {
+  local name=$1 port=$2 up=$3 redis=$4 pgurl=$5
+  if [ "$name" = pg ]; then
+    redis-server --port "$redis" --bind 127.0.0.1 --save '' --appendonly no --dir "$WORK" >"$WORK/redis.log" 2>&1 &
+    PIDS+=($!)
+    echo "$!" >"$WORK/redis.pid"
+    wait_port "$redis"
+    psql "$pgurl/postgres" -q -c "SET client_min_messages = warning" -c 'DROP DATABASE IF EXISTS gw_proxy_bench' -c 'CREATE DATABASE gw_proxy_bench' >/dev/null
+    "$BIN/gateway" migrate --database-url "$pgurl/gw_proxy_bench" >/dev/null
+  fi
+  cost_config "$name" "$port" "$up" "$redis" "$pgurl/gw_proxy_bench" >"$WORK/$name.toml"
+  RUST_LOG=warn "$BIN/gateway" serve --config "$WORK/$name.toml" >"$WORK/$name.log" 2>&1 &
+  PIDS+=($!)
+  echo "$!" >"$WORK/gw-$name.pid"
+  wait_port "$port"
+  bench_key "http://127.0.0.1:$port" >"$WORK/$name.key"
+  if [ "$name" != plain ]; then
+    bench_budgets "http://127.0.0.1:$port"
+  fi
+}

@@ -61,42 +61,8 @@ start_nginx "$P_NGINX" "$P_UP"
 PIDS+=($!)
 wait_port "$P_FLOOR"
 
-# config_toml NAME: the gateway configuration NAME on stdout.
-config_toml() {
-  local name=$1 port=${PORT[$1]}
-  case $name in
-    plain)
-      gateway_toml "$port" "$P_UP" "$WORK/plain.db" "enabled = false"
-      printf '[cache]\nmode = "off"\n[guard]\nenabled = false\n' ;;
-    sqlite)
-      gateway_toml "$port" "$P_UP" "$WORK/sqlite.db" "spool_dir = \"$WORK/spool-sqlite\""
-      printf '[budgets]\nstore = "memory"\n[cache]\nmode = "exact"\n' ;;
-    pg)
-      gateway_toml "$port" "$P_UP" "$WORK/unused.db" "spool_dir = \"$WORK/spool-pg\"" |
-        sed "s|^url = \"sqlite://.*\"|url = \"$PGURL/gw_proxy_bench\"|"
-      printf '[budgets]\nstore = "redis"\nredis_urls = ["redis://127.0.0.1:%s"]\n' "$P_REDIS"
-      printf '[cache]\nmode = "exact"\nredis_urls = ["redis://127.0.0.1:%s"]\n' "$P_REDIS" ;;
-  esac
-}
-
 for name in $CONFIGS; do
-  if [ "$name" = pg ]; then
-    redis-server --port "$P_REDIS" --bind 127.0.0.1 --save '' --appendonly no --dir "$WORK" >"$WORK/redis.log" 2>&1 &
-    PIDS+=($!)
-    wait_port "$P_REDIS"
-    psql "$PGURL/postgres" -q -c "SET client_min_messages = warning" -c 'DROP DATABASE IF EXISTS gw_proxy_bench' -c 'CREATE DATABASE gw_proxy_bench' >/dev/null
-    "$BIN/gateway" migrate --database-url "$PGURL/gw_proxy_bench" >/dev/null
-  fi
-  config_toml "$name" >"$WORK/$name.toml"
-  RUST_LOG=warn "$BIN/gateway" serve --config "$WORK/$name.toml" >"$WORK/$name.log" 2>&1 &
-  PIDS+=($!)
-  echo "$!" >"$WORK/gw-$name.pid"
-  wait_port "${PORT[$name]}"
-  url="http://127.0.0.1:${PORT[$name]}"
-  bench_key "$url" >"$WORK/$name.key"
-  if [ "$name" != plain ]; then
-    bench_budgets "$url"
-  fi
+  start_cost_config "$name" "${PORT[$name]}" "$P_UP" "$P_REDIS" "$PGURL"
 done
 
 # Traffic as many agents and users send it: SESSIONS sessions (x-session-id) per wrk thread,

@@ -16,7 +16,7 @@
 //! sorted set by when they were blocked). A session expires `session_ttl_secs` after its latest
 //! request; a blocked one `block_ttl_secs` after it was blocked, unless cleared first.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -26,7 +26,7 @@ use redis::{Script, ScriptInvocation, Value};
 
 use super::store::{
     GuardError, GuardStore, Known, Limits, LoopNote, Mark, RetryCounts, Seen, SessionInfo,
-    SessionKey, SessionState, Turn, FLAGS_AT,
+    SessionKey, SessionState, Turn, FLAGS_AT, TURN_BYTES,
 };
 use crate::redis_conn::RedisConn;
 
@@ -60,7 +60,7 @@ struct Link {
 /// script).
 #[derive(Default)]
 struct Queue {
-    by_tenant: HashMap<String, Vec<Settled>>,
+    by_tenant: HashMap<String, VecDeque<Settled>>,
     /// The flusher is running (it clears this when it finds the queue empty).
     scheduled: bool,
 }
@@ -264,10 +264,10 @@ impl Link {
     }
 
     /// Send every tenant's settles in `all` (each tenant's in calls of its own).
-    async fn send_all(&self, all: HashMap<String, Vec<Settled>>) {
+    async fn send_all(&self, all: HashMap<String, VecDeque<Settled>>) {
         for (_, settles) in all {
             if !settles.is_empty() {
-                self.send_settles(settles).await;
+                self.send_settles(settles.into()).await;
             }
         }
     }
@@ -287,11 +287,31 @@ impl Link {
 }
 
 impl Queue {
+    /// Queue `settled` behind its tenant's (dropping the oldest beyond [`MAX_QUEUED`]); whether
+    /// a flusher must be started (none is running).
+    fn push(&mut self, settled: Settled) -> bool {
+        match self.by_tenant.get_mut(settled.key.tenant_id()) {
+            Some(list) => {
+                if list.len() >= MAX_QUEUED {
+                    list.pop_front();
+                }
+                list.push_back(settled);
+            }
+            None => {
+                self.by_tenant.insert(
+                    settled.key.tenant_id().to_owned(),
+                    VecDeque::from([settled]),
+                );
+            }
+        }
+        !std::mem::replace(&mut self.scheduled, true)
+    }
+
     /// Up to [`SETTLES_PER_CALL`] of `tenant_id`'s settles, oldest first.
     fn take(&mut self, tenant_id: &str) -> Vec<Settled> {
         match self.by_tenant.get_mut(tenant_id) {
             Some(list) if list.len() > SETTLES_PER_CALL => list.drain(..SETTLES_PER_CALL).collect(),
-            Some(list) => std::mem::take(list),
+            Some(list) => std::mem::take(list).into(),
             None => Vec::new(),
         }
     }
@@ -314,7 +334,7 @@ async fn flush_later(link: Arc<Link>, queue: Arc<Mutex<Queue>>) {
     loop {
         let all = {
             let mut q = lock(&queue);
-            if q.by_tenant.values().all(Vec::is_empty) {
+            if q.by_tenant.values().all(VecDeque::is_empty) {
                 // Cleared under the lock: a settle queued after this schedules the next flush.
                 q.scheduled = false;
                 return;
@@ -445,11 +465,7 @@ impl GuardStore for RedisGuard {
         let settles = lock(&self.queue).take(key.tenant_id());
         inv.arg(first_settle);
         settle_args(&mut inv, &settles);
-        let mut parts = array(self.link.invoke(inv).await?)?.into_iter();
-        let (Some(seen), Some(counts)) = (parts.next(), parts.next()) else {
-            return Err(GuardError::Protocol("admit: expected two parts".into()));
-        };
-        Ok((seen_of(seen, turn)?, counts_of(counts)?))
+        admitted(&bytes(self.link.invoke(inv).await?)?, turn)
     }
 
     async fn mark(&self, key: &SessionKey, mark: &Mark) -> Result<(), GuardError> {
@@ -485,23 +501,7 @@ impl GuardStore for RedisGuard {
             ok,
             cost_micros,
         };
-        let schedule = {
-            let mut q = lock(&self.queue);
-            match q.by_tenant.get_mut(key.tenant_id()) {
-                Some(list) => {
-                    if list.len() >= MAX_QUEUED {
-                        list.remove(0);
-                    }
-                    list.push(settled);
-                }
-                None => {
-                    q.by_tenant
-                        .insert(key.tenant_id().to_owned(), vec![settled]);
-                }
-            }
-            !std::mem::replace(&mut q.scheduled, true)
-        };
-        if schedule {
+        if lock(&self.queue).push(settled) {
             tokio::spawn(flush_later(Arc::clone(&self.link), Arc::clone(&self.queue)));
         }
         Ok(())
@@ -634,19 +634,65 @@ fn seen_of(answer: Value, turn: &Turn) -> Result<Seen, GuardError> {
     let (Some(flat), Some(window), Some(retry)) = (parts.next(), parts.next(), parts.next()) else {
         return Err(GuardError::Protocol("record: expected three parts".into()));
     };
-    let flat = bytes(flat)?;
-    let mut window: Vec<Turn> = array(window)?
+    let window = array(window)?
         .into_iter()
         .filter_map(|t| bytes(t).ok().and_then(|b| Turn::decode(&b)))
         .collect();
+    seen(&bytes(flat)?, window, matches!(retry, Value::Int(1)), turn)
+}
+
+/// The session before `turn` from its NUL-joined `state`, its `window` and whether `turn` is a
+/// retry; the window is dropped unless a loop could end at `turn`.
+fn seen(state: &[u8], mut window: Vec<Turn>, retry: bool, turn: &Turn) -> Result<Seen, GuardError> {
     if !turn.may_repeat(window.iter()) {
         window.clear();
     }
     Ok(Seen {
-        state: state_of(joined_pairs(&flat))?,
+        state: state_of(joined_pairs(state))?,
         window,
-        retry: matches!(retry, Value::Int(1)),
+        retry,
     })
+}
+
+/// `admit.lua`'s answer, one string: `retry requests retries after_error state_length\n`, the
+/// state (NUL-joined), then the window's turns, [`TURN_BYTES`] each.
+fn admitted(answer: &[u8], turn: &Turn) -> Result<(Seen, RetryCounts), GuardError> {
+    let bad = |what: &str| GuardError::Protocol(format!("admit: {what}"));
+    let line = answer
+        .iter()
+        .position(|&b| b == b'\n')
+        .ok_or_else(|| bad("no header line"))?;
+    let mut numbers = std::str::from_utf8(&answer[..line])
+        .map_err(|_| bad("header not text"))?
+        .split(' ')
+        .map(str::parse::<u64>);
+    let mut next = || {
+        numbers
+            .next()
+            .and_then(Result::ok)
+            .ok_or_else(|| bad("header numbers"))
+    };
+    let (retry, requests, retries, after_error, state_len) =
+        (next()?, next()?, next()?, next()?, next()?);
+    let rest = &answer[line + 1..];
+    let state_len = usize::try_from(state_len).map_err(|_| bad("state length"))?;
+    if state_len > rest.len() || !(rest.len() - state_len).is_multiple_of(TURN_BYTES) {
+        return Err(bad("state and window lengths"));
+    }
+    let (state, turns) = rest.split_at(state_len);
+    let window = turns
+        .chunks_exact(TURN_BYTES)
+        .filter_map(Turn::decode)
+        .collect();
+    let count = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+    Ok((
+        seen(state, window, retry == 1, turn)?,
+        RetryCounts {
+            requests: count(requests),
+            retries: count(retries),
+            after_error: after_error == 1,
+        },
+    ))
 }
 
 /// `retries`' keys and arguments (see `lua/retries.lua`); how many keys (1 or 2).
@@ -766,5 +812,82 @@ mod tests {
             empty_value,
             vec![(&b"cd"[..], &b""[..]), (&b"n"[..], &b"3"[..])]
         );
+    }
+
+    #[test]
+    fn a_full_queue_drops_its_oldest_settle_and_hands_them_out_oldest_first() {
+        let mut q = Queue::default();
+        let settled = |tenant: &str, request: u64| Settled {
+            key: SessionKey::new(tenant, "s"),
+            request,
+            ok: true,
+            cost_micros: 1,
+        };
+        assert!(q.push(settled("a", 0)), "the first settle starts a flusher");
+        for request in 1..=MAX_QUEUED as u64 {
+            assert!(!q.push(settled("a", request)), "one flusher at a time");
+        }
+        q.push(settled("b", 7));
+        assert_eq!(q.by_tenant["a"].len(), MAX_QUEUED);
+        let first = q.take("a");
+        assert_eq!(first.len(), SETTLES_PER_CALL);
+        assert_eq!(
+            first.iter().map(|s| s.request).take(2).collect::<Vec<_>>(),
+            [1, 2],
+            "the oldest (0) was dropped"
+        );
+        let mut rest = 0;
+        loop {
+            let more = q.take("a");
+            if more.is_empty() {
+                break;
+            }
+            rest += more.len();
+        }
+        assert_eq!(rest, MAX_QUEUED - SETTLES_PER_CALL);
+        assert_eq!(q.take("b").len(), 1);
+    }
+
+    #[test]
+    fn an_admit_answer_is_read_from_its_one_string() {
+        let turn = |at_ms: i64, step: u64, request: u64| Turn {
+            at_ms,
+            step,
+            request,
+            text: false,
+            answered: false,
+            sketch: None,
+        };
+        let state = b"n\x002\x00lc\x0040";
+        let (a, b) = (turn(1, 5, 50), turn(2, 6, 60));
+        let mut answer = format!("0 7 1 1 {}\n", state.len()).into_bytes();
+        answer.extend_from_slice(state);
+        answer.extend_from_slice(&a.encode());
+        answer.extend_from_slice(&b.encode());
+        // The same step as the first turn: the window comes back.
+        let (seen, counts) = admitted(&answer, &turn(3, 5, 70)).unwrap();
+        assert_eq!(seen.window, vec![a, b]);
+        assert!(!seen.retry);
+        assert_eq!((seen.state.requests, seen.state.last_cost_micros), (2, 40));
+        assert_eq!(
+            (counts.requests, counts.retries, counts.after_error),
+            (7, 1, true)
+        );
+        // A new step: no window; a retry, nothing else.
+        let (seen, _) = admitted(&answer, &turn(3, 9, 90)).unwrap();
+        assert!(seen.window.is_empty());
+        let (seen, counts) = admitted(b"1 1 1 0 0\n", &turn(3, 9, 90)).unwrap();
+        assert!(seen.retry && !counts.after_error);
+        assert_eq!(seen.state, SessionState::default());
+        // Anything else is a protocol error, not a guess.
+        for bad in [
+            &b""[..],
+            b"1 1 1 0\n",
+            b"1 1 1 0 5\nab",
+            b"1 1 1 0 0\nabc",
+            b"x 1 1 0 0\n",
+        ] {
+            assert!(admitted(bad, &turn(3, 9, 90)).is_err(), "{bad:?}");
+        }
     }
 }

@@ -665,7 +665,7 @@ fn admitted(answer: &[u8], turn: &Turn) -> Result<(Seen, RetryCounts), GuardErro
     let mut numbers = std::str::from_utf8(&answer[..line])
         .map_err(|_| bad("header not text"))?
         .split(' ')
-        .map(str::parse::<u64>);
+        .map(str::parse::<i64>);
     let mut next = || {
         numbers
             .next()
@@ -684,7 +684,6 @@ fn admitted(answer: &[u8], turn: &Turn) -> Result<(Seen, RetryCounts), GuardErro
         .chunks_exact(TURN_BYTES)
         .filter_map(Turn::decode)
         .collect();
-    let count = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
     Ok((
         seen(state, window, retry == 1, turn)?,
         RetryCounts {
@@ -724,10 +723,16 @@ fn retry_args(
 }
 
 /// `retries`' answer.
+/// A retry-budget count as the scripts answer it (a negative one, counts gone out of step,
+/// reads as none).
+fn count(n: i64) -> u32 {
+    u32::try_from(n.max(0)).unwrap_or(u32::MAX)
+}
+
 fn counts_of(answer: Value) -> Result<RetryCounts, GuardError> {
     let v = array(answer)?;
     let num = |i: usize| match v.get(i) {
-        Some(Value::Int(n)) => Ok(u32::try_from(*n).unwrap_or(u32::MAX)),
+        Some(Value::Int(n)) => Ok(count(*n)),
         other => Err(GuardError::Protocol(format!(
             "retry counts: expected an integer, got {other:?}"
         ))),
@@ -876,8 +881,9 @@ mod tests {
         // A new step: no window; a retry, nothing else.
         let (seen, _) = admitted(&answer, &turn(3, 9, 90)).unwrap();
         assert!(seen.window.is_empty());
-        let (seen, counts) = admitted(b"1 1 1 0 0\n", &turn(3, 9, 90)).unwrap();
+        let (seen, counts) = admitted(b"1 -1 1 0 0\n", &turn(3, 9, 90)).unwrap();
         assert!(seen.retry && !counts.after_error);
+        assert_eq!(counts.requests, 0, "a count out of step reads as none");
         assert_eq!(seen.state, SessionState::default());
         // Anything else is a protocol error, not a guess.
         for bad in [

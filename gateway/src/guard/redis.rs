@@ -722,13 +722,13 @@ fn retry_args(
     keys
 }
 
-/// `retries`' answer.
 /// A retry-budget count as the scripts answer it (a negative one, counts gone out of step,
 /// reads as none).
 fn count(n: i64) -> u32 {
     u32::try_from(n.max(0)).unwrap_or(u32::MAX)
 }
 
+/// `retries`' answer.
 fn counts_of(answer: Value) -> Result<RetryCounts, GuardError> {
     let v = array(answer)?;
     let num = |i: usize| match v.get(i) {

@@ -28,6 +28,7 @@ B=$2
 ROUNDS=${ROUNDS:-4}
 DURATION=${DURATION:-8s}
 CONNS=${CONNS:-64}
+WRK_THREADS=$((CONNS < 2 ? 1 : 2))
 EXTRA=${EXTRA:-$'[cache]\nmode = "off"\n[guard]\nenabled = false'}
 EXTRA_A=${EXTRA_A:-$EXTRA}
 EXTRA_B=${EXTRA_B:-$EXTRA}
@@ -88,10 +89,10 @@ for r in $(seq 1 "$ROUNDS"); do
   for v in A B; do
     url=$(cat "$WORK/$v.url")
     pid=${GW_PID[$v]}
-    "${LOAD_CPU[@]}" wrk -t2 -c"$CONNS" -d2s -s "$WORK/$v.lua" "$url" >/dev/null
+    "${LOAD_CPU[@]}" wrk -t"$WRK_THREADS" -c"$CONNS" -d2s -s "$WORK/$v.lua" "$url" >/dev/null
     before=$(awk '{print $14 + $15}' "/proc/$pid/stat")
     w_before=$(if [ -n "${WATCH:-}" ]; then awk '{print $14 + $15}' "/proc/$WATCH/stat"; else echo 0; fi)
-    read -r n secs errors < <("${LOAD_CPU[@]}" wrk -t2 -c"$CONNS" -d"$DURATION" -s "$WORK/$v.lua" "$url" | awk '/^WRK/ {print $2, $3, $4}')
+    read -r n secs errors < <("${LOAD_CPU[@]}" wrk -t"$WRK_THREADS" -c"$CONNS" -d"$DURATION" -s "$WORK/$v.lua" "$url" | awk '/^WRK/ {print $2, $3, $4}')
     after=$(awk '{print $14 + $15}' "/proc/$pid/stat")
     w_after=$(if [ -n "${WATCH:-}" ]; then awk '{print $14 + $15}' "/proc/$WATCH/stat"; else echo 0; fi)
     ticks=$(getconf CLK_TCK)

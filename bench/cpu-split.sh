@@ -5,7 +5,8 @@
 # process's CPU per request from /proc/PID/stat: the gateway, the upstream, and for pg its Redis
 # and every Postgres process (the server is shared, so run it on a quiet Postgres). For pg it
 # also prints what Redis counted: `EVALSHA` calls and µs per call, and every command per request
-# (those inside scripts included).
+# (those inside scripts included). A second line splits the gateway's CPU per request by its
+# threads' names (tokio's workers, SQLite's connection workers, the blocking pool...).
 #
 #   BIN=DIR CONFIG=pg ROUNDS=2 DURATION=8 bench/cpu-split.sh
 #
@@ -45,6 +46,13 @@ ticks() {
   done
   echo "$sum"
 }
+# threads PID: "name ticks" for each thread of PID, summed by name (digits dropped from it).
+threads() {
+  local t
+  for t in /proc/"$1"/task/*; do
+    echo "$(tr -d '0-9' <"$t/comm" | tr ' ' '_') $(awk '{print $14 + $15}' "$t/stat" 2>/dev/null || echo 0)"
+  done | awk '{s[$1] += $2} END {for (k in s) print k, s[k]}'
+}
 postgres_pids() { pgrep -x postgres || true; }
 redis_stat() { [ -n "$REDIS_PID" ] && redis-cli -p "$P_REDIS" "$@" || true; }
 
@@ -53,8 +61,10 @@ HZ=$(getconf CLK_TCK)
 for round in $(seq 1 "$ROUNDS"); do
   ledger_drain "$P_GW"
   redis_stat config resetstat >/dev/null
+  threads_before=$(threads "$GW_PID")
   before="$(ticks "$GW_PID") $(ticks "$UP_PID") $(ticks $REDIS_PID) $(ticks $(postgres_pids))"
   out=$(wrk -t2 -c64 -d"${DURATION}s" -s "$WORK/load.lua" "$url")
+  threads_after=$(threads "$GW_PID")
   after="$(ticks "$GW_PID") $(ticks "$UP_PID") $(ticks $REDIS_PID) $(ticks $(postgres_pids))"
   evalsha=$(redis_stat info commandstats | awk -F'[=,:]' '/^cmdstat_evalsha:/ {print $3, $7}')
   commands=$(redis_stat info stats | awk -F: '/^total_commands_processed:/ {print $2}' | tr -d '\r')
@@ -74,5 +84,11 @@ if config == "pg":
         line += f"; EVALSHA {int(ev[0]) / n:.2f} per request at {float(ev[1]):.1f} µs"
     if sys.argv[7]:
         line += f"; Redis commands per request {int(sys.argv[7]) / n:.1f}"
-print(line)' "$CONFIG" "$round" "$HZ" "$before" "$after" "$evalsha" "${commands:-}"
+print(line)
+parse = lambda text: {k: int(v) for k, v in (l.split() for l in text.splitlines() if l.strip())}
+tb, ta = parse(sys.argv[8]), parse(sys.argv[9])
+by = sorted(((ta[k] - tb.get(k, 0)) * 1e6 / hz / n, k) for k in ta)
+print("  gateway by thread, CPU µs per request: " +
+      ", ".join(f"{k} {v:.1f}" for v, k in reversed(by) if v >= 0.05))' \
+    "$CONFIG" "$round" "$HZ" "$before" "$after" "$evalsha" "${commands:-}" "$threads_before" "$threads_after"
 done

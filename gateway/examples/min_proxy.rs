@@ -69,40 +69,77 @@ fn status(code: StatusCode) -> Response<Full<Bytes>> {
 fn main() {
     let mut args = std::env::args().skip(1);
     let (mut port, mut upstream) = (19102u16, String::from("127.0.0.1:19101"));
+    let mut per_core = 0usize;
     while let Some(a) = args.next() {
         match (a.as_str(), args.next()) {
             ("--port", Some(v)) => port = v.parse().expect("--port takes a number"),
             ("--upstream", Some(v)) => upstream = v,
+            ("--per-core", Some(v)) => per_core = v.parse().expect("--per-core takes a number"),
             _ => {
-                eprintln!("usage: min_proxy [--port N] [--upstream HOST:PORT]");
+                eprintln!(
+                    "usage: min_proxy [--port N] [--upstream HOST:PORT] [--per-core THREADS]"
+                );
                 std::process::exit(2);
             }
         }
     }
     let upstream: &'static str = Box::leak(upstream.into_boxed_str());
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("a tokio runtime");
-    rt.block_on(async move {
-        let client: Upstream = Client::builder(TokioExecutor::new()).build_http();
-        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
-            .await
-            .expect("bind the port");
-        println!("min_proxy on 127.0.0.1:{port} -> {upstream}");
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
-            };
-            let _ = stream.set_nodelay(true);
-            let client = client.clone();
-            tokio::spawn(async move {
-                let service =
-                    hyper::service::service_fn(move |req| forward(client.clone(), upstream, req));
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    });
+    if per_core == 0 {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .expect("a tokio runtime");
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+                .await
+                .expect("bind the port");
+            println!("min_proxy on 127.0.0.1:{port} -> {upstream}");
+            accept_loop(listener, upstream).await;
+        });
+        return;
+    }
+    // One single-threaded runtime per thread, each with its own listener on the port
+    // (SO_REUSEPORT: the kernel spreads connections over them) and its own upstream pool.
+    let threads: Vec<_> = (0..per_core)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("a tokio runtime");
+                rt.block_on(async move {
+                    let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+                    socket.set_reuseport(true).expect("SO_REUSEPORT");
+                    socket.set_reuseaddr(true).expect("SO_REUSEADDR");
+                    socket
+                        .bind(std::net::SocketAddr::from(([127, 0, 0, 1], port)))
+                        .expect("bind the port");
+                    let listener = socket.listen(1024).expect("listen");
+                    accept_loop(listener, upstream).await;
+                });
+            })
+        })
+        .collect();
+    println!("min_proxy on 127.0.0.1:{port} -> {upstream} ({per_core} single-threaded runtimes)");
+    for t in threads {
+        let _ = t.join();
+    }
+}
+
+async fn accept_loop(listener: tokio::net::TcpListener, upstream: &'static str) {
+    let client: Upstream = Client::builder(TokioExecutor::new()).build_http();
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let client = client.clone();
+        tokio::spawn(async move {
+            let service =
+                hyper::service::service_fn(move |req| forward(client.clone(), upstream, req));
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
 }

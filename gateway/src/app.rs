@@ -135,16 +135,27 @@ pub fn build_router(state: AppState) -> Edge<Router> {
     Edge::new(router)
 }
 
-/// Serve on `listener` until `shutdown` resolves, then drain: stop accepting, let in-flight
-/// requests finish, and wait (up to `server.shutdown_grace_secs`) for background settlement.
+/// Serve on `listener` (on the caller's runtime) until `shutdown` resolves, then drain: stop
+/// accepting, let in-flight requests finish, and wait (up to `server.shutdown_grace_secs`) for
+/// background settlement.
 pub async fn serve(
     listener: TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    serve_on(crate::server::Listeners::Here(listener), state, shutdown).await
+}
+
+/// [`serve`] on `listeners`: one listener on the caller's runtime, or the `per-core` lanes.
+/// The lanes' runtimes must outlive this (requests settle on them while it drains).
+pub async fn serve_on(
+    listeners: crate::server::Listeners,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
     let app = build_router(state.clone());
     let limits = crate::server::Limits::from_config(&state.config.server);
-    crate::server::serve(listener, app, limits, shutdown).await;
+    crate::server::serve(listeners, app, limits, shutdown).await;
     state.tasks.close();
     let grace = Duration::from_secs(state.config.server.shutdown_grace_secs);
     if tokio::time::timeout(grace, state.tasks.wait())
@@ -201,13 +212,25 @@ pub async fn shutdown_signal() {
     tracing::info!("shutting down: draining in-flight requests");
 }
 
-/// `gateway serve`: build the state from `config`, bind `server.listen`, serve until a signal.
+/// `gateway serve`: build the state from `config`, bind `server.listen`, serve until a signal
+/// (on the `per-core` lanes or the caller's runtime, as `server.runtime` says).
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let listen = config.server.listen;
     let state = AppState::build(config, Deps::default()).await?;
-    let listener = TcpListener::bind(listen)
-        .await
+    if state.config.server.runtime == crate::config::ServerRuntime::Shared {
+        let listener = TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("binding server.listen = {listen}"))?;
+        tracing::info!(address = %listen, "gateway listening");
+        return serve(listener, state, shutdown_signal()).await;
+    }
+    let threads = state.config.server.lanes();
+    let sockets = crate::server::bind_lanes(listen, threads)
         .with_context(|| format!("binding server.listen = {listen}"))?;
-    tracing::info!(address = %listen, "gateway listening");
-    serve(listener, state, shutdown_signal()).await
+    let lanes = crate::server::Lanes::start(threads).context("starting the server's threads")?;
+    tracing::info!(address = %listen, threads, "gateway listening");
+    let listeners = crate::server::Listeners::Lanes(sockets, lanes.handles());
+    let served = serve_on(listeners, state, shutdown_signal()).await;
+    lanes.stop();
+    served
 }

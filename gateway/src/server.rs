@@ -5,8 +5,15 @@
 //!
 //! Without these a client trickling one header byte every few seconds (slowloris) holds a
 //! connection, and its task, for ever; enough of them exhaust file descriptors.
+//!
+//! Connections are served on the caller's runtime ([`Listeners::Here`]) or on [`Lanes`]
+//! (`server.runtime = "per-core"`): one single-worker runtime per thread, each accepting from
+//! its own socket of one `SO_REUSEPORT` group, so a connection and its requests never move
+//! between threads.
 
+use std::cell::Cell;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -21,6 +28,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
+use tokio::runtime::{Handle, Runtime};
 use tokio::sync::{watch, Semaphore};
 use tower::ServiceExt as _;
 
@@ -55,19 +63,130 @@ impl Limits {
     }
 }
 
-/// Serve `app` on `listener` until `shutdown` resolves; then stop accepting, ask every
+/// Where connections are accepted and served.
+pub enum Listeners {
+    /// One listener, its connections served on the caller's runtime.
+    Here(TcpListener),
+    /// A listening socket per lane ([`bind_lanes`]); each lane serves the connections it
+    /// accepted, and their requests, on its own runtime.
+    Lanes(Vec<std::net::TcpListener>, Vec<Handle>),
+}
+
+/// Bind `n` listening sockets on `addr` (its port resolved first when 0) for the lanes.
+///
+/// On Unix they form one `SO_REUSEPORT` group, and the kernel spreads new connections over
+/// them evenly (by a hash of the client's address and port). A socket bound without the option
+/// first checks that the port is free and is closed again: a group would otherwise let a second
+/// process of the same user (another gateway started by mistake) join it silently and take a
+/// share of the connections, where now that process's start fails. Elsewhere every lane
+/// accepts from one shared socket. Call from within a tokio runtime.
+pub fn bind_lanes(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpListener>> {
+    let addr = std::net::TcpListener::bind(addr)?.local_addr()?;
+    #[cfg(unix)]
+    {
+        (0..n.max(1))
+            .map(|_| {
+                let socket = match addr {
+                    SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+                    SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+                };
+                socket.set_reuseaddr(true)?;
+                socket.set_reuseport(true)?;
+                socket.bind(addr)?;
+                socket.listen(1024)?.into_std()
+            })
+            .collect()
+    }
+    #[cfg(not(unix))]
+    {
+        let listener = std::net::TcpListener::bind(addr)?;
+        listener.set_nonblocking(true)?;
+        (0..n.max(1)).map(|_| listener.try_clone()).collect()
+    }
+}
+
+thread_local! {
+    static LANE: Cell<usize> = const { Cell::new(0) };
+}
+
+/// The lane the calling thread belongs to (`0..lanes`); 0 outside the lanes (the `shared`
+/// runtime, background tasks, tests).
+pub fn lane() -> usize {
+    LANE.with(Cell::get)
+}
+
+/// The `per-core` runtime's threads: one single-worker tokio runtime per lane. A lane's
+/// connections and the requests on them run on its one worker from accept to answer (no
+/// hand-offs or wake-ups between workers, no tasks moved between caches), and its upstream
+/// connections too ([`lane`] picks the pool). A blocking step still leaves the worker
+/// (`block_in_place` hands the lane's tasks to a new worker meanwhile).
+pub struct Lanes {
+    runtimes: Vec<Runtime>,
+}
+
+impl Lanes {
+    /// Start `n` lanes (at least one).
+    pub fn start(n: usize) -> std::io::Result<Self> {
+        let runtimes = (0..n.max(1))
+            .map(|i| {
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .thread_name(format!("gateway-lane-{i}"))
+                    .on_thread_start(move || LANE.with(|l| l.set(i)))
+                    .enable_all()
+                    .build()
+            })
+            .collect::<std::io::Result<_>>()?;
+        Ok(Self { runtimes })
+    }
+
+    /// Each lane's runtime, to spawn on.
+    pub fn handles(&self) -> Vec<Handle> {
+        self.runtimes.iter().map(|r| r.handle().clone()).collect()
+    }
+
+    /// Stop the lanes' runtimes without waiting for what still runs on them (callable from
+    /// async code; call it once everything to finish has finished). Dropping them does the same.
+    pub fn stop(self) {}
+}
+
+impl Drop for Lanes {
+    fn drop(&mut self) {
+        // A runtime dropped inside async code would panic; this one does not wait.
+        for r in self.runtimes.drain(..) {
+            r.shutdown_background();
+        }
+    }
+}
+
+/// What every accept loop of one server shares: the connection cap, the shutdown signal and
+/// the count of open connections.
+#[derive(Clone)]
+struct Accept {
+    app: Edge<Router>,
+    body_read: Duration,
+    builder: Arc<Builder<TokioExecutor>>,
+    permits: Arc<Semaphore>,
+    /// Changes (closes) when the server stops: accept loops end, connections finish their
+    /// in-flight requests and close.
+    stop: watch::Receiver<()>,
+    /// Held by every connection; the server returns once the last one is dropped.
+    done: watch::Receiver<()>,
+}
+
+/// Serve `app` on `listeners` until `shutdown` resolves; then stop accepting, ask every
 /// connection to finish its in-flight requests, and return once all of them have closed.
 pub async fn serve(
-    listener: TcpListener,
+    listeners: Listeners,
     app: Edge<Router>,
     limits: Limits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
-    let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
-    // Dropping `stop_tx` tells connections to shut down gracefully; each holds a `done_rx`, and
-    // `done_tx.closed()` resolves when the last of them is gone.
-    let (stop_tx, stop_rx) = watch::channel(());
-    let (done_tx, done_rx) = watch::channel(());
+    // Dropping `stop_tx` tells accept loops to end and connections to shut down gracefully;
+    // each connection holds a `done` receiver, and `done_tx.closed()` resolves when the last
+    // of them is gone.
+    let (stop_tx, stop) = watch::channel(());
+    let (done_tx, done) = watch::channel(());
     let mut builder = Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -77,65 +196,102 @@ pub async fn serve(
         // arrays off the stack: two 12.8 KB allocations, filled, per request (3% of the plain
         // path's throughput, docs/benchmarks.md).
         .header_read_timeout(limits.header_read);
-    let builder = Arc::new(builder);
-    tokio::pin!(shutdown);
-    loop {
-        let permit = tokio::select! {
-            _ = &mut shutdown => break,
-            permit = permits.clone().acquire_owned() => match permit {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-        };
-        let (stream, peer) = tokio::select! {
-            _ = &mut shutdown => break,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // Out of file descriptors and the like: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let _ = stream.set_nodelay(true);
-        let body_read = limits.body_read;
-        let service = app
-            .clone()
-            .map_request(move |req: http::Request<Incoming>| -> Request {
-                req.map(|body| Body::new(DeadlineBody::new(body, body_read)))
-            });
-        let hyper_service = TowerToHyperService::new(service);
-        let builder = builder.clone();
-        let mut stop = stop_rx.clone();
-        let done = done_rx.clone();
-        tokio::spawn(async move {
-            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), hyper_service);
-            tokio::pin!(conn);
-            let mut stopping = false;
-            loop {
-                tokio::select! {
-                    result = conn.as_mut() => {
-                        if let Err(e) = result {
-                            tracing::debug!(%peer, error = %e, "connection ended with an error");
-                        }
-                        break;
-                    }
-                    _ = stop.changed(), if !stopping => {
-                        stopping = true;
-                        conn.as_mut().graceful_shutdown();
-                    }
-                }
+    let accept = Accept {
+        app,
+        body_read: limits.body_read,
+        builder: Arc::new(builder),
+        permits: Arc::new(Semaphore::new(limits.max_connections.max(1))),
+        stop,
+        done,
+    };
+    match listeners {
+        Listeners::Here(listener) => {
+            tokio::select! {
+                () = shutdown => {}
+                () = accept.clone().run(listener) => {}
             }
-            drop(done);
-            drop(permit);
-        });
+        }
+        Listeners::Lanes(listeners, lanes) => {
+            for (socket, lane) in listeners.into_iter().zip(lanes) {
+                let accept = accept.clone();
+                lane.spawn(async move {
+                    // Registered with this lane's reactor: it is this lane's worker that wakes
+                    // for a new connection and serves it.
+                    match TcpListener::from_std(socket) {
+                        Ok(l) => accept.run(l).await,
+                        Err(e) => tracing::error!(error = %e, "a lane cannot listen"),
+                    }
+                });
+            }
+            shutdown.await;
+        }
     }
-    drop(listener);
     drop(stop_tx);
-    drop(done_rx);
+    drop(accept);
     done_tx.closed().await;
+}
+
+impl Accept {
+    /// Accept connections on `listener` and serve each on a task of its own (on the calling
+    /// runtime) until the server stops.
+    async fn run(self, listener: TcpListener) {
+        let mut stop = self.stop.clone();
+        loop {
+            let permit = tokio::select! {
+                _ = stop.changed() => break,
+                permit = self.permits.clone().acquire_owned() => match permit {
+                    Ok(p) => p,
+                    Err(_) => break,
+                },
+            };
+            let (stream, peer) = tokio::select! {
+                _ = stop.changed() => break,
+                accepted = listener.accept() => match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        // Out of file descriptors and the like: back off instead of spinning.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let _ = stream.set_nodelay(true);
+            let body_read = self.body_read;
+            let service =
+                self.app
+                    .clone()
+                    .map_request(move |req: http::Request<Incoming>| -> Request {
+                        req.map(|body| Body::new(DeadlineBody::new(body, body_read)))
+                    });
+            let hyper_service = TowerToHyperService::new(service);
+            let builder = self.builder.clone();
+            let mut stop = self.stop.clone();
+            let done = self.done.clone();
+            tokio::spawn(async move {
+                let conn =
+                    builder.serve_connection_with_upgrades(TokioIo::new(stream), hyper_service);
+                tokio::pin!(conn);
+                let mut stopping = false;
+                loop {
+                    tokio::select! {
+                        result = conn.as_mut() => {
+                            if let Err(e) = result {
+                                tracing::debug!(%peer, error = %e, "connection ended with an error");
+                            }
+                            break;
+                        }
+                        _ = stop.changed(), if !stopping => {
+                            stopping = true;
+                            conn.as_mut().graceful_shutdown();
+                        }
+                    }
+                }
+                drop(done);
+                drop(permit);
+            });
+        }
+    }
 }
 
 /// A request body that fails with [`BodyDeadline`] once `limit` has passed since its first
@@ -192,5 +348,73 @@ impl hyper::body::Body for DeadlineBody {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use axum::routing::get;
+
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lanes_share_one_port_each_serving_the_connections_it_accepted() {
+        crate::telemetry::install_crypto_provider();
+        let sockets = bind_lanes(SocketAddr::from(([127, 0, 0, 1], 0)), 2).unwrap();
+        let addr = sockets[0].local_addr().unwrap();
+        assert!(sockets.iter().all(|s| s.local_addr().unwrap() == addr));
+        // The port is the group's: a second gateway started on it fails instead of taking a
+        // share of the connections.
+        assert!(bind_lanes(addr, 2).is_err());
+        assert!(std::net::TcpListener::bind(addr).is_err());
+
+        let lanes = Lanes::start(2).unwrap();
+        let app = Edge::new(Router::new().route("/lane", get(|| async { lane().to_string() })));
+        let limits = Limits {
+            max_connections: 64,
+            header_read: Duration::from_secs(5),
+            body_read: Duration::from_secs(5),
+        };
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(
+            Listeners::Lanes(sockets, lanes.handles()),
+            app,
+            limits,
+            async move {
+                let _ = stop_rx.await;
+            },
+        ));
+        let mut served = BTreeMap::<String, usize>::new();
+        for _ in 0..32 {
+            // A client of its own per request: a new connection each time.
+            let client = reqwest::Client::builder().build().unwrap();
+            let text = client
+                .get(format!("http://{addr}/lane"))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            *served.entry(text).or_default() += 1;
+        }
+        // Each answer comes from a lane's own thread, and the kernel spread the 32 connections
+        // over both (all 32 on one has a chance of 2^-31).
+        assert_eq!(
+            served.keys().map(String::as_str).collect::<Vec<_>>(),
+            ["0", "1"],
+            "{served:?}"
+        );
+        stop_tx.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), server)
+            .await
+            .expect("the server stops once its connections close")
+            .unwrap();
+        lanes.stop();
+        // Every lane's socket is closed: the port is free again.
+        assert!(std::net::TcpListener::bind(addr).is_ok());
     }
 }

@@ -304,10 +304,12 @@ pub type UpstreamResponse = http::Response<hyper::body::Incoming>;
 
 type HttpsClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
 
-/// All tiers and the shared HTTP client.
+/// All tiers and the HTTP clients.
 #[derive(Debug)]
 pub struct Upstreams {
-    client: HttpsClient,
+    /// One client (connection pool) per lane of the server (`ServerConfig::lanes`), so that a
+    /// request's upstream connection is driven by the lane serving it.
+    clients: Vec<HttpsClient>,
     config: UpstreamConfig,
     tiers: BTreeMap<Tier, TierPool>,
     /// Each tenant's share of requests that may fall back to the other tier.
@@ -335,10 +337,15 @@ impl Upstreams {
             .enable_http1()
             .enable_http2()
             .wrap_connector(http);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .pool_max_idle_per_host(up.pool_max_idle_per_host)
-            .build(https);
+        let lanes = config.server.lanes();
+        let clients = (0..lanes)
+            .map(|_| {
+                Client::builder(TokioExecutor::new())
+                    .pool_idle_timeout(Duration::from_secs(90))
+                    .pool_max_idle_per_host(up.pool_max_idle_per_host.div_ceil(lanes))
+                    .build(https.clone())
+            })
+            .collect();
         let policy = HealthPolicy {
             failure_threshold: up.failure_threshold,
             cooldown: Duration::from_millis(up.cooldown_ms),
@@ -454,7 +461,7 @@ impl Upstreams {
             );
         }
         Ok(Self {
-            client,
+            clients,
             fallbacks: ShareBudget::new(
                 up.fallback_max_share,
                 up.fallback_min,
@@ -515,7 +522,8 @@ impl Upstreams {
             // What the client would write (a `format!` and a copy per request), shared.
             headers.insert(http::header::HOST, host.clone());
         }
-        match tokio::time::timeout(first_byte, self.client.request(req)).await {
+        let client = &self.clients[crate::server::lane() % self.clients.len()];
+        match tokio::time::timeout(first_byte, client.request(req)).await {
             Err(_) => Err(AttemptError::Timeout),
             Ok(Ok(resp)) => Ok(resp),
             Ok(Err(e)) if e.is_connect() => Err(AttemptError::Connect(error_chain(&e))),

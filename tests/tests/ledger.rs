@@ -491,13 +491,21 @@ fn ledger_process(
     (child, format!("http://127.0.0.1:{port}"))
 }
 
-#[tokio::test]
-async fn a_gateway_killed_with_rows_queued_loses_none_of_them() {
-    gateway::telemetry::install_crypto_provider();
-    let sim = Sim::zero("sim-small").await;
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("g.db").display());
-    let store = TestStore::at(&url).await.unwrap();
+/// The status of a chat request with `text` for model `fast` to the gateway at `base`.
+async fn ask(http: &reqwest::Client, base: &str, secret: &str, text: &str) -> u16 {
+    http.post(format!("{base}/v1/chat/completions"))
+        .bearer_auth(secret)
+        .json(&chat_body("fast", text))
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
+}
+
+/// A tenant and a key in the SQLite store at `url` (created and migrated): the key's secret.
+async fn key_in(url: &str) -> String {
+    let store = TestStore::at(url).await.unwrap();
     let tenant = store.store.create_tenant("acme").await.unwrap();
     let g = gateway::keys::generate();
     store
@@ -512,20 +520,91 @@ async fn a_gateway_killed_with_rows_queued_loses_none_of_them() {
         })
         .await
         .unwrap();
+    g.secret
+}
+
+#[tokio::test]
+async fn a_gateway_stopped_by_sigterm_answers_and_writes_every_row_on_either_runtime() {
+    gateway::telemetry::install_crypto_provider();
+    let sim = Sim::zero("sim-small").await;
+    for runtime in [("per-core", "3"), ("shared", "0")] {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("g.db").display());
+        let secret = key_in(&url).await;
+        let port = e2e::free_port();
+        let toml = e2e::serve_toml(
+            port,
+            &url,
+            dir.path(),
+            (&sim.url, &sim.url),
+            "[cache]\nmode = \"off\"",
+        );
+        // Rows wait in the queue until the drain at shutdown writes them.
+        let env = [
+            ("GATEWAY__LEDGER__FLUSH_MS", Some("30000")),
+            ("GATEWAY__SERVER__RUNTIME", Some(runtime.0)),
+            ("GATEWAY__SERVER__THREADS", Some(runtime.1)),
+        ];
+        let mut child = e2e::serve_binary(dir.path(), &toml, &env);
+        let base = format!("http://127.0.0.1:{port}");
+        e2e::until_healthy(&base, &mut child).await;
+        // Eight clients at once, each on connections of its own, so that every lane serves some.
+        let sends = (0..8).map(|c| {
+            let (base, secret) = (base.clone(), secret.clone());
+            tokio::spawn(async move {
+                let http = reqwest::Client::new();
+                for i in 0..10 {
+                    let status = ask(&http, &base, &secret, &format!("question {c}-{i}")).await;
+                    assert_eq!(status, 200, "{runtime:?}");
+                }
+            })
+        });
+        for s in futures_util::future::join_all(sends).await {
+            s.unwrap();
+        }
+        let pid = child.id().unwrap().to_string();
+        let term = std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap();
+        assert!(term.success());
+        let exit = tokio::time::timeout(Duration::from_secs(30), child.wait())
+            .await
+            .expect("the gateway exits after its drain")
+            .unwrap();
+        let log = std::fs::read_to_string(dir.path().join("gateway.log")).unwrap();
+        assert!(exit.success(), "{runtime:?}: {exit:?}\n{log}");
+        let ledger = gateway::ledger::open(&url).await.unwrap();
+        let rows = recent_rows(ledger.as_ref()).await;
+        let ids: std::collections::HashSet<_> = rows.iter().map(|r| r.request_id.clone()).collect();
+        assert_eq!(
+            (rows.len(), ids.len()),
+            (80, 80),
+            "{runtime:?}: every row, once, written by the drain"
+        );
+        if runtime.0 == "per-core" {
+            assert!(log.contains("threads=3"), "{log}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_gateway_killed_with_rows_queued_loses_none_of_them() {
+    gateway::telemetry::install_crypto_provider();
+    let sim = Sim::zero("sim-small").await;
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("g.db").display());
+    let secret = key_in(&url).await;
     // Rows wait 30 s in the queue: at the kill every one of them is only in the process.
     let (mut child, base) = ledger_process(dir.path(), &sim, 30_000, true);
     e2e::until_healthy(&base, &mut child).await;
     let http = reqwest::Client::new();
     let n = 120;
     for i in 0..n {
-        let r = http
-            .post(format!("{base}/v1/chat/completions"))
-            .bearer_auth(&g.secret)
-            .json(&chat_body("fast", &format!("question {i}")))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
+        assert_eq!(
+            ask(&http, &base, &secret, &format!("question {i}")).await,
+            200
+        );
     }
     let ledger = gateway::ledger::open(&url).await.unwrap();
     assert_eq!(

@@ -35,7 +35,7 @@ pub use guard::{GuardConfig, GuardStoreKind, RetryAction};
 pub use ledger::LedgerConfig;
 pub use prices::PriceConfig;
 pub use routing::{RoutingConfig, ToolsRule, Unavailable};
-pub use server::ServerConfig;
+pub use server::{Runtime as ServerRuntime, ServerConfig};
 pub use store::StoreConfig;
 pub use tiers::{ReplicaConfig, TierConfig};
 pub use upstream::{DisconnectPolicy, ReplicaChoice, UpstreamConfig};
@@ -72,6 +72,10 @@ fn redis_urls(field: &str, urls: &[String]) -> Result<(), ConfigError> {
         None => Ok(()),
     }
 }
+
+/// Most request-serving threads `server.threads` may ask for (each holds a runtime and an
+/// upstream connection pool).
+pub const MAX_SERVER_THREADS: usize = 256;
 
 pub(crate) fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
@@ -157,6 +161,12 @@ impl Config {
             .map_err(|(field, message)| invalid(format!("routing.{field}"), message))?;
         if self.server.max_body_bytes == 0 {
             return Err(invalid("server.max_body_bytes", "must be greater than 0"));
+        }
+        if self.server.threads > MAX_SERVER_THREADS {
+            return Err(invalid(
+                "server.threads",
+                format!("must be at most {MAX_SERVER_THREADS} (0 is one per core)"),
+            ));
         }
         for (field, value) in [
             ("server.max_connections", self.server.max_connections as u64),

@@ -14,6 +14,8 @@ PIDS=()
 ADMIN=bench-admin-token
 cleanup() {
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  # Gone before the next script starts: a Redis or gateway still closing would hold its port.
+  for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
   if [ -f "$WORK/nginx.pid" ]; then kill "$(cat "$WORK/nginx.pid")" 2>/dev/null || true; fi
   rm -rf "$WORK"
 }

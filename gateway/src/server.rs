@@ -106,13 +106,20 @@ pub fn bind_lanes(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::T
 }
 
 thread_local! {
-    static LANE: Cell<usize> = const { Cell::new(0) };
+    static LANE: Cell<Option<usize>> = const { Cell::new(None) };
 }
 
-/// The lane the calling thread belongs to (`0..lanes`); 0 outside the lanes (the `shared`
-/// runtime, background tasks, tests).
-pub fn lane() -> usize {
+/// The lane the calling thread belongs to (`0..lanes`); none outside the lanes (the `shared`
+/// runtime, background loops, tests).
+pub fn lane() -> Option<usize> {
     LANE.with(Cell::get)
+}
+
+/// Which of `lanes + 1` per-lane resources (connection pools) the calling thread uses: its
+/// lane's, or the last one for any thread outside the lanes (the `shared` runtime's workers,
+/// tests), which then never drives, or wakes, a lane's connections.
+pub fn slot(lanes: usize) -> usize {
+    lane().filter(|&i| i < lanes).unwrap_or(lanes)
 }
 
 /// The `per-core` runtime's threads: one single-worker tokio runtime per lane. A lane's
@@ -132,7 +139,7 @@ impl Lanes {
                 tokio::runtime::Builder::new_multi_thread()
                     .worker_threads(1)
                     .thread_name(format!("gateway-lane-{i}"))
-                    .on_thread_start(move || LANE.with(|l| l.set(i)))
+                    .on_thread_start(move || LANE.with(|l| l.set(Some(i))))
                     .enable_all()
                     .build()
             })
@@ -372,7 +379,8 @@ mod tests {
         assert!(std::net::TcpListener::bind(addr).is_err());
 
         let lanes = Lanes::start(2).unwrap();
-        let app = Edge::new(Router::new().route("/lane", get(|| async { lane().to_string() })));
+        let app =
+            Edge::new(Router::new().route("/lane", get(|| async { format!("{:?}", lane()) })));
         let limits = Limits {
             max_connections: 64,
             header_read: Duration::from_secs(5),
@@ -405,7 +413,7 @@ mod tests {
         // over both (all 32 on one has a chance of 2^-31).
         assert_eq!(
             served.keys().map(String::as_str).collect::<Vec<_>>(),
-            ["0", "1"],
+            ["Some(0)", "Some(1)"],
             "{served:?}"
         );
         stop_tx.send(()).unwrap();

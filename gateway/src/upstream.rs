@@ -308,7 +308,8 @@ type HttpsClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Byte
 #[derive(Debug)]
 pub struct Upstreams {
     /// One client (connection pool) per lane of the server (`ServerConfig::lanes`), so that a
-    /// request's upstream connection is driven by the lane serving it.
+    /// request's upstream connection is driven by the lane serving it, and one for every other
+    /// thread (`server::slot`).
     clients: Vec<HttpsClient>,
     config: UpstreamConfig,
     tiers: BTreeMap<Tier, TierPool>,
@@ -337,12 +338,12 @@ impl Upstreams {
             .enable_http1()
             .enable_http2()
             .wrap_connector(http);
-        let lanes = config.server.lanes();
-        let clients = (0..lanes)
+        let pools = config.server.lanes() + 1;
+        let clients = (0..pools)
             .map(|_| {
                 Client::builder(TokioExecutor::new())
                     .pool_idle_timeout(Duration::from_secs(90))
-                    .pool_max_idle_per_host(up.pool_max_idle_per_host.div_ceil(lanes))
+                    .pool_max_idle_per_host(up.pool_max_idle_per_host.div_ceil(pools))
                     .build(https.clone())
             })
             .collect();
@@ -522,7 +523,7 @@ impl Upstreams {
             // What the client would write (a `format!` and a copy per request), shared.
             headers.insert(http::header::HOST, host.clone());
         }
-        let client = &self.clients[crate::server::lane() % self.clients.len()];
+        let client = &self.clients[crate::server::slot(self.clients.len() - 1)];
         match tokio::time::timeout(first_byte, client.request(req)).await {
             Err(_) => Err(AttemptError::Timeout),
             Ok(Ok(resp)) => Ok(resp),

@@ -44,11 +44,11 @@ pub enum Runtime {
 }
 
 impl ServerConfig {
-    /// Threads that serve requests, each with its own upstream connection pool: 1 for the
-    /// `shared` runtime (one pool), `threads` (or the number of cores) for `per-core`.
+    /// Threads that serve requests on the `per-core` runtime, each with its own connection
+    /// pools: `threads`, or the number of cores; 0 for the `shared` runtime (no lanes).
     pub fn lanes(&self) -> usize {
         match self.runtime {
-            Runtime::Shared => 1,
+            Runtime::Shared => 0,
             Runtime::PerCore if self.threads > 0 => self.threads,
             Runtime::PerCore => {
                 std::thread::available_parallelism().map_or(1, std::num::NonZero::get)

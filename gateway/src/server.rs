@@ -125,7 +125,7 @@ pub fn slot(lanes: usize) -> usize {
 /// The `per-core` runtime's threads: one single-worker tokio runtime per lane. A lane's
 /// connections and the requests on them run on its one worker from accept to answer (no
 /// hand-offs or wake-ups between workers, no tasks moved between caches), and its upstream
-/// connections too ([`lane`] picks the pool). A blocking step still leaves the worker
+/// connections too ([`slot`] picks the pool). A blocking step still leaves the worker
 /// (`block_in_place` hands the lane's tasks to a new worker meanwhile).
 pub struct Lanes {
     runtimes: Vec<Runtime>,

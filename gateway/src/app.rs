@@ -148,7 +148,7 @@ pub async fn serve(
 
 /// [`serve`] on `listeners`: one listener on the caller's runtime, or the `per-core` lanes.
 /// The lanes' runtimes must outlive this (requests settle on them while it drains).
-pub async fn serve_on(
+async fn serve_on(
     listeners: crate::server::Listeners,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -231,6 +231,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tracing::info!(address = %listen, threads, "gateway listening");
     let listeners = crate::server::Listeners::Lanes(sockets, lanes.handles());
     let served = serve_on(listeners, state, shutdown_signal()).await;
-    lanes.stop();
+    // Only now: requests still settling during the drain ran on the lanes.
+    drop(lanes);
     served
 }

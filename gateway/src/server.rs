@@ -151,15 +151,13 @@ impl Lanes {
     pub fn handles(&self) -> Vec<Handle> {
         self.runtimes.iter().map(|r| r.handle().clone()).collect()
     }
-
-    /// Stop the lanes' runtimes without waiting for what still runs on them (callable from
-    /// async code; call it once everything to finish has finished). Dropping them does the same.
-    pub fn stop(self) {}
 }
 
+/// Dropping the lanes stops their runtimes without waiting for what still runs on them, so it
+/// may happen in async code (where dropping a runtime would panic); drop them once everything
+/// to finish has finished.
 impl Drop for Lanes {
     fn drop(&mut self) {
-        // A runtime dropped inside async code would panic; this one does not wait.
         for r in self.runtimes.drain(..) {
             r.shutdown_background();
         }
@@ -421,7 +419,7 @@ mod tests {
             .await
             .expect("the server stops once its connections close")
             .unwrap();
-        lanes.stop();
+        drop(lanes);
         // Every lane's socket is closed: the port is free again.
         assert!(std::net::TcpListener::bind(addr).is_ok());
     }

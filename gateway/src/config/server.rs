@@ -24,8 +24,9 @@ pub struct ServerConfig {
     /// reading it (408 after).
     pub body_read_timeout_ms: u64,
     /// How connections are served: `per-core` (default), one single-worker runtime per thread,
-    /// each accepting from the listening socket and running the requests of its connections
-    /// with its own upstream connections; `shared`, one work-stealing runtime for all.
+    /// each accepting from its own socket on `listen` and running the requests of its
+    /// connections with its own upstream connections; `shared`, one work-stealing runtime for
+    /// all.
     pub runtime: Runtime,
     /// Threads serving requests in the `per-core` runtime; 0 (default) is one per core.
     pub threads: usize,

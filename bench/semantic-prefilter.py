@@ -26,6 +26,21 @@ one above plus every cai-prompts pair, 5,326 pairs; `pair_scores` takes ~3 min):
     cargo run --release -p embedder --example pair_scores -- /tmp/sample-pairs.jsonl > /tmp/scores.jsonl
     python3 bench/semantic-prefilter.py gate /tmp/scores.jsonl embedder/assets/verifier.json
 
+The learned first stage (`cache.semantic.gate_student`): a linear map from the static table's
+sentence vector to the transformer's, fitted by ridge regression (`student` prints the
+held-out figures, each source scored by a map fitted without it; `fit` writes the shipped map,
+fitted on every text, to embedder/assets/gate-student.bin). `sample --every-cai` is the sample
+above plus every cai-prompts pair (the 5,326 pairs `gate` uses); `prompts` writes the routing
+prompts as pairs, extra texts for the fit:
+
+    python3 bench/semantic-prefilter.py sample --every-cai PAIRS... > /tmp/gate-pairs.jsonl
+    python3 bench/semantic-prefilter.py prompts ../shared/data/routing-dev.jsonl > /tmp/gate-extra.jsonl
+    cargo run --release -p embedder --example dump_pair_vectors -- /tmp/gate-pairs.jsonl /tmp/gp
+    cargo run --release -p embedder --example dump_pair_vectors -- /tmp/gate-extra.jsonl /tmp/gx
+    cargo run --release -p embedder --example pair_scores -- /tmp/gate-pairs.jsonl > /tmp/gs.jsonl
+    python3 bench/semantic-prefilter.py student /tmp/gate-pairs.jsonl /tmp/gp /tmp/gx /tmp/gs.jsonl embedder/assets/verifier.json
+    python3 bench/semantic-prefilter.py fit /tmp/gate-pairs.jsonl /tmp/gp /tmp/gx embedder/assets/gate-student.bin
+
 Needs numpy. The sample: 2,500 pairs of ../shared/data/qqp-dev.jsonl and 2,500 of
 ../shared/data/pairs-dev.jsonl, seed 7.
 """
@@ -38,11 +53,21 @@ QUERIES = 2500
 
 
 def sample(paths):
+    every_cai = "--every-cai" in paths
+    paths = [p for p in paths if p != "--every-cai"]
     random.seed(7)
     out = []
     for path in paths:
         rows = [json.loads(line) for line in open(path)]
         out += random.sample(rows, 2500)
+    if every_cai:
+        seen = {(r["a"], r["b"]) for r in out}
+        for path in paths:
+            for line in open(path):
+                r = json.loads(line)
+                if r.get("source", "").startswith("cai") and (r["a"], r["b"]) not in seen:
+                    out.append(r)
+                    seen.add((r["a"], r["b"]))
     for r in out:
         print(json.dumps({"a": r["a"], "b": r["b"], "duplicate": r["duplicate"],
                           "source": r.get("source", "qqp")}))
@@ -192,10 +217,126 @@ def gate(scores_path, verifier_path):
     _ = best
 
 
+def prompts(path):
+    """The routing prompts two by two as (unlabelled) pairs: more texts for the fit."""
+    rows = [json.loads(line) for line in open(path)]
+    for i in range(0, len(rows) - 1, 2):
+        print(json.dumps({"a": rows[i]["prompt"], "b": rows[i + 1]["prompt"], "duplicate": False,
+                          "source": "routing"}))
+
+
+STUDENT_DIMS = 128
+STUDENT_RIDGE = 0.01
+
+
+def student_data(pairs_path, prefix, extra_prefix):
+    import numpy as np
+
+    def unit(x):
+        return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-9)
+
+    rows = [json.loads(line) for line in open(pairs_path)]
+    n = len(rows)
+    teacher = unit(np.fromfile(f"{prefix}.f32", dtype="<f4").reshape(n, 2, 384).astype(np.float64))
+    static = np.fromfile(f"{prefix}.static.f32", dtype="<f4").reshape(n, 2, 384).astype(np.float64)
+    extra_t = unit(np.fromfile(f"{extra_prefix}.f32", dtype="<f4").reshape(-1, 384).astype(np.float64))
+    extra_s = np.fromfile(f"{extra_prefix}.static.f32", dtype="<f4").reshape(-1, 384).astype(np.float64)
+    src = np.array([r.get("source", "qqp").replace("-minedneg", "") for r in rows])
+    return rows, teacher, static, extra_t, extra_s, src
+
+
+def student_fit(static, teacher):
+    """Ridge regression from [static sentence vector, 1] to the transformer's vector, then the
+    output reduced to its STUDENT_DIMS principal directions: a (385, STUDENT_DIMS) map."""
+    import numpy as np
+
+    f = np.hstack([static, np.ones((len(static), 1))])
+    w = np.linalg.solve(f.T @ f + STUDENT_RIDGE * np.eye(f.shape[1]), f.T @ teacher)
+    y = f @ w
+    _, _, vt = np.linalg.svd(y - y.mean(0), full_matrices=False)
+    return w @ vt[:STUDENT_DIMS].T
+
+
+def student_vectors(static, w):
+    import numpy as np
+
+    y = np.hstack([static, np.ones((len(static), 1))]) @ w
+    return y / np.maximum(np.linalg.norm(y, axis=-1, keepdims=True), 1e-9)
+
+
+def student(pairs_path, prefix, extra_prefix, scores_path, verifier_path):
+    """Held out: each source's pairs scored by a map fitted on the other sources' texts and the
+    routing prompts; the QQP namespace by one fitted without QQP."""
+    import numpy as np
+
+    rows, teacher, static, extra_t, extra_s, src = student_data(pairs_path, prefix, extra_prefix)
+    scores = [json.loads(line) for line in open(scores_path)]
+    verifier = json.load(open(verifier_path))
+    p = np.array([r["p"] for r in scores])
+    cos = np.array([r["cos"] for r in scores])
+    dup = np.array([bool(r["duplicate"]) for r in rows])
+    gates = (0.3, 0.35, 0.4, 0.45, 0.5)
+
+    def fit_without(source):
+        m = src != source
+        return student_fit(np.vstack([static[m].reshape(-1, 384), extra_s]),
+                           np.vstack([teacher[m].reshape(-1, 384), extra_t]))
+
+    print("| source | min precision | true hits | " + " | ".join(f"kept at t = {t}" for t in gates) + " |")
+    print("|---|---|---|" + "---|" * len(gates))
+    maps = {s: fit_without(s) for s in sorted(set(src))}
+    for s, w in maps.items():
+        m = src == s
+        cs = (student_vectors(static[m, 0], w) * student_vectors(static[m, 1], w)).sum(-1)
+        for target in (0.80, 0.90):
+            thr = min(q["threshold"] for q in verifier["curve"]
+                      if q["precision"] >= target and q["recall"] > 0)
+            hit = (p[m] >= thr) & (cos[m] >= 0.7) & dup[m]
+            if hit.sum() < 5:
+                continue
+            cells = " | ".join(f"{np.mean(cs[hit] >= t):.3f}" for t in gates)
+            print(f"| {s} | {target:.2f} | {hit.sum()} | {cells} |")
+    qqp = np.flatnonzero(src == "qqp")[:QUERIES]
+    a = student_vectors(static[qqp, 0], maps["qqp"])
+    sims = a @ a.T
+    np.fill_diagonal(sims, -1)
+    t = teacher[qqp, 0] @ teacher[qqp, 0].T
+    np.fill_diagonal(t, -1)
+    print()
+    print("| questions in the namespace | " + " | ".join(f"go on at t = {g}" for g in gates)
+          + " | the transformer's own cosine >= 0.7 |")
+    print("|---|" + "---|" * (len(gates) + 1))
+    for size in (100, 500, 1000, len(qqp)):
+        best = sims[:size, :size].max(1)
+        cells = " | ".join(f"{np.mean(best >= g):.2f}" for g in gates)
+        print(f"| {size} | {cells} | {np.mean(t[:size, :size].max(1) >= 0.7):.2f} |")
+
+
+def fit(pairs_path, prefix, extra_prefix, out_path):
+    """The shipped map: fitted on every text. File: b"GWSTUDNT", version 1, rows, columns
+    (u32 little-endian), then the (385, 128) map row-major as little-endian f32."""
+    import struct
+    import numpy as np
+
+    _, teacher, static, extra_t, extra_s, _ = student_data(pairs_path, prefix, extra_prefix)
+    w = student_fit(np.vstack([static.reshape(-1, 384), extra_s]),
+                    np.vstack([teacher.reshape(-1, 384), extra_t]))
+    with open(out_path, "wb") as f:
+        f.write(b"GWSTUDNT" + struct.pack("<III", 1, w.shape[0], w.shape[1]))
+        f.write(w.astype("<f4").tobytes())
+    print(f"wrote {out_path}: {w.shape[0]} x {w.shape[1]}, fitted on {2 * len(static) + len(extra_s)} texts")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "sample":
         sample(sys.argv[2:])
     elif sys.argv[1] == "gate":
         gate(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "prompts":
+        prompts(sys.argv[2])
+    elif sys.argv[1] == "student":
+        student(*sys.argv[2:7])
+    elif sys.argv[1] == "fit":
+        fit(*sys.argv[2:6])
     else:
         analyse(sys.argv[2], sys.argv[3])

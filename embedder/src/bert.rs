@@ -31,6 +31,9 @@ pub enum EmbedError {
     /// The model failed.
     #[error("model: {0}")]
     Model(#[from] candle_core::Error),
+    /// A model asset (the first stage's map, say) does not fit or is damaged.
+    #[error("{0}")]
+    Invalid(String),
     /// The GPU (driver, NVRTC, cuBLAS) failed or is absent.
     #[error("gpu: {0}")]
     Device(String),

@@ -25,6 +25,7 @@ use std::sync::RwLock;
 use tokenizers::Tokenizer;
 
 use crate::index::EntryId;
+use crate::student::StudentGate;
 use crate::verifier::features::TokenIdf;
 
 /// Most stored questions whose overlap one lookup computes before letting it through.
@@ -72,6 +73,90 @@ pub enum Gate {
     Through,
     /// No stored question of the namespace overlaps enough: a miss.
     Miss,
+}
+
+/// The first stage a semantic cache runs: rarity-weighted token overlap ([`TokenGate`]) or the
+/// learned student vector ([`StudentGate`]). Both decide from a question's token ids, computed
+/// once per request ([`FirstStage::tokens`]) for its check and its insert.
+#[derive(Debug)]
+pub enum FirstStage {
+    /// Token overlap.
+    Overlap(Box<TokenGate>),
+    /// Student cosine.
+    Student(StudentGate),
+}
+
+impl FirstStage {
+    fn stage(&self) -> &dyn Stage {
+        match self {
+            Self::Overlap(g) => g.as_ref(),
+            Self::Student(g) => g,
+        }
+    }
+
+    /// The question's token ids as this stage wants them (`None`: it could not be tokenised).
+    pub fn tokens(&self, text: &str) -> Option<Vec<u32>> {
+        self.stage().tokens(text)
+    }
+
+    /// Whether a lookup of the question whose [`FirstStage::tokens`] are `tokens` may hit in `ns`.
+    pub fn check_tokens(&self, ns: u64, tokens: &[u32]) -> Gate {
+        self.stage().check_tokens(ns, tokens)
+    }
+
+    /// Record stored question `id` of `ns` by its [`FirstStage::tokens`].
+    pub fn insert(&self, ns: u64, id: EntryId, tokens: Vec<u32>) {
+        match self {
+            Self::Overlap(g) => g.insert(ns, id, tokens),
+            Self::Student(g) => g.insert(ns, id, &tokens),
+        }
+    }
+
+    /// Forget every stored question `keep` says no.
+    pub fn retain(&self, keep: impl FnMut(EntryId) -> bool) {
+        match self {
+            Self::Overlap(g) => g.retain(keep),
+            Self::Student(g) => g.retain(keep),
+        }
+    }
+
+    /// Stored questions.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Overlap(g) => g.len(),
+            Self::Student(g) => g.len(),
+        }
+    }
+
+    /// Whether nothing is stored.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// What both first stages do from a question's text.
+pub trait Stage {
+    /// The question's token ids as the stage wants them (`None`: it could not be tokenised).
+    fn tokens(&self, text: &str) -> Option<Vec<u32>>;
+    /// Whether a lookup of the question whose tokens are `tokens` may hit in `ns`.
+    fn check_tokens(&self, ns: u64, tokens: &[u32]) -> Gate;
+    /// Whether a lookup of `text` in namespace `ns` may find a hit (one it cannot tokenise
+    /// goes through).
+    fn check(&self, ns: u64, text: &str) -> Gate {
+        match self.tokens(text) {
+            Some(tokens) => self.check_tokens(ns, &tokens),
+            None => Gate::Through,
+        }
+    }
+}
+
+impl Stage for TokenGate {
+    fn tokens(&self, text: &str) -> Option<Vec<u32>> {
+        TokenGate::tokens(self, text)
+    }
+    fn check_tokens(&self, ns: u64, tokens: &[u32]) -> Gate {
+        TokenGate::check_tokens(self, ns, tokens)
+    }
 }
 
 impl TokenGate {
@@ -157,15 +242,7 @@ impl TokenGate {
         }
     }
 
-    /// Whether a lookup of `text` in namespace `ns` may find a hit.
-    pub fn check(&self, ns: u64, text: &str) -> Gate {
-        match self.tokens(text) {
-            Some(tokens) => self.check_tokens(ns, &tokens),
-            None => Gate::Through,
-        }
-    }
-
-    /// [`TokenGate::check`] for a question already tokenised ([`TokenGate::tokens`]).
+    /// Whether a lookup of the question whose [`TokenGate::tokens`] are `tokens` may hit.
     pub fn check_tokens(&self, ns: u64, tokens: &[u32]) -> Gate {
         if self.threshold <= 0.0 {
             return Gate::Through;

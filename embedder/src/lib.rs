@@ -6,6 +6,8 @@
 //! - [`eval`]: precision / recall / hit rate of a similarity threshold on labelled pairs.
 //! - [`gate`]: the semantic cache's first stage (rarity-weighted token overlap with stored
 //!   questions; a lookup sharing too little with all of them is a miss without the transformer).
+//! - [`student`]: the learned first stage (the static vector mapped to predict the transformer's;
+//!   a lookup far from every stored question is a miss without the transformer).
 //! - [`index`]: the semantic cache's vector index (namespaced, LRU + TTL, brute-force scan).
 //! - [`verifier`]: the second-stage verifier of cache hits (pair features, linear models stacked
 //!   under gradient-boosted trees, grouped cross-validation).
@@ -26,5 +28,6 @@ pub mod index;
 pub mod learn;
 pub mod semantic;
 pub mod static_embed;
+pub mod student;
 pub mod tier;
 pub mod verifier;

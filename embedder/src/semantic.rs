@@ -10,6 +10,7 @@
 //! (next to the embedding model), so async request handlers never wait on a lock.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use crate::bert::TextVectors;
 use crate::index::{EntryId, VectorIndex};
@@ -105,7 +106,7 @@ pub struct SemanticIndex {
     index: Box<dyn VectorIndex>,
     entries: HashMap<EntryId, Stored>,
     verifier: Verifier,
-    table: StaticEmbedder,
+    table: Arc<StaticEmbedder>,
 }
 
 impl std::fmt::Debug for SemanticIndex {
@@ -118,7 +119,11 @@ impl std::fmt::Debug for SemanticIndex {
 
 impl SemanticIndex {
     /// Wrap `index` (CPU or GPU); `table` is the static embedder the verifier's features use.
-    pub fn new(index: Box<dyn VectorIndex>, verifier: Verifier, table: StaticEmbedder) -> Self {
+    pub fn new(
+        index: Box<dyn VectorIndex>,
+        verifier: Verifier,
+        table: Arc<StaticEmbedder>,
+    ) -> Self {
         Self {
             index,
             entries: HashMap::new(),

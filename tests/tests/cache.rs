@@ -553,9 +553,19 @@ async fn an_answer_clamped_by_a_budget_is_not_cached() {
 /// paraphrase sent right after the answer it matches is still looked up and hits.
 #[tokio::test]
 async fn the_first_stage_decides_unrelated_questions_without_the_model() {
+    first_stage_decides_unrelated_questions(|c| c.cache.semantic.gate_overlap = 0.15).await;
+}
+
+/// The learned first stage (`cache.semantic.gate_student`), the same way.
+#[tokio::test]
+async fn the_learned_first_stage_decides_unrelated_questions_without_the_model() {
+    first_stage_decides_unrelated_questions(|c| c.cache.semantic.gate_student = 0.45).await;
+}
+
+async fn first_stage_decides_unrelated_questions(stage: impl FnOnce(&mut Config)) {
     let (app, sim) = semantic_app(|c| {
         c.cache.semantic.lookup_timeout_ms = 5_000;
-        c.cache.semantic.gate_overlap = 0.15;
+        stage(c);
     })
     .await;
     let (ok, out) = app

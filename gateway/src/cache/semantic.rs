@@ -23,10 +23,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use embedder::bert::{BertEmbedder, Embed, TextVectors};
-use embedder::gate::{Gate, TokenGate};
+use embedder::gate::{FirstStage, Gate, TokenGate};
 use embedder::index::{CpuIndex, VectorIndex};
 use embedder::semantic::{Search, SemanticIndex, Verdict, SHIPPED_VERIFIER};
 use embedder::static_embed::StaticEmbedder;
+use embedder::student::{Projection, StudentGate};
 use embedder::verifier::Verifier;
 use tokio::sync::oneshot;
 
@@ -102,8 +103,9 @@ pub struct Semantic {
     /// The worker's recent time per embedded text, microseconds (a moving average).
     per_text_us: Arc<AtomicU64>,
     verifier: Arc<OnceLock<Verifier>>,
-    /// The first stage, once the layer is loaded (absent when `gate_overlap` is 0).
-    gate: Arc<OnceLock<Arc<TokenGate>>>,
+    /// The first stage, once the layer is loaded (absent when `gate_overlap` and
+    /// `gate_student` are 0).
+    gate: Arc<OnceLock<Arc<FirstStage>>>,
     /// The next entry id; held while an insert is recorded in the gate and sent, so the worker
     /// sees ids in increasing order.
     next_id: Mutex<u64>,
@@ -318,7 +320,7 @@ type Loaded = (
     Box<dyn Embed>,
     SemanticIndex,
     Verifier,
-    Option<Arc<TokenGate>>,
+    Option<Arc<FirstStage>>,
 );
 
 /// The GPU to use, when this build and machine have one.
@@ -370,7 +372,7 @@ struct Worker {
     queued: Arc<Queued>,
     per_text_us: Arc<AtomicU64>,
     verifier: Arc<OnceLock<Verifier>>,
-    gate: Arc<OnceLock<Arc<TokenGate>>>,
+    gate: Arc<OnceLock<Arc<FirstStage>>>,
     metrics: Metrics,
 }
 
@@ -394,7 +396,7 @@ pub(crate) fn static_table(dir: &Path) -> Result<StaticEmbedder, String> {
 impl Worker {
     fn load(&self) -> Result<Loaded, String> {
         let dir = &self.config.model_dir;
-        let table = static_table(dir)?;
+        let table = Arc::new(static_table(dir)?);
         let (model, index) = backend(dir, self.gpu, self.config.capacity)?;
         let json = match &self.config.verifier {
             Some(path) => std::fs::read_to_string(path)
@@ -402,13 +404,21 @@ impl Worker {
             None => SHIPPED_VERIFIER.to_owned(),
         };
         let verifier = Verifier::from_json(&json)?;
-        let gate = (self.config.gate_overlap > 0.0).then(|| {
-            Arc::new(TokenGate::new(
-                table.tokenizer().clone(),
-                &verifier.stats.idf,
-                self.config.gate_overlap,
-            ))
-        });
+        let gate = if self.config.gate_student > 0.0 {
+            let projection = Projection::shipped().map_err(|e| e.to_string())?;
+            let student =
+                StudentGate::new(Arc::clone(&table), projection, self.config.gate_student)
+                    .map_err(|e| format!("cache.semantic.gate_student: {e}"))?;
+            Some(Arc::new(FirstStage::Student(student)))
+        } else {
+            (self.config.gate_overlap > 0.0).then(|| {
+                Arc::new(FirstStage::Overlap(Box::new(TokenGate::new(
+                    table.tokenizer().clone(),
+                    &verifier.stats.idf,
+                    self.config.gate_overlap,
+                ))))
+            })
+        };
         let semantic = SemanticIndex::new(index, verifier.clone(), table);
         Ok((model, semantic, verifier, gate))
     }

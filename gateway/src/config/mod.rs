@@ -195,6 +195,18 @@ impl Config {
                 "must be in [0, 1) (0 turns the first stage off)",
             ));
         }
+        if !(0.0..1.0).contains(&self.cache.semantic.gate_student) {
+            return Err(invalid(
+                "cache.semantic.gate_student",
+                "must be in [0, 1) (0 turns the learned first stage off)",
+            ));
+        }
+        if self.cache.semantic.gate_overlap > 0.0 && self.cache.semantic.gate_student > 0.0 {
+            return Err(invalid(
+                "cache.semantic.gate_student",
+                "set at most one first stage: gate_overlap or gate_student",
+            ));
+        }
         if self.store.key_refresh_ms == 0 {
             return Err(invalid("store.key_refresh_ms", "must be greater than 0"));
         }
@@ -483,7 +495,16 @@ mod tests {
             c.cache.semantic.gate_overlap = bad;
             let e = c.validate().unwrap_err().to_string();
             assert!(e.contains("cache.semantic.gate_overlap"), "{bad}: {e}");
+            let mut c = valid();
+            c.cache.semantic.gate_student = bad;
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains("cache.semantic.gate_student"), "{bad}: {e}");
         }
+        let mut c = valid();
+        c.cache.semantic.gate_overlap = 0.15;
+        c.cache.semantic.gate_student = 0.45;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("at most one first stage"), "{e}");
     }
 
     #[test]

@@ -1,0 +1,111 @@
+//! The learned first stage with the shipped map and the distilled table: a stored question's
+//! paraphrases go through to the transformer, including a rewording that shares few words;
+//! unrelated questions are decided without it.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+mod common;
+
+use std::sync::Arc;
+
+use embedder::gate::{Gate, Stage};
+use embedder::static_embed::StaticEmbedder;
+use embedder::student::{Projection, StudentGate, MAX_SCAN};
+
+fn gate(threshold: f32) -> StudentGate {
+    let dir = common::model_dir();
+    let table = StaticEmbedder::load(&dir.join("static.bin"), &dir.join("tokenizer.json"))
+        .expect("static table: run `gateway embed distill` (scripts/test.sh does)");
+    StudentGate::new(Arc::new(table), Projection::shipped().unwrap(), threshold).unwrap()
+}
+
+fn store(g: &StudentGate, ns: u64, id: u64, text: &str) {
+    g.insert(ns, id, &g.tokens(text).unwrap());
+}
+
+fn cosine(g: &StudentGate, a: &str, b: &str) -> f32 {
+    let (a, b) = (
+        g.vector(&g.tokens(a).unwrap()),
+        g.vector(&g.tokens(b).unwrap()),
+    );
+    a.iter().zip(&b).map(|(x, y)| x * y).sum()
+}
+
+const COOK: &str = "How can I learn to cook Italian food at home?";
+const DROUGHT: &str =
+    "What is likely to happen to crop yields if a region experiences a long drought?";
+
+#[test]
+fn paraphrases_go_through_and_unrelated_questions_are_misses() {
+    let g = gate(0.45);
+    assert_eq!(g.check(1, COOK), Gate::Miss, "an empty namespace");
+    store(&g, 1, 1, COOK);
+    store(&g, 1, 2, DROUGHT);
+    for paraphrase in [
+        "How do I learn to cook Italian food at home?",
+        "What's the best way to learn Italian cooking at home?",
+        // Shares almost no words with DROUGHT (the token-overlap stage drops it).
+        "How are harvests usually affected when an area faces extended drought?",
+    ] {
+        assert_eq!(g.check(1, paraphrase), Gate::Through, "{paraphrase}");
+    }
+    for unrelated in [
+        "What is the capital of Australia?",
+        "Why does my bicycle tyre keep going flat?",
+        "Write a haiku about the sea.",
+    ] {
+        assert_eq!(g.check(1, unrelated), Gate::Miss, "{unrelated}");
+    }
+    assert_eq!(
+        g.check(2, "How do I learn to cook Italian food at home?"),
+        Gate::Miss,
+        "another namespace holds nothing"
+    );
+    // The student's cosine orders them as the transformer would.
+    assert!(
+        cosine(&g, COOK, "How do I learn to cook Italian food at home?")
+            > cosine(&g, COOK, "What is the capital of Australia?") + 0.3
+    );
+    // Off: everything goes through.
+    assert_eq!(
+        gate(0.0).check(1, "What is the capital of Australia?"),
+        Gate::Through
+    );
+}
+
+#[test]
+fn forgotten_questions_no_longer_let_lookups_through_and_a_huge_namespace_is_not_scanned() {
+    let g = gate(0.45);
+    store(&g, 1, 1, COOK);
+    store(&g, 1, 2, DROUGHT);
+    store(&g, 3, 3, COOK);
+    assert_eq!(g.len(), 3);
+    g.retain(|id| id != 1);
+    assert_eq!(g.len(), 2);
+    assert_eq!(
+        g.check(1, "How do I learn to cook Italian food at home?"),
+        Gate::Miss
+    );
+    assert_eq!(
+        g.check(3, "How do I learn to cook Italian food at home?"),
+        Gate::Through
+    );
+    assert_eq!(
+        g.check(
+            1,
+            "How are harvests usually affected when an area faces extended drought?"
+        ),
+        Gate::Through
+    );
+    // Past MAX_SCAN stored questions the gate lets every lookup through rather than scan.
+    let tokens = g.tokens(DROUGHT).unwrap();
+    for id in 10..(10 + MAX_SCAN as u64) {
+        g.insert(1, id, &tokens);
+    }
+    assert_eq!(
+        g.check(1, "What is the capital of Australia?"),
+        Gate::Through
+    );
+    g.retain(|id| id < 10);
+    assert_eq!(g.check(1, "What is the capital of Australia?"), Gate::Miss);
+}

@@ -9,7 +9,8 @@
 #
 # What a semantic miss costs (issue 19, item 3): UPSTREAM=min puts the minimal upstream
 # (gateway/examples/min_upstream.rs) in place of the simulator and measures it directly first;
-# GATE=T adds a run with the semantic layer's first stage on (cache.semantic.gate_overlap = T);
+# GATE=T adds a run with the semantic layer's first stage on (cache.semantic.gate_overlap = T),
+# STUDENT=T one with the learned first stage (cache.semantic.gate_student = T);
 # SUFFIX=0 sends each question as it is instead of with a " (n)" counter (real questions share no
 # such token). Every semantic gateway loads the model at start (preload); SEMANTIC_TOML adds
 # lines to its [cache.semantic] section (e.g. "threads = 2", or 'device = "cuda"' with a
@@ -36,6 +37,8 @@ P_SEM=${P_SEM:-19304}
 P_GATE=${P_GATE:-19305}
 UPSTREAM=${UPSTREAM:-sim}
 GATE=${GATE:-}
+STUDENT=${STUDENT:-}
+P_STUDENT=${P_STUDENT:-19306}
 SUFFIX=${SUFFIX:-1}
 SEMANTIC_TOML=${SEMANTIC_TOML:-}
 
@@ -127,7 +130,7 @@ ${4:-}"
       sleep 0.5
     done
     # Which device the layer runs on (or why it did not load), from the gateway's log.
-    grep semantic "$WORK/$1.log" | tail -3
+    { grep semantic "$WORK/$1.log" || true; } | tail -3
     [ "$ready" = 1 ] || { echo "$1: the semantic layer was not ready after 120 s" >&2; exit 1; }
   fi
   load "$1" "$2" "$(cat "$WORK/$1.key")"
@@ -152,6 +155,9 @@ for mode in $MODES; do
 done
 if [ -n "$GATE" ]; then
   run semantic-gate "$P_GATE" semantic "gate_overlap = $GATE"
+fi
+if [ -n "$STUDENT" ]; then
+  run semantic-student "$P_STUDENT" semantic "gate_student = $STUDENT"
 fi
 echo "connections $CONNS, $DURATION each, repeat share $REPEAT, upstream: $UPSTREAM, suffix $SUFFIX"
 cat "$WORK/table.md"

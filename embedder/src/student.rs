@@ -172,7 +172,9 @@ impl StudentGate {
 
     /// The question's token ids (`None`: it could not be tokenised).
     pub fn tokens(&self, text: &str) -> Option<Vec<u32>> {
-        self.table.ids(text).ok()
+        // Without offsets: the same ids as the table's own `ids`, cheaper.
+        let enc = self.table.tokenizer().encode_fast(text, false).ok()?;
+        Some(enc.get_ids().to_vec())
     }
 
     /// The student vector of a question's token ids ([`StudentGate::tokens`]).

@@ -607,6 +607,46 @@ async fn first_stage_decides_unrelated_questions(stage: impl FnOnce(&mut Config)
     app.stop().await;
 }
 
+/// The model's threads (the worker and the pool its matrix products run on) run at
+/// `cache.semantic.nice`, below the threads answering requests; 0 leaves them as they are.
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn the_model_threads_yield_the_cpu_to_requests() {
+    /// (thread name, niceness) of every thread of this process.
+    fn threads() -> Vec<(String, i64)> {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| {
+                let dir = t.ok()?.path();
+                let name = std::fs::read_to_string(dir.join("comm")).ok()?;
+                let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
+                // After the name's closing parenthesis: state is field 3, niceness field 19.
+                let nice = stat.rsplit_once(") ")?.1.split(' ').nth(16)?.parse().ok()?;
+                Some((name.trim().to_owned(), nice))
+            })
+            .collect()
+    }
+    let (app, _sim) = semantic_app(|c| c.cache.semantic.nice = 12).await;
+    let all = threads();
+    let niceness = |prefix: &str| -> Vec<i64> {
+        all.iter()
+            .filter(|(n, _)| n.starts_with(prefix))
+            .map(|t| t.1)
+            .collect()
+    };
+    assert_eq!(niceness("gw-semantic"), vec![12], "{all:?}");
+    let pool = niceness("gw-embed-");
+    assert!(!pool.is_empty() && pool.iter().all(|&n| n == 12), "{all:?}");
+    // Everything else (the runtime answering requests) keeps its priority.
+    assert!(
+        all.iter()
+            .filter(|(n, _)| !n.starts_with("gw-semantic") && !n.starts_with("gw-embed-"))
+            .all(|t| t.1 == 0),
+        "{all:?}"
+    );
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn a_saturated_semantic_layer_is_skipped_not_waited_for() {
     let sim = Sim::zero("sim-small").await;

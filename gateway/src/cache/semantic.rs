@@ -376,6 +376,20 @@ struct Worker {
     metrics: Metrics,
 }
 
+/// Lower the calling thread's scheduling priority to niceness `nice` (on Linux niceness is per
+/// thread), so the model's work yields the CPU to the threads answering requests. Best effort.
+fn yield_to_requests(nice: i32) {
+    #[cfg(target_os = "linux")]
+    if nice > 0 {
+        let thread = Some(rustix::thread::gettid());
+        if let Err(e) = rustix::process::setpriority_process(thread, nice) {
+            tracing::debug!(error = %e, "could not lower an embedding thread's priority");
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = nice;
+}
+
 /// Load the static table next to the model, distilling (and saving) it on first use.
 pub(crate) fn static_table(dir: &Path) -> Result<StaticEmbedder, String> {
     let table = dir.join("static.bin");
@@ -425,6 +439,17 @@ impl Worker {
 
     fn run(self, rx: &mpsc::Receiver<Job>) {
         let started = Instant::now();
+        // This thread and the pool the model's matrix products run on (rayon's global pool,
+        // built here, before the model's first use).
+        let nice = self.config.nice;
+        yield_to_requests(nice);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .thread_name(|i| format!("gw-embed-{i}"))
+            .start_handler(move |_| yield_to_requests(nice))
+            .build_global();
+        if let Err(e) = pool {
+            tracing::debug!(error = %e, "the model's thread pool was already built; its threads keep their priority");
+        }
         let (bert, mut index, verifier, gate) = match self.load() {
             Ok(loaded) => loaded,
             Err(e) => {

@@ -89,6 +89,11 @@ pub struct SemanticConfig {
     /// decides ~57% of the misses in a namespace of 500 varied questions (docs/cache.md).
     /// At most one of `gate_overlap` and `gate_student` may be set.
     pub gate_student: f32,
+    /// The embedding threads' scheduling niceness on Linux (0–19): the model's work (lookups
+    /// and indexing answers) yields the CPU to the threads answering requests, so a request
+    /// the first stage decided, or one with no semantic lookup at all, does not wait behind an
+    /// embedding. 0 gives them the requests' priority.
+    pub nice: i32,
     /// Most requests embedded in one batch.
     pub batch: usize,
     /// Longest a request waits for the semantic lookup before it is treated as a miss, ms.
@@ -115,6 +120,7 @@ impl Default for SemanticConfig {
             min_cosine: 0.7,
             gate_overlap: 0.0,
             gate_student: 0.0,
+            nice: 10,
             batch: 16,
             lookup_timeout_ms: 250,
             max_queue: 32,

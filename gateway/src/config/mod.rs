@@ -201,6 +201,12 @@ impl Config {
                 "must be in [0, 1) (0 turns the learned first stage off)",
             ));
         }
+        if !(0..=19).contains(&self.cache.semantic.nice) {
+            return Err(invalid(
+                "cache.semantic.nice",
+                "must be in 0..=19 (0: the embedding threads run at the requests' priority)",
+            ));
+        }
         if self.cache.semantic.gate_overlap > 0.0 && self.cache.semantic.gate_student > 0.0 {
             return Err(invalid(
                 "cache.semantic.gate_student",
@@ -505,6 +511,12 @@ mod tests {
         c.cache.semantic.gate_student = 0.45;
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("at most one first stage"), "{e}");
+        for bad in [-1, 20] {
+            let mut c = valid();
+            c.cache.semantic.nice = bad;
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains("cache.semantic.nice"), "{bad}: {e}");
+        }
     }
 
     #[test]

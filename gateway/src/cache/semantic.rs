@@ -377,13 +377,18 @@ struct Worker {
 }
 
 /// Lower the calling thread's scheduling priority to niceness `nice` (on Linux niceness is per
-/// thread), so the model's work yields the CPU to the threads answering requests. Best effort.
+/// thread), so the model's work yields the CPU to the threads answering requests; never raise
+/// it. Best effort.
 fn yield_to_requests(nice: i32) {
     #[cfg(target_os = "linux")]
-    if nice > 0 {
+    {
         let thread = Some(rustix::thread::gettid());
-        if let Err(e) = rustix::process::setpriority_process(thread, nice) {
-            tracing::debug!(error = %e, "could not lower an embedding thread's priority");
+        // Only ever lower it: a gateway started under `nice` keeps its threads' niceness.
+        let now = rustix::process::getpriority_process(thread).unwrap_or(0);
+        if nice > now {
+            if let Err(e) = rustix::process::setpriority_process(thread, nice) {
+                tracing::debug!(error = %e, "could not lower an embedding thread's priority");
+            }
         }
     }
     #[cfg(not(target_os = "linux"))]

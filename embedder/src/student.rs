@@ -32,6 +32,13 @@ const MAGIC: &[u8; 8] = b"GWSTUDNT";
 /// (~1 M multiply-adds; beyond a few thousand varied questions most lookups go on anyway).
 pub const MAX_SCAN: usize = 8192;
 
+/// A question, a paraphrase of it and an unrelated one: the map's check at load.
+const PROBE: [&str; 3] = [
+    "How can I learn to cook Italian food at home?",
+    "What's the best way to learn Italian cooking at home?",
+    "Why does my bicycle tyre keep going flat?",
+];
+
 /// A linear map from `[static sentence vector, 1]` to the student vector.
 #[derive(Debug, Clone)]
 pub struct Projection {
@@ -162,12 +169,33 @@ impl StudentGate {
                 table.dim()
             )));
         }
-        Ok(Self {
+        let gate = Self {
             table,
             projection,
             threshold,
             rows: RwLock::new(HashMap::new()),
-        })
+        };
+        // The map only means something for the table it was fitted to: a paraphrase must come
+        // out far closer than an unrelated question (0.87 against -0.05 with the shipped pair).
+        let (same, other) = (
+            gate.cosine(PROBE[0], PROBE[1]),
+            gate.cosine(PROBE[0], PROBE[2]),
+        );
+        if same < other + 0.3 {
+            return Err(EmbedError::Invalid(format!(
+                "the student map does not fit this static table (a paraphrase at cosine {same:.2}, \
+                 an unrelated question at {other:.2}): was the table distilled from another model?"
+            )));
+        }
+        Ok(gate)
+    }
+
+    /// The student cosine of two texts (0 when one cannot be tokenised).
+    pub fn cosine(&self, a: &str, b: &str) -> f32 {
+        match (self.tokens(a), self.tokens(b)) {
+            (Some(a), Some(b)) => dot(&self.vector(&a), &self.vector(&b)),
+            _ => 0.0,
+        }
     }
 
     /// The question's token ids (`None`: it could not be tokenised).

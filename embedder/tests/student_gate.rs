@@ -12,11 +12,30 @@ use embedder::gate::{Gate, Stage};
 use embedder::static_embed::StaticEmbedder;
 use embedder::student::{Projection, StudentGate, MAX_SCAN};
 
-fn gate(threshold: f32) -> StudentGate {
+fn table() -> StaticEmbedder {
     let dir = common::model_dir();
-    let table = StaticEmbedder::load(&dir.join("static.bin"), &dir.join("tokenizer.json"))
-        .expect("static table: run `gateway embed distill` (scripts/test.sh does)");
-    StudentGate::new(Arc::new(table), Projection::shipped().unwrap(), threshold).unwrap()
+    StaticEmbedder::load(&dir.join("static.bin"), &dir.join("tokenizer.json"))
+        .expect("static table: run `gateway embed distill` (scripts/test.sh does)")
+}
+
+fn gate(threshold: f32) -> StudentGate {
+    StudentGate::new(Arc::new(table()), Projection::shipped().unwrap(), threshold).unwrap()
+}
+
+#[test]
+fn a_table_the_map_was_not_fitted_to_is_refused() {
+    // The same tokenizer over a table whose rows are shuffled between dimensions (a model of
+    // the same size whose dimensions mean other things).
+    let other = table().map_rows(384, |row, out| {
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = row[(i * 97 + 13) % 384];
+        }
+    });
+    let e = StudentGate::new(Arc::new(other), Projection::shipped().unwrap(), 0.45).unwrap_err();
+    assert!(
+        e.to_string().contains("does not fit this static table"),
+        "{e}"
+    );
 }
 
 fn store(g: &StudentGate, ns: u64, id: u64, text: &str) {
@@ -24,11 +43,7 @@ fn store(g: &StudentGate, ns: u64, id: u64, text: &str) {
 }
 
 fn cosine(g: &StudentGate, a: &str, b: &str) -> f32 {
-    let (a, b) = (
-        g.vector(&g.tokens(a).unwrap()),
-        g.vector(&g.tokens(b).unwrap()),
-    );
-    a.iter().zip(&b).map(|(x, y)| x * y).sum()
+    g.cosine(a, b)
 }
 
 const COOK: &str = "How can I learn to cook Italian food at home?";

@@ -424,11 +424,17 @@ impl Worker {
         };
         let verifier = Verifier::from_json(&json)?;
         let gate = if self.config.gate_student > 0.0 {
-            let projection = Projection::shipped().map_err(|e| e.to_string())?;
-            let student =
+            // A map that does not fit the table leaves the lookups to the transformer (slower,
+            // never wrong) rather than the whole layer off.
+            match Projection::shipped().and_then(|projection| {
                 StudentGate::new(Arc::clone(&table), projection, self.config.gate_student)
-                    .map_err(|e| format!("cache.semantic.gate_student: {e}"))?;
-            Some(Arc::new(FirstStage::Student(student)))
+            }) {
+                Ok(student) => Some(Arc::new(FirstStage::Student(student))),
+                Err(e) => {
+                    tracing::error!(error = %e, "cache.semantic.gate_student: the learned first stage is off");
+                    None
+                }
+            }
         } else {
             (self.config.gate_overlap > 0.0).then(|| {
                 Arc::new(FirstStage::Overlap(Box::new(TokenGate::new(

@@ -13,6 +13,7 @@ use std::path::Path;
 use tokenizers::Tokenizer;
 
 use crate::bert::{BertEmbedder, EmbedError, DIM};
+use crate::index::normalise;
 
 const MAGIC: &[u8; 8] = b"GWSTATIC";
 const VERSION: u32 = 1;
@@ -182,10 +183,7 @@ impl StaticEmbedder {
                 }
             }
         }
-        let norm = out.iter().map(|x| x * x).sum::<f32>().sqrt();
-        if norm > 0.0 {
-            out.iter_mut().for_each(|x| *x /= norm);
-        }
+        normalise(&mut out);
         out
     }
 }
@@ -200,26 +198,38 @@ pub fn read_table(path: &Path) -> Result<(Vec<f32>, usize), EmbedError> {
         path: path.to_owned(),
         message: m,
     };
-    if bytes.len() < 20 || &bytes[..8] != MAGIC {
-        return Err(bad("not a static embedding table".into()));
-    }
-    let word = |i: usize| u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
-    if word(8) != VERSION {
+    let (version, vocab, dim, body) =
+        header(&bytes, MAGIC).ok_or_else(|| bad("not a static embedding table".into()))?;
+    if version != VERSION {
         return Err(bad(format!(
-            "static table version {}, this build needs {VERSION}: run `gateway embed distill`",
-            word(8)
+            "static table version {version}, this build needs {VERSION}: run `gateway embed distill`"
         )));
     }
-    let (vocab, dim) = (word(12) as usize, word(16) as usize);
-    let body = &bytes[20..];
     if dim == 0 || body.len() != vocab * dim * 4 {
         return Err(bad("truncated table".into()));
     }
-    let table = body
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
+    let table = f32s(body);
     Ok((table, dim))
+}
+
+/// The header our matrix files share (`magic`, then version, rows and columns as little-endian
+/// u32) and the bytes after it; `None` when `magic` is not there.
+pub(crate) fn header<'a>(
+    bytes: &'a [u8],
+    magic: &[u8; 8],
+) -> Option<(u32, usize, usize, &'a [u8])> {
+    if bytes.len() < 20 || &bytes[..8] != magic {
+        return None;
+    }
+    let word = |i: usize| u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
+    Some((word(8), word(12) as usize, word(16) as usize, &bytes[20..]))
+}
+
+/// Little-endian f32 values, four bytes each.
+pub(crate) fn f32s(body: &[u8]) -> Vec<f32> {
+    body.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 /// Static embeddings read whole texts: no truncation, no padding.

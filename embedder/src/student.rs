@@ -20,8 +20,8 @@ use std::sync::{Arc, RwLock};
 
 use crate::bert::EmbedError;
 use crate::gate::{Gate, Stage};
-use crate::index::EntryId;
-use crate::static_embed::StaticEmbedder;
+use crate::index::{dot, normalise, EntryId};
+use crate::static_embed::{f32s, header, StaticEmbedder};
 
 /// The shipped map, fitted to all-MiniLM-L6-v2's distilled static table.
 pub const SHIPPED_STUDENT: &[u8] = include_bytes!("../assets/gate-student.bin");
@@ -53,26 +53,15 @@ impl Projection {
     /// weights row-major as little-endian f32.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, EmbedError> {
         let bad = |why: &str| EmbedError::Invalid(format!("student map: {why}"));
-        if bytes.len() < 20 || &bytes[..8] != MAGIC {
-            return Err(bad("not a GWSTUDNT file"));
-        }
-        let word = |at: usize| {
-            let mut w = [0u8; 4];
-            w.copy_from_slice(&bytes[at..at + 4]);
-            u32::from_le_bytes(w) as usize
-        };
-        if word(8) != 1 {
+        let (version, rows, cols, body) =
+            header(bytes, MAGIC).ok_or_else(|| bad("not a GWSTUDNT file"))?;
+        if version != 1 {
             return Err(bad("unknown version"));
         }
-        let (rows, cols) = (word(12), word(16));
-        let body = &bytes[20..];
         if rows < 2 || cols == 0 || body.len() != rows * cols * 4 {
             return Err(bad("size does not match its header"));
         }
-        let weights = body
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let weights = f32s(body);
         Ok(Self {
             rows,
             cols,
@@ -102,31 +91,6 @@ impl Projection {
         normalise(&mut out);
         out
     }
-}
-
-fn normalise(v: &mut [f32]) {
-    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
-    if norm > 0.0 {
-        v.iter_mut().for_each(|x| *x /= norm);
-    }
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight lanes so the compiler vectorises the sum.
-    let mut acc = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }
 
 /// One namespace's stored student vectors, row after row.
@@ -328,15 +292,5 @@ mod tests {
             (v[0] - 0.6).abs() < 1e-6 && (v[1] - 0.8).abs() < 1e-6,
             "{v:?}"
         );
-    }
-
-    #[test]
-    fn dot_agrees_with_the_plain_sum_at_every_length() {
-        for len in [0, 1, 7, 8, 9, 128, 130] {
-            let a: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin()).collect();
-            let b: Vec<f32> = (0..len).map(|i| (i as f32 * 0.11).cos()).collect();
-            let plain: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
-            assert!((dot(&a, &b) - plain).abs() < 1e-4, "{len}");
-        }
     }
 }

@@ -42,10 +42,6 @@ fn store(g: &StudentGate, ns: u64, id: u64, text: &str) {
     g.insert(ns, id, &g.tokens(text).unwrap());
 }
 
-fn cosine(g: &StudentGate, a: &str, b: &str) -> f32 {
-    g.cosine(a, b)
-}
-
 const COOK: &str = "How can I learn to cook Italian food at home?";
 const DROUGHT: &str =
     "What is likely to happen to crop yields if a region experiences a long drought?";
@@ -78,8 +74,8 @@ fn paraphrases_go_through_and_unrelated_questions_are_misses() {
     );
     // The student's cosine orders them as the transformer would.
     assert!(
-        cosine(&g, COOK, "How do I learn to cook Italian food at home?")
-            > cosine(&g, COOK, "What is the capital of Australia?") + 0.3
+        g.cosine(COOK, "How do I learn to cook Italian food at home?")
+            > g.cosine(COOK, "What is the capital of Australia?") + 0.3
     );
     // Off: everything goes through.
     assert_eq!(

@@ -12,7 +12,7 @@ use std::collections::BTreeSet;
 use serde::{Deserialize, Serialize};
 
 use crate::bert::{cosine, MAX_TOKENS};
-use crate::index::dot;
+use crate::index::{dot, normalise};
 use crate::learn::pca::Pca;
 use crate::static_embed::StaticEmbedder;
 
@@ -261,10 +261,7 @@ pub struct PairBasics {
 }
 
 fn unit(mut v: Vec<f32>) -> Vec<f32> {
-    let n = v.iter().map(|x| x * x).sum::<f32>().sqrt();
-    if n > 0.0 {
-        v.iter_mut().for_each(|x| *x /= n);
-    }
+    normalise(&mut v);
     v
 }
 

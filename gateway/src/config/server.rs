@@ -37,7 +37,8 @@ pub struct ServerConfig {
 #[serde(rename_all = "kebab-case")]
 pub enum Runtime {
     /// One single-worker runtime per thread: a connection and every request on it stay on one
-    /// thread, with no hand-offs between workers (measured: ~10-17% less CPU per request).
+    /// thread, with no hand-offs between workers (measured: 3–17% less CPU per request at saturation, ~15% more latency at one
+    /// connection; docs/benchmarks.md).
     PerCore,
     /// One work-stealing runtime (the process's own): connections and requests move between
     /// its workers, so one connection's streams (HTTP/2) spread over every core.

@@ -1272,26 +1272,29 @@ const FUNCTION_WORD_LIST: [&[u8]; 78] = [
 /// Longest function word, bytes.
 const LONGEST_FUNCTION_WORD: usize = 8;
 
-/// A word of at most 8 bytes, lowercased, as one integer (its bytes little-endian; no word
+/// A word of at most 16 bytes, lowercased, as one integer (its bytes little-endian; no word
 /// holds a NUL, so each has its own).
-const fn packed_lower(word: &[u8]) -> u64 {
-    let mut x = 0u64;
+const fn packed_lower(word: &[u8]) -> u128 {
+    let mut x = 0u128;
     let mut k = 0;
     while k < word.len() {
-        x |= (word[k].to_ascii_lowercase() as u64) << (8 * k);
+        x |= (word[k].to_ascii_lowercase() as u128) << (8 * k);
         k += 1;
     }
     x
 }
 
-/// [`FUNCTION_WORD_LIST`] packed and sorted: membership is a binary search, one integer
-/// compare per step.
-const FUNCTION_WORDS: [u64; FUNCTION_WORD_LIST.len()] = {
-    let mut t = [0u64; FUNCTION_WORD_LIST.len()];
+/// Longest word [`packed_lower`] packs, bytes.
+const LONGEST_PACKED: usize = 16;
+
+/// The words of `list` packed and sorted: membership is a binary search, one integer compare
+/// per step ([`is_listed`]).
+const fn packed_sorted<const N: usize>(list: &[&[u8]; N]) -> [u128; N] {
+    let mut t = [0u128; N];
     let mut i = 0;
-    while i < t.len() {
-        assert!(FUNCTION_WORD_LIST[i].len() <= LONGEST_FUNCTION_WORD);
-        t[i] = packed_lower(FUNCTION_WORD_LIST[i]);
+    while i < N {
+        assert!(list[i].len() <= LONGEST_PACKED);
+        t[i] = packed_lower(list[i]);
         // Insertion sort (a const context has no `sort`).
         let mut j = i;
         while j > 0 && t[j - 1] > t[j] {
@@ -1303,6 +1306,23 @@ const FUNCTION_WORDS: [u64; FUNCTION_WORD_LIST.len()] = {
         i += 1;
     }
     t
+}
+
+/// Whether `word` is, case aside, one of the words `set` packs ([`packed_sorted`]).
+fn is_listed(word: &[u8], set: &[u128]) -> bool {
+    !word.is_empty()
+        && word.len() <= LONGEST_PACKED
+        && set.binary_search(&packed_lower(word)).is_ok()
+}
+
+/// [`FUNCTION_WORD_LIST`] packed and sorted.
+const FUNCTION_WORDS: [u128; FUNCTION_WORD_LIST.len()] = {
+    let mut i = 0;
+    while i < FUNCTION_WORD_LIST.len() {
+        assert!(FUNCTION_WORD_LIST[i].len() <= LONGEST_FUNCTION_WORD);
+        i += 1;
+    }
+    packed_sorted(&FUNCTION_WORD_LIST)
 };
 
 /// The bytes of a word in an ask's gist: ASCII letters and digits, `'`, the masks' `<`, `>`
@@ -1409,7 +1429,7 @@ fn content_words(out: &[u8]) -> Vec<u64> {
 }
 
 /// Words next to a number that make it a measure of progress (kept in the shape).
-const PROGRESS_AFTER: &[&[u8]] = &[
+const PROGRESS_AFTER: &[&[u8]; 30] = &[
     b"passed",
     b"failed",
     b"failures",
@@ -1441,7 +1461,7 @@ const PROGRESS_AFTER: &[&[u8]] = &[
     b"bytes",
     b"lines",
 ];
-const PROGRESS_BEFORE: &[&[u8]] = &[
+const PROGRESS_BEFORE: &[&[u8]; 16] = &[
     b"page",
     b"step",
     b"epoch",
@@ -1459,6 +1479,10 @@ const PROGRESS_BEFORE: &[&[u8]] = &[
     b"completed",
     b"done",
 ];
+
+/// [`PROGRESS_AFTER`] and [`PROGRESS_BEFORE`] packed, for [`is_listed`].
+const PROGRESS_AFTER_SET: [u128; PROGRESS_AFTER.len()] = packed_sorted(PROGRESS_AFTER);
+const PROGRESS_BEFORE_SET: [u128; PROGRESS_BEFORE.len()] = packed_sorted(PROGRESS_BEFORE);
 
 /// Hash the shape of masked text `out` into `h`: every run of digits is one `#`, except a
 /// number that measures progress (followed by `%` or a word of [`PROGRESS_AFTER`], or after a
@@ -1502,11 +1526,9 @@ fn shape_into(out: &[u8], h: &mut FoldHasher) {
             }
             &out[b..e]
         };
-        let is_one_of =
-            |word: &[u8], list: &[&[u8]]| list.iter().any(|w| w.eq_ignore_ascii_case(word));
         let progress = out.get(i) == Some(&b'%')
-            || is_one_of(next, PROGRESS_AFTER)
-            || is_one_of(before, PROGRESS_BEFORE);
+            || is_listed(next, &PROGRESS_AFTER_SET)
+            || is_listed(before, &PROGRESS_BEFORE_SET);
         if progress {
             h.write(&out[start..i]);
         } else {
@@ -1658,6 +1680,47 @@ fn mask(text: &str, out: &mut Vec<u8>) {
 #[cfg(test)]
 #[expect(clippy::unwrap_used, reason = "tests")]
 mod tests {
+
+    /// A packed word list answers as comparing with each word, case aside, did.
+    #[test]
+    fn packed_word_lists_answer_as_the_lists() {
+        let listed = |w: &[u8], list: &[&[u8]]| list.iter().any(|x| x.eq_ignore_ascii_case(w));
+        let mut words: Vec<Vec<u8>> = Vec::new();
+        for w in PROGRESS_AFTER
+            .iter()
+            .chain(PROGRESS_BEFORE)
+            .chain(&FUNCTION_WORD_LIST)
+        {
+            words.push(w.to_vec());
+            words.push(w.to_ascii_uppercase());
+            words.push(w[..w.len() - 1].to_vec());
+            words.push([*w, b"s"].concat());
+        }
+        words.extend([
+            b"".to_vec(),
+            b"x".repeat(16),
+            b"x".repeat(17),
+            b"Passedd".to_vec(),
+        ]);
+        for w in &words {
+            assert_eq!(
+                is_listed(w, &PROGRESS_AFTER_SET),
+                listed(w, PROGRESS_AFTER),
+                "{w:?}"
+            );
+            assert_eq!(
+                is_listed(w, &PROGRESS_BEFORE_SET),
+                listed(w, PROGRESS_BEFORE),
+                "{w:?}"
+            );
+            assert_eq!(
+                is_listed(w, &FUNCTION_WORDS),
+                listed(w, &FUNCTION_WORD_LIST),
+                "{w:?}"
+            );
+        }
+    }
+
     use super::*;
     use serde_json::json;
 

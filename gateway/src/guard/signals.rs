@@ -1241,19 +1241,115 @@ fn normalised(
     out.len()
 }
 
-/// `text` masked (see [`mask`]); a long text is read at both ends only.
-fn masked_edges(text: &str) -> Vec<u8> {
-    let mut out = Vec::with_capacity(text.len().min(2 * EDGE + 4));
+/// `text` masked (see [`mask`]); a long text is read at both ends only. A text of
+/// [`KEPT_MIN_BYTES`] or more is looked up first among the texts masked for earlier requests
+/// ([`MASKED`]).
+fn masked_edges(text: &str) -> Masked {
+    let (head, tail) = edges(text);
+    if text.len() < KEPT_MIN_BYTES {
+        return Masked::Now(mask_edges(head, tail));
+    }
+    let key = kept_key(head, tail);
+    let same = |k: &KeptMask| {
+        k.head == head.len()
+            && k.read[..k.head] == *head.as_bytes()
+            && k.read[k.head..] == *tail.unwrap_or("").as_bytes()
+            && k.tail == tail.is_some()
+    };
+    if let Some(kept) = MASKED.get(&key).filter(|k| same(k)) {
+        return Masked::Kept(kept);
+    }
+    let read = [head.as_bytes(), tail.unwrap_or("").as_bytes()].concat();
+    let kept = std::sync::Arc::new(KeptMask {
+        masked: mask_edges(head, tail).into_boxed_slice(),
+        read: read.into_boxed_slice(),
+        head: head.len(),
+        tail: tail.is_some(),
+    });
+    MASKED.insert(key, std::sync::Arc::clone(&kept));
+    Masked::Kept(kept)
+}
+
+/// Where [`MASKED`] keeps the masking of a text read as `head` and `tail`.
+fn kept_key(head: &str, tail: Option<&str>) -> u64 {
+    let mut h = FixedState::default().build_hasher();
+    h.write(head.as_bytes());
+    h.write_u8(u8::from(tail.is_some()));
+    h.write(tail.unwrap_or("").as_bytes());
+    h.finish()
+}
+
+/// The parts of `text` that are read: all of it, or its first and last [`EDGE`] bytes (at
+/// character boundaries).
+fn edges(text: &str) -> (&str, Option<&str>) {
     if text.len() > 2 * EDGE {
         let head = floor(text, EDGE);
         let tail = ceil(text, text.len() - EDGE);
-        mask(&text[..head], &mut out);
-        out.extend_from_slice("…".as_bytes());
-        mask(&text[tail..], &mut out);
+        (&text[..head], Some(&text[tail..]))
     } else {
-        mask(text, &mut out);
+        (text, None)
+    }
+}
+
+/// The masked text of [`edges`]: the head, and after `…` the tail.
+fn mask_edges(head: &str, tail: Option<&str>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(head.len() + tail.map_or(0, |t| t.len() + 3));
+    mask(head, &mut out);
+    if let Some(tail) = tail {
+        out.extend_from_slice("…".as_bytes());
+        mask(tail, &mut out);
     }
     out
+}
+
+/// Shortest text whose masking is kept for later requests: below it, masking again costs
+/// less than the lookup.
+const KEPT_MIN_BYTES: usize = 1024;
+
+/// Bytes of masked texts kept (what was read and its masking, both counted).
+const KEPT_BYTES: u64 = 16 << 20;
+
+/// A long text's masking, kept with the bytes it was made from (a lookup's hash is checked by
+/// comparing them, so a collision is a miss, never another text's masking).
+#[derive(Debug)]
+struct KeptMask {
+    /// The head and the tail read, one after the other.
+    read: Box<[u8]>,
+    /// Where the head ends in `read`.
+    head: usize,
+    /// Whether the text was long enough to be read at its two ends.
+    tail: bool,
+    masked: Box<[u8]>,
+}
+
+/// Masked long texts kept across requests: an agent sends its whole conversation again with
+/// every call, so all but its newest messages were masked for the call before. Bounded by
+/// [`KEPT_BYTES`]; evicted least recently used first.
+static MASKED: std::sync::LazyLock<moka::sync::Cache<u64, std::sync::Arc<KeptMask>, FixedState>> =
+    std::sync::LazyLock::new(|| {
+        moka::sync::Cache::builder()
+            .max_capacity(KEPT_BYTES)
+            .weigher(|_, k: &std::sync::Arc<KeptMask>| {
+                u32::try_from(k.read.len() + k.masked.len() + 64).unwrap_or(u32::MAX)
+            })
+            .build_with_hasher(FixedState::default())
+    });
+
+/// A masked text: masked for this request, or kept from an earlier one.
+enum Masked {
+    Now(Vec<u8>),
+    Kept(std::sync::Arc<KeptMask>),
+}
+
+impl std::ops::Deref for Masked {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Self::Now(v) => v,
+            Self::Kept(k) => &k.masked,
+        }
+    }
 }
 
 /// Words that carry no content in an ask: articles, pronouns, auxiliaries, question words and
@@ -1680,6 +1776,51 @@ fn mask(text: &str, out: &mut Vec<u8>) {
 #[cfg(test)]
 #[expect(clippy::unwrap_used, reason = "tests")]
 mod tests {
+
+    /// A long text's masking is kept and found again for the next request, and only for the
+    /// same bytes read: a text whose hash finds another's kept masking is masked itself.
+    #[test]
+    fn a_long_text_is_masked_once_and_its_masking_found_again() {
+        let long = format!(
+            "run 7 at 12:03:44 id 550e8400-e29b-41d4-a716-446655440000 {}",
+            "ok. ".repeat(3000)
+        );
+        let (head, tail) = edges(&long);
+        assert!(tail.is_some());
+        let first = masked_edges(&long);
+        assert_eq!(*first, *mask_edges(head, tail));
+        let again = masked_edges(&long);
+        match (&first, &again) {
+            (Masked::Kept(a), Masked::Kept(b)) => assert!(std::sync::Arc::ptr_eq(a, b)),
+            _ => panic!("a long text's masking is kept"),
+        }
+        // Short texts are masked each time.
+        assert!(matches!(
+            masked_edges("the same error at 12:03:44"),
+            Masked::Now(_)
+        ));
+        // Another text's masking kept under this text's key (a collision) is not used.
+        let other = format!("{}!", "x".repeat(2000));
+        let (oh, ot) = edges(&other);
+        MASKED.insert(
+            kept_key(oh, ot),
+            std::sync::Arc::new(KeptMask {
+                read: b"something else".to_vec().into_boxed_slice(),
+                head: 14,
+                tail: false,
+                masked: b"wrong".to_vec().into_boxed_slice(),
+            }),
+        );
+        assert_eq!(*masked_edges(&other), *mask_edges(oh, ot));
+        // A text equal at both ends to a kept one reads the same (the middle is never read).
+        let middle = format!(
+            "{}{}{}",
+            &long[..EDGE],
+            "different middle ".repeat(500),
+            &long[long.len() - EDGE..]
+        );
+        assert_eq!(*masked_edges(&middle), *first);
+    }
 
     /// A packed word list answers as comparing with each word, case aside, did.
     #[test]

@@ -1231,7 +1231,7 @@ fn normalised(
     h.write(&out);
     h.write_u8(0xff);
     if let Some(shape) = shape {
-        shape_into(&out, shape);
+        shape.write_u64(out.shape());
     }
     if let Some(kept) = kept.filter(|k| k.len() < TEXT_KEPT) {
         let room = TEXT_KEPT - kept.len();
@@ -1265,6 +1265,7 @@ fn masked_edges(text: &str) -> Masked {
         read: read.into_boxed_slice(),
         head: head.len(),
         tail: tail.is_some(),
+        shape: std::sync::OnceLock::new(),
     });
     MASKED.insert(key, std::sync::Arc::clone(&kept));
     Masked::Kept(kept)
@@ -1320,6 +1321,8 @@ struct KeptMask {
     /// Whether the text was long enough to be read at its two ends.
     tail: bool,
     masked: Box<[u8]>,
+    /// Its shape's hash ([`shape_of`]), made when first asked for.
+    shape: std::sync::OnceLock<u64>,
 }
 
 /// Masked long texts kept across requests: an agent sends its whole conversation again with
@@ -1339,6 +1342,16 @@ static MASKED: std::sync::LazyLock<moka::sync::Cache<u64, std::sync::Arc<KeptMas
 enum Masked {
     Now(Vec<u8>),
     Kept(std::sync::Arc<KeptMask>),
+}
+
+impl Masked {
+    /// The hash of its shape ([`shape_of`]), made once for a kept masking.
+    fn shape(&self) -> u64 {
+        match self {
+            Self::Now(v) => shape_of(v),
+            Self::Kept(k) => *k.shape.get_or_init(|| shape_of(&k.masked)),
+        }
+    }
 }
 
 impl std::ops::Deref for Masked {
@@ -1580,9 +1593,17 @@ const PROGRESS_BEFORE: &[&[u8]; 16] = &[
 const PROGRESS_AFTER_SET: [u128; PROGRESS_AFTER.len()] = packed_sorted(PROGRESS_AFTER);
 const PROGRESS_BEFORE_SET: [u128; PROGRESS_BEFORE.len()] = packed_sorted(PROGRESS_BEFORE);
 
-/// Hash the shape of masked text `out` into `h`: every run of digits is one `#`, except a
+/// The hash of the shape of masked text `out`: every run of digits is one `#`, except a
 /// number that measures progress (followed by `%` or a word of [`PROGRESS_AFTER`], or after a
-/// word of [`PROGRESS_BEFORE`]), which is kept.
+/// word of [`PROGRESS_BEFORE`]), which is kept. Only compared between the steps of one
+/// request, so how it is made may change between versions.
+fn shape_of(out: &[u8]) -> u64 {
+    let mut h = FixedState::default().build_hasher();
+    shape_into(out, &mut h);
+    h.finish()
+}
+
+/// [`shape_of`], written into `h`.
 fn shape_into(out: &[u8], h: &mut FoldHasher) {
     let word_at = |i: usize| -> &[u8] {
         let mut j = i;
@@ -1794,6 +1815,8 @@ mod tests {
             (Masked::Kept(a), Masked::Kept(b)) => assert!(std::sync::Arc::ptr_eq(a, b)),
             _ => panic!("a long text's masking is kept"),
         }
+        assert_eq!(first.shape(), shape_of(&mask_edges(head, tail)));
+        assert_eq!(again.shape(), first.shape());
         // Short texts are masked each time.
         assert!(matches!(
             masked_edges("the same error at 12:03:44"),
@@ -1809,6 +1832,7 @@ mod tests {
                 head: 14,
                 tail: false,
                 masked: b"wrong".to_vec().into_boxed_slice(),
+                shape: std::sync::OnceLock::new(),
             }),
         );
         assert_eq!(*masked_edges(&other), *mask_edges(oh, ot));

@@ -7,6 +7,7 @@
 #   bench/ab-min.sh BIN_A BIN_B                          # two builds, the plain configuration
 #   EXTRA_B=$'[guard]\nenabled = true' bench/ab-min.sh GW GW   # one build: guard off vs on
 #   BODY_FILE=agent.json BUDGETS=1 CONNS=16 bench/ab-min.sh GW_A GW_B   # a fixed (large) body
+#     (each `{n}` in the file is replaced by a number new with every request)
 #
 # Both gateways run the whole time (one SQLite store each; ledger `LEDGER`, default off, or
 # `LEDGER_A` / `LEDGER_B` for each: the body of its [ledger] section). Each
@@ -73,6 +74,17 @@ wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["Authorization"] = "Bearer $key"
 wrk.body = io.open("$(realpath "$BODY_FILE")"):read("*a")
+-- Each {n} in the file becomes a number new with every request (a body that never repeats).
+if string.find(wrk.body, "{n}", 1, true) then
+  local n = 0
+  setup = function(thread)
+    thread:set("tid", math.random(1, 1000000000))
+  end
+  request = function()
+    n = n + 1
+    return wrk.format(nil, nil, nil, (string.gsub(wrk.body, "{n}", tostring(tid) .. "-" .. tostring(n))))
+  end
+end
 done = function(summary, latency, requests)
   local errors = summary.errors.status + summary.errors.connect + summary.errors.timeout
   io.write(string.format("WRK %d %.3f %d\\n", summary.requests, summary.duration / 1e6, errors))

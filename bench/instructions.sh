@@ -13,7 +13,7 @@
 # zeroed, then N requests, each a new question in one of 1,000 sessions (x-session-id), and the
 # counters dumped. Prints instructions (user space, every thread of the process) per request for
 # A and B and their difference (BODY_FILE=F sends F's chat body, a new user turn appended each
-# time, instead of a one-line question; BUDGETS=1 sets a day budget and rate limits for the tenant, as
+# time, instead of a one-line question, each `{n}` in it replaced by the request's number; BUDGETS=1 sets a day budget and rate limits for the tenant, as
 # bench/ab-min.sh does); with KEEP=DIR the callgrind files stay in DIR for
 # `callgrind_annotate --inclusive=yes DIR/A.out`. Needs valgrind (apt-get install valgrind), python3.
 set -euo pipefail
@@ -52,7 +52,8 @@ for n in range(start, start + count):
             {"role": "user", "content": f"Question {n}: what is the capital of France?"}]})
     else:
         # The file's body, its last message made new each time (an agent's next turn).
-        b = json.loads(json.dumps(base))
+        # Each `{n}` in the file is replaced by the request's number (a body that never repeats).
+        b = json.loads(json.dumps(base).replace("{n}", str(n)))
         b["messages"].append({"role": "user", "content": f"Turn {n}: go on."})
         body = json.dumps(b)
     conn.request("POST", "/v1/chat/completions", body, {

@@ -1243,7 +1243,7 @@ fn normalised(
 
 /// `text` masked (see [`mask`]); a long text is read at both ends only. A text of
 /// [`KEPT_MIN_BYTES`] or more is looked up first among the texts masked for earlier requests
-/// ([`MASKED`]).
+/// ([`MASKED`]), and kept there from its second time ([`SEEN`]).
 fn masked_edges(text: &str) -> Masked {
     let (head, tail) = edges(text);
     if text.len() < KEPT_MIN_BYTES {
@@ -1259,9 +1259,13 @@ fn masked_edges(text: &str) -> Masked {
     if let Some(kept) = MASKED.get(&key).filter(|k| same(k)) {
         return Masked::Kept(kept);
     }
+    let masked = mask_edges(head, tail);
+    if !seen_before(key) {
+        return Masked::Now(masked);
+    }
     let read = [head.as_bytes(), tail.unwrap_or("").as_bytes()].concat();
     let kept = std::sync::Arc::new(KeptMask {
-        masked: mask_edges(head, tail).into_boxed_slice(),
+        masked: masked.into_boxed_slice(),
         read: read.into_boxed_slice(),
         head: head.len(),
         tail: tail.is_some(),
@@ -1269,6 +1273,19 @@ fn masked_edges(text: &str) -> Masked {
     });
     MASKED.insert(key, std::sync::Arc::clone(&kept));
     Masked::Kept(kept)
+}
+
+/// The keys of long texts masked lately, one per slot of a table indexed by the key (lossy).
+/// A text's masking is kept only when it comes a second time: an agent's messages come with
+/// each of its later calls, while traffic whose long texts never repeat pays a store here
+/// rather than a copy into [`MASKED`] and its eviction.
+static SEEN: [std::sync::atomic::AtomicU64; 1 << 14] =
+    [const { std::sync::atomic::AtomicU64::new(0) }; 1 << 14];
+
+/// Whether `key` was the latest key of its slot in [`SEEN`] (it is now).
+fn seen_before(key: u64) -> bool {
+    let slot = &SEEN[(key as usize) & (SEEN.len() - 1)];
+    slot.swap(key, std::sync::atomic::Ordering::Relaxed) == key
 }
 
 /// Where [`MASKED`] keeps the masking of a text read as `head` and `tail`.
@@ -1808,13 +1825,17 @@ mod tests {
         );
         let (head, tail) = edges(&long);
         assert!(tail.is_some());
+        // Masked the first time, kept the second, found the third.
+        let once = masked_edges(&long);
+        assert!(matches!(once, Masked::Now(_)));
+        assert_eq!(*once, *mask_edges(head, tail));
         let first = masked_edges(&long);
-        assert_eq!(*first, *mask_edges(head, tail));
         let again = masked_edges(&long);
         match (&first, &again) {
             (Masked::Kept(a), Masked::Kept(b)) => assert!(std::sync::Arc::ptr_eq(a, b)),
-            _ => panic!("a long text's masking is kept"),
+            _ => panic!("a long text's masking is kept from its second time"),
         }
+        assert_eq!(*first, *once);
         assert_eq!(first.shape(), shape_of(&mask_edges(head, tail)));
         assert_eq!(again.shape(), first.shape());
         // Short texts are masked each time.

@@ -975,22 +975,28 @@ async fn three_processes_share_one_budget(kind: BudgetKind) {
         .map(|i| {
             let (http, key, base) = (http.clone(), key.clone(), bases[i % 3].clone());
             tokio::spawn(async move {
-                post_chat(
-                    &http,
-                    &base,
-                    &key,
-                    &body_with_max("fast", "hello there", 50),
-                )
-                .await
+                let r = http
+                    .post(format!("{base}/v1/chat/completions"))
+                    .bearer_auth(&key)
+                    .json(&body_with_max("fast", "hello there", 50))
+                    .send()
+                    .await
+                    .unwrap();
+                let status = r.status().as_u16();
+                (status, r.text().await.unwrap_or_default())
             })
         })
         .collect();
-    let mut ok = 0;
+    let (mut ok, mut failed_closed) = (0, 0);
     for t in tasks {
         match t.await.unwrap() {
-            200 => ok += 1,
-            429 => {}
-            other => panic!("unexpected status {other}"),
+            (200, _) => ok += 1,
+            (429, _) => {}
+            // On a loaded machine a store call can outlast `store_timeout_ms` (250 ms): the
+            // budgets fail closed, as documented, and the request is refused whole. Nothing else
+            // may answer 503 here.
+            (503, body) if body.contains("budget store is unreachable") => failed_closed += 1,
+            (other, body) => panic!("unexpected status {other}: {body}"),
         }
     }
     let state = e2e::eventually(
@@ -1005,7 +1011,10 @@ async fn three_processes_share_one_budget(kind: BudgetKind) {
     let spent = state["spent_tokens"].as_u64().unwrap();
     assert!(spent <= limit, "three replicas spent {spent} of {limit}");
     assert!(ok >= 50, "only {ok} admitted");
-    eprintln!("{kind:?}, 3 processes: {ok} admitted, spent {spent} of {limit}");
+    eprintln!(
+        "{kind:?}, 3 processes: {ok} admitted, {failed_closed} refused with the store slow, \
+         spent {spent} of {limit}"
+    );
 
     // Raise the budget, park requests on the slow large tier, and kill their gateway. The old
     // budget may have some room left (the replicas stop short of it), so each replica's probe

@@ -1814,6 +1814,8 @@ fn mask(text: &str, out: &mut Vec<u8>) {
 #[cfg(test)]
 #[expect(clippy::unwrap_used, reason = "tests")]
 mod tests {
+    use super::*;
+    use serde_json::json;
 
     /// A long text's masking is kept and found again for the next request, and only for the
     /// same bytes read: a text whose hash finds another's kept masking is masked itself.
@@ -1906,9 +1908,6 @@ mod tests {
             );
         }
     }
-
-    use super::*;
-    use serde_json::json;
 
     fn call(name: &str, args: Value) -> Value {
         json!({"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function",

@@ -69,11 +69,6 @@ fn chat(turns: usize, objecting: bool) -> Map<String, Value> {
 }
 
 fn measure(name: &str, body: &Map<String, Value>) {
-    let messages = body
-        .get("messages")
-        .and_then(Value::as_array)
-        .cloned()
-        .unwrap_or_default();
     let text = serde_json::to_vec(body).unwrap_or_default();
     let Ok(req) = gateway::openai::ParsedRequest::parse(gateway::openai::Endpoint::Chat, &text)
     else {
@@ -85,7 +80,9 @@ fn measure(name: &str, body: &Map<String, Value>) {
     for _ in 0..20_000 {
         let t = Instant::now();
         let s = session::of(None, "key_bench", &req);
-        if signals::in_request(&messages).is_some() {
+        let messages = req.messages().unwrap_or_default();
+        let conversation = signals::Conversation::read(&messages, false);
+        if conversation.detect(signals::Detect::default()).is_some() {
             found += 1;
         }
         std::hint::black_box(s);
@@ -94,7 +91,7 @@ fn measure(name: &str, body: &Map<String, Value>) {
     let (p50, p99) = percentiles(&mut times);
     println!(
         "{name}: {} messages, p50 {p50:.1} us, p99 {p99:.1} us ({found} of {} flagged)",
-        messages.len(),
+        req.messages().map_or(0, |m| m.len()),
         times.len()
     );
 }
@@ -124,11 +121,11 @@ async fn measure_step(sessions: usize, body: &Map<String, Value>) -> anyhow::Res
         gateway::metrics::Metrics::new()?,
     )
     .await?;
-    let messages = body
-        .get("messages")
-        .and_then(Value::as_array)
-        .cloned()
-        .unwrap_or_default();
+    // The conversation as the gateway reads it: borrowed views of the body's text.
+    let text = serde_json::to_string(&body)?;
+    let parsed =
+        gateway::openai::ParsedRequest::parse(gateway::openai::Endpoint::Chat, text.as_bytes())?;
+    let messages = parsed.messages().unwrap_or_default();
     let ids: Vec<String> = (0..sessions).map(|i| format!("session-{i}")).collect();
     let mut times = Vec::with_capacity(50_000);
     for n in 0..50_000u64 {

@@ -414,26 +414,59 @@ impl Tokenizer {
 
     /// Prompt tokens of a chat request's `messages`, counted the way OpenAI documents it: each
     /// message costs its text plus a fixed overhead, plus a primer for the reply.
-    pub fn count_chat(&self, messages: &[Value]) -> usize {
+    pub fn count_chat<M: ChatMessage>(&self, messages: &[M]) -> usize {
         let mut total = TOKENS_REPLY_PRIMER;
         for m in messages {
             total += TOKENS_PER_MESSAGE;
-            if let Some(role) = m.get("role").and_then(Value::as_str) {
+            if let Some(role) = m.role() {
                 total += self.count(role);
             }
-            if let Some(name) = m.get("name").and_then(Value::as_str) {
-                total += self.count(name);
+            if let Some(name) = m.name() {
+                total += self.count(&name);
             }
             let mut text = String::new();
-            if let Some(content) = m.get("content") {
-                push_text(content, &mut text);
-            }
-            if let Some(calls) = m.get("tool_calls") {
-                text.push_str(&calls.to_string());
+            m.push_content(&mut text);
+            if let Some(calls) = m.tool_calls_written() {
+                text.push_str(&calls);
             }
             total += self.count(&text);
         }
         total
+    }
+}
+
+/// A chat message as [`Tokenizer::count_chat`] reads it: a node of a body's tree, or the
+/// request's borrowed view of its text (`openai`).
+pub trait ChatMessage {
+    /// `role`, when a string.
+    fn role(&self) -> Option<&str>;
+    /// `name`, when a string.
+    fn name(&self) -> Option<std::borrow::Cow<'_, str>>;
+    /// Appends the text of `content` (see [`push_text`]).
+    fn push_content(&self, out: &mut String);
+    /// `tool_calls` (any value, `null` included) as serde_json writes the parsed value.
+    fn tool_calls_written(&self) -> Option<String>;
+}
+
+impl ChatMessage for Value {
+    fn role(&self) -> Option<&str> {
+        self.get("role").and_then(Value::as_str)
+    }
+
+    fn name(&self) -> Option<std::borrow::Cow<'_, str>> {
+        self.get("name")
+            .and_then(Value::as_str)
+            .map(std::borrow::Cow::Borrowed)
+    }
+
+    fn push_content(&self, out: &mut String) {
+        if let Some(content) = self.get("content") {
+            push_text(content, out);
+        }
+    }
+
+    fn tool_calls_written(&self) -> Option<String> {
+        self.get("tool_calls").map(Value::to_string)
     }
 }
 

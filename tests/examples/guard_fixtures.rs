@@ -15,6 +15,7 @@ use std::sync::Arc;
 use gateway::budget::SystemClock;
 use gateway::config::GuardConfig;
 use gateway::guard::{memory::MemoryGuard, near::NearDup, Check, Decision, Guard};
+use gateway::openai::Endpoint;
 use serde_json::Value;
 
 #[tokio::main(flavor = "current_thread")]
@@ -180,15 +181,22 @@ async fn replay(
 ) -> Option<(usize, gateway::guard::Loop)> {
     let mut first = None;
     for (i, messages) in requests.iter().enumerate() {
-        let body = serde_json::json!({"model": "m", "messages": messages});
-        let fp = gateway::openai::fingerprint_bytes(body.to_string().as_bytes());
+        let body = serde_json::json!({"model": "m", "messages": messages}).to_string();
+        let fp = gateway::openai::fingerprint_bytes(body.as_bytes());
         let request = gateway::guard::request_hash(&fp);
+        // The conversation as the gateway reads it (borrowed views of the body's text where
+        // the body is valid).
+        let parsed = gateway::openai::ParsedRequest::parse(Endpoint::Chat, body.as_bytes()).ok();
+        let views = match &parsed {
+            Some(r) => r.messages().unwrap_or_default(),
+            None => gateway::openai::Message::of_values(messages),
+        };
         let d = guard
             .check(Check {
                 tenant_id: "t",
                 tenant_name: "t",
                 session,
-                messages: Some(messages),
+                messages: Some(&views),
                 request,
             })
             .await;

@@ -236,21 +236,6 @@ fn split_question(req: &ParsedRequest) -> Option<(String, Map<String, Value>)> {
     (!text.trim().is_empty()).then_some((text, rest))
 }
 
-fn has_tools(body: &Map<String, Value>) -> bool {
-    ["tools", "functions"].iter().any(|f| match body.get(*f) {
-        Some(Value::Array(a)) => !a.is_empty(),
-        Some(Value::Null) | None => false,
-        Some(_) => true,
-    })
-}
-
-/// `temperature` present and exactly 0.
-fn deterministic(body: &Map<String, Value>) -> bool {
-    body.get("temperature")
-        .and_then(Value::as_f64)
-        .is_some_and(|t| t == 0.0)
-}
-
 /// What the precision settings would have answered of one tenant's semantic lookups.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct CalibrationView {
@@ -435,12 +420,12 @@ impl Cache {
         if mode == CacheMode::Off || directives.no_store {
             return None;
         }
-        let tools = has_tools(req.body());
+        let tools = req.has_tools();
         if req.endpoint != Endpoint::Embeddings {
             if tools && !policy.tools {
                 return None;
             }
-            if !policy.any_temperature && !deterministic(req.body()) {
+            if !policy.any_temperature && !req.deterministic() {
                 return None;
             }
         }
@@ -622,20 +607,5 @@ mod tests {
         let long = "word ".repeat(MAX_QUESTION_BYTES / 5 + 1);
         let d = chat(json!({"model": "fast", "messages": [{"role": "user", "content": long}]}));
         assert!(split_question(&d).is_none(), "too long to embed and index");
-    }
-
-    #[test]
-    fn tools_and_temperature_are_read_from_the_body() {
-        let mut body = Map::new();
-        assert!(!deterministic(&body));
-        body.insert("temperature".into(), json!(0));
-        assert!(deterministic(&body));
-        body.insert("temperature".into(), json!(0.2));
-        assert!(!deterministic(&body));
-        assert!(!has_tools(&body));
-        body.insert("tools".into(), json!([]));
-        assert!(!has_tools(&body));
-        body.insert("tools".into(), json!([{"type": "function"}]));
-        assert!(has_tools(&body));
     }
 }

@@ -29,8 +29,6 @@ pub mod store;
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde_json::Value;
-
 use crate::config::GuardConfig;
 use crate::metrics::Metrics;
 use crate::store::{Store, StoreError, TenantPolicies};
@@ -109,7 +107,7 @@ pub struct Check<'a> {
     /// The request's session.
     pub session: &'a str,
     /// Its chat messages (`None`: not a chat request; only the session's state applies).
-    pub messages: Option<&'a [Value]>,
+    pub messages: Option<&'a [crate::openai::Message<'a>]>,
     /// Hash of the whole request (its fingerprint): a byte-identical retry has the same.
     pub request: u64,
 }

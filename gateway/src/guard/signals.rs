@@ -24,6 +24,8 @@ use foldhash::fast::{FixedState, FoldHasher};
 
 use serde_json::Value;
 
+use crate::openai::Message;
+
 /// Identical steps in a row that make a loop.
 pub const MIN_REPEATS: usize = 3;
 /// Full repetitions of a 2- or 3-step cycle that make a loop.
@@ -146,12 +148,14 @@ pub fn in_request(messages: &[Value]) -> Option<Loop> {
 
 /// The loop at the end of `messages`, judged by `d`.
 pub fn detect(messages: &[Value], d: Detect<'_>) -> Option<Loop> {
-    Conversation::read(messages, d.near.is_some()).detect(d)
+    Conversation::read(&Message::of_values(messages), d.near.is_some()).detect(d)
 }
 
 /// The latest turn of a request (see [`Conversation::latest_turn`]).
 pub fn latest_turn(messages: &[Value]) -> Option<Step> {
-    Conversation::read(messages, true).latest_turn().cloned()
+    Conversation::read(&Message::of_values(messages), true)
+        .latest_turn()
+        .cloned()
 }
 
 /// A request's conversation, read once: the steps of its last [`WINDOW`] messages, or, when
@@ -165,7 +169,7 @@ pub struct Conversation {
 impl Conversation {
     /// Read `messages`; with `texts`, keep each step's masked text for near-duplicate
     /// comparison (without, [`Step::text`] is empty).
-    pub fn read(messages: &[Value], texts: bool) -> Self {
+    pub fn read(messages: &[Message<'_>], texts: bool) -> Self {
         let tail = &messages[messages.len().saturating_sub(WINDOW)..];
         let mut steps = steps(tail, texts);
         read_objections(tail, &mut steps);
@@ -577,20 +581,20 @@ pub fn repetition(
 /// The ask of a conversation with no assistant turn yet: its non-system messages as one step,
 /// whose fingerprint is their gist (see [`gist_into`]): a stateless client re-asking in other
 /// function words sends the same ask.
-fn ask(tail: &[Value], texts: bool) -> Option<Step> {
+fn ask(tail: &[Message<'_>], texts: bool) -> Option<Step> {
     let mut h = FixedState::default().build_hasher();
     let mut gist = FixedState::default().build_hasher();
     let mut words = 0;
     let mut text = Vec::new();
     let mut len = 0;
     for m in tail {
-        let role = m.get("role").and_then(Value::as_str).unwrap_or("");
+        let role = m.role();
         if role == "system" || role == "developer" {
             continue;
         }
         role.hash(&mut h);
         role.hash(&mut gist);
-        let t = text_of(m.get("content"));
+        let t = m.text();
         let out = masked_edges(&t);
         h.write(&out);
         h.write_u8(0xff);
@@ -642,7 +646,7 @@ fn bounded_text(masked: &[u8]) -> String {
 }
 
 /// The steps of `messages`: each assistant turn and what came back after it.
-fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
+fn steps(messages: &[Message<'_>], texts: bool) -> Vec<Step> {
     struct Open {
         h: FoldHasher<'static>,
         outcome: FoldHasher<'static>,
@@ -690,7 +694,7 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
     let mut out: Vec<Step> = Vec::new();
     let mut current: Option<Open> = None;
     for (i, m) in messages.iter().enumerate() {
-        let role = m.get("role").and_then(Value::as_str).unwrap_or("");
+        let role = m.role();
         if role == "assistant" {
             if let Some(o) = current.take() {
                 out.push(close(o));
@@ -704,7 +708,7 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
             // A text reply: does it ask, and which identifiers does it mention.
             let mut mentioned = Vec::new();
             let asks = names == 0 && {
-                let t = text_of(m.get("content"));
+                let t = m.text();
                 id_tokens(&t, &mut mentioned);
                 t.contains('?')
             };
@@ -734,7 +738,7 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
             // Hashed once, into the step's fingerprint and its outcome alike.
             let mut part = FixedState::default().build_hasher();
             role.hash(&mut part);
-            let content = text_of(m.get("content"));
+            let content = m.text();
             o.plain &= role == "user" && !content.bytes().any(|b| b.is_ascii_digit());
             if role == "user" {
                 o.user_at = Some(i);
@@ -767,13 +771,10 @@ fn steps(messages: &[Value], texts: bool) -> Vec<Step> {
 
 /// Whether a tool answering among `outcome` (the messages after a tool call, up to the next
 /// assistant turn) says it failed.
-fn tool_failed(outcome: &[Value]) -> bool {
-    outcome.iter().any(|m| {
-        matches!(
-            m.get("role").and_then(Value::as_str),
-            Some("tool" | "function")
-        ) && says_failed(&text_of(m.get("content")))
-    })
+fn tool_failed(outcome: &[Message<'_>]) -> bool {
+    outcome
+        .iter()
+        .any(|m| matches!(m.role(), "tool" | "function") && says_failed(&m.text()))
 }
 
 /// The longest user message read as a person objecting, bytes.
@@ -786,13 +787,13 @@ const OBJECTION_STEPS: usize = 8;
 /// ([`objects`]), and, when one was, what the rule for it needs of those steps: which tool
 /// calls failed, the text replies' content words. A conversation where the user does not
 /// object costs one scan of the head of each user message among those steps.
-fn read_objections(messages: &[Value], steps: &mut [Step]) {
+fn read_objections(messages: &[Message<'_>], steps: &mut [Step]) {
     let n = steps.len();
     let window = n.saturating_sub(OBJECTION_STEPS);
     let mut any = false;
     for s in &mut steps[window..] {
         s.objected = s.user_at.is_some_and(|i| {
-            let text = text_of(messages[i].get("content"));
+            let text = messages[i].text();
             // A person's turn is short; a harness's observation sent as a user message (a
             // coding agent's command output, where `confusion_matrix` or "useless" can be
             // code) is not read as one.
@@ -810,7 +811,7 @@ fn read_objections(messages: &[Value], steps: &mut [Step]) {
         if s.is_tool() {
             s.failed = tool_failed(&messages[s.at + 1..end]);
         } else {
-            s.content = content_words(&masked_edges(&text_of(messages[s.at].get("content"))));
+            s.content = content_words(&masked_edges(&messages[s.at].text()));
         }
     }
 }
@@ -929,15 +930,12 @@ fn objects(text: &str) -> bool {
 /// Hash an assistant turn's action into `h` and write its text to `text` (when kept); returns
 /// what it is (for people) and a hash of the tools it called (0: a text reply).
 fn action_of(
-    m: &Value,
+    m: &Message<'_>,
     h: &mut FoldHasher,
     mut text: Option<&mut Vec<u8>>,
     words: &mut Vec<u64>,
 ) -> (Cow<'static, str>, u64) {
-    let calls = m
-        .get("tool_calls")
-        .and_then(Value::as_array)
-        .filter(|c| !c.is_empty());
+    let calls = m.tool_calls().filter(|c| !c.is_empty());
     let mut names_h = FixedState::default().build_hasher();
     let mut call = |name: &str, args: &str, h: &mut FoldHasher, text: &mut Option<&mut Vec<u8>>| {
         name.hash(h);
@@ -959,14 +957,8 @@ fn action_of(
     if let Some(calls) = calls {
         let mut what = String::from("tool call ");
         for (i, c) in calls.iter().enumerate() {
-            let f = c.get("function").unwrap_or(&Value::Null);
-            let name = f.get("name").and_then(Value::as_str).unwrap_or("?");
-            call(
-                name,
-                f.get("arguments").and_then(Value::as_str).unwrap_or(""),
-                h,
-                &mut text,
-            );
+            let name = c.name.as_deref().unwrap_or("?");
+            call(name, c.arguments.as_deref().unwrap_or(""), h, &mut text);
             if i > 0 {
                 what.push_str(", ");
             }
@@ -976,20 +968,15 @@ fn action_of(
         }
         return (Cow::Owned(what), names_h.finish() | 1);
     }
-    if let Some(f) = m.get("function_call") {
-        let name = f.get("name").and_then(Value::as_str).unwrap_or("?");
-        call(
-            name,
-            f.get("arguments").and_then(Value::as_str).unwrap_or(""),
-            h,
-            &mut text,
-        );
+    if let Some(f) = m.function_call() {
+        let name = f.name.as_deref().unwrap_or("?");
+        call(name, f.arguments.as_deref().unwrap_or(""), h, &mut text);
         return (
             Cow::Owned(format!("function call `{name}`")),
             names_h.finish() | 1,
         );
     }
-    let content = text_of(m.get("content"));
+    let content = m.text();
     if content.len() <= CANONICAL_ARGS && content.trim_start().starts_with(['{', '[']) {
         // A JSON reply (a ReAct-style action object): its keys in order, its spacing ignored.
         // A longer one is read at its ends like any text, so the work stays bounded.
@@ -1199,22 +1186,6 @@ fn overlap(a: &[u64], b: &[u64], keep: impl Fn(u64) -> bool) -> (usize, usize, u
             }
             (None, None) => return (only_a, only_b, common),
         }
-    }
-}
-
-/// A message's text: the string, or its text parts joined.
-fn text_of(content: Option<&Value>) -> Cow<'_, str> {
-    match content {
-        Some(Value::String(s)) => Cow::Borrowed(s),
-        Some(Value::Array(parts)) => Cow::Owned(
-            parts
-                .iter()
-                .filter_map(|p| p.get("text").and_then(Value::as_str))
-                .collect::<Vec<_>>()
-                .join("\n"),
-        ),
-        Some(Value::Null) | None => Cow::Borrowed(""),
-        Some(other) => Cow::Owned(other.to_string()),
     }
 }
 

@@ -7,10 +7,12 @@
 //! client's behalf.
 //!
 //! - [`request`](ParsedRequest): typed views of request bodies, validation, fingerprints;
+//! - [`message`](Message): a chat message as the conversation's readers see it;
 //! - `usage`: token usage as reported in responses and chunks;
 //! - `sse`: the stream rewriter, the stream assembler (for the cache) and SSE replay.
 
 mod canon;
+mod message;
 mod request;
 mod sse;
 mod usage;
@@ -20,6 +22,7 @@ use serde_json::{Map, Value};
 
 use crate::error::ApiError;
 
+pub use message::{Call, Message};
 pub use request::{canonical_numbers, fingerprint_bytes, HashWriter, ParsedRequest};
 pub use sse::{replay_sse, SseRewriter, StreamAssembler};
 pub use usage::{completion_text, usage_in_body, usage_of, Usage};

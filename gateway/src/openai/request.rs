@@ -11,7 +11,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
-use super::{from_value, json_object, Endpoint};
+use super::{from_value, json_object, Endpoint, Message};
 use crate::error::ApiError;
 use crate::tokens::Tokenizer;
 
@@ -141,6 +141,12 @@ struct ChatText<'a> {
     metadata: Option<ObjectOnly<MetadataText<'a>>>,
     #[serde(borrow)]
     messages: Vec<ObjectOnly<MessageText<'a>>>,
+    #[serde(default, borrow)]
+    tools: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    functions: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    temperature: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -148,10 +154,75 @@ struct MessageText<'a> {
     role: Role,
     #[serde(default, borrow)]
     content: Option<&'a RawValue>,
-    #[serde(default)]
-    tool_calls: Option<serde::de::IgnoredAny>,
-    #[serde(default)]
-    function_call: Option<serde::de::IgnoredAny>,
+    #[serde(default, borrow, deserialize_with = "present")]
+    tool_calls: Option<&'a RawValue>,
+    #[serde(default, borrow, deserialize_with = "present")]
+    function_call: Option<&'a RawValue>,
+    #[serde(default, borrow, deserialize_with = "present")]
+    name: Option<&'a RawValue>,
+}
+
+/// A member's text when present, `null` included (an `Option`'s own reading takes `null` for
+/// absent, where the tree keeps it).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::Error> {
+    <&RawValue>::deserialize(d).map(Some)
+}
+
+/// Whether a list member offers anything, as [`ParsedRequest::has_tools`] reads it: a non-empty
+/// list, or any value but `null`.
+fn offered(member: Option<&RawValue>) -> bool {
+    member.is_some_and(|m| match m.get().as_bytes() {
+        [b'[', rest @ ..] => rest.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b']'),
+        b"null" => false,
+        _ => true,
+    })
+}
+
+/// Whether a member is given: present and not `null`.
+fn given(member: Option<&RawValue>) -> bool {
+    member.is_some_and(|m| m.get() != "null")
+}
+
+impl Role {
+    fn as_str(&self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::Developer => "developer",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+            Role::Tool => "tool",
+            Role::Function => "function",
+        }
+    }
+}
+
+/// Where one message's members are in the client's text (see [`super::Message`]).
+#[derive(Debug, Clone)]
+struct MessageSpans {
+    role: &'static str,
+    content: Option<Span>,
+    tool_calls: Option<Span>,
+    function_call: Option<Span>,
+    name: Option<Span>,
+}
+
+/// A byte range of the client's text.
+#[derive(Debug, Clone, Copy)]
+struct Span(u32, u32);
+
+impl Span {
+    /// Where `part` (a slice of `text`) is in it.
+    fn of(part: &str, text: &str) -> Option<Self> {
+        let start = (part.as_ptr() as usize).checked_sub(text.as_ptr() as usize)?;
+        Some(Self(
+            u32::try_from(start).ok()?,
+            u32::try_from(start + part.len()).ok()?,
+        ))
+    }
+
+    fn range(self) -> Range<usize> {
+        self.0 as usize..self.1 as usize
+    }
 }
 
 #[derive(Deserialize)]
@@ -190,6 +261,12 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for ObjectOnly<T> {
 struct Root {
     content: [Option<Range<usize>>; 2],
     metadata_session_id: Option<String>,
+    /// Every message's members.
+    messages: Vec<MessageSpans>,
+    /// Whether the request offers tools or functions ([`ParsedRequest::has_tools`]).
+    tools: bool,
+    /// Whether `temperature` is exactly 0 ([`ParsedRequest::deterministic`]).
+    deterministic: bool,
 }
 
 /// A validated request, ready to forward.
@@ -231,11 +308,6 @@ pub struct ParsedRequest {
     root: Option<Root>,
 }
 
-/// A chat body at least this large is read from its text even when a step will walk its tree:
-/// its fingerprint is then written from the text, where the tree's would escape every string
-/// again character by character (measured: an 80 KB agent body, docs/benchmarks.md).
-const TEXT_FIRST_BYTES: usize = 4096;
-
 /// Top-level fields that do not change the answer, left out of the fingerprint (`model` and
 /// `endpoint` are merged in as the client named them).
 const FINGERPRINT_SKIP: [&str; 5] = ["stream", "stream_options", "user", "model", "endpoint"];
@@ -262,20 +334,25 @@ impl ParsedRequest {
 
     /// Parse and validate a body for `endpoint`.
     pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Self, ApiError> {
-        Self::parse_bytes(endpoint, Bytes::copy_from_slice(body), false)
+        Self::parse_bytes(endpoint, Bytes::copy_from_slice(body))
     }
 
-    /// [`Self::parse`], keeping `raw` (the client's bytes) without a copy. Unless `walked` (a
-    /// step will walk the conversation, so the tree is needed anyway) and the body is small
-    /// (under [`TEXT_FIRST_BYTES`]), a chat body is read from its text where that reads exactly
-    /// as its tree would ([`Self::read_chat_text`]); anything
-    /// else, and every invalid body, is parsed into a tree, whose views name what is wrong.
-    pub fn parse_bytes(endpoint: Endpoint, raw: Bytes, walked: bool) -> Result<Self, ApiError> {
-        if endpoint == Endpoint::Chat && (!walked || raw.len() >= TEXT_FIRST_BYTES) {
+    /// [`Self::parse`], keeping `raw` (the client's bytes) without a copy. A chat body is read
+    /// from its text where that reads exactly as its tree would ([`Self::read_chat_text`]);
+    /// anything else, and every invalid body, is parsed into a tree, whose views name what is
+    /// wrong.
+    pub fn parse_bytes(endpoint: Endpoint, raw: Bytes) -> Result<Self, ApiError> {
+        if endpoint == Endpoint::Chat {
             if let Some(req) = Self::read_chat_text(raw.clone()) {
                 return Ok(req);
             }
         }
+        Self::parse_tree(endpoint, raw)
+    }
+
+    /// The reference reading: `raw` parsed into a tree and validated by views over it, whatever
+    /// the endpoint (the text reader is held equal to it).
+    pub fn parse_as_tree(endpoint: Endpoint, raw: Bytes) -> Result<Self, ApiError> {
         Self::parse_tree(endpoint, raw)
     }
 
@@ -286,7 +363,7 @@ impl ParsedRequest {
     /// array, a number or string serde_json would refuse, too many objects.
     fn read_chat_text(raw: Bytes) -> Option<Self> {
         let text = std::str::from_utf8(&raw).ok()?;
-        let view: ChatText = serde_json::from_str(text).ok()?;
+        let mut view: ChatText = serde_json::from_str(text).ok()?;
         check_common(
             &view.model,
             view.n,
@@ -300,36 +377,52 @@ impl ParsedRequest {
         }
         // The first system and first user message's content, as the tree's `find` sees them.
         let mut content: [Option<Option<Range<usize>>>; 2] = [None, None];
-        for ObjectOnly(m) in &view.messages {
-            let span = match m.content {
-                Some(c) => {
-                    let c = c.get();
-                    let shaped = match c.as_bytes().first() {
-                        Some(b'"') => true,
-                        Some(b'[') => serde_json::from_str::<Vec<PartView>>(c).is_ok(),
-                        _ => false,
-                    };
-                    if !shaped {
-                        return None;
+        let at = |m: Option<&RawValue>| match m {
+            None => Some(None),
+            Some(m) => Span::of(m.get(), text).map(Some),
+        };
+        // Each message's spans, collected into the allocation its view was read into.
+        let messages = std::mem::take(&mut view.messages)
+            .into_iter()
+            .map(|ObjectOnly(m)| {
+                let span = match m.content {
+                    Some(c) => {
+                        let c = c.get();
+                        let shaped = match c.as_bytes().first() {
+                            Some(b'"') => true,
+                            Some(b'[') => serde_json::from_str::<Vec<PartView>>(c).is_ok(),
+                            _ => false,
+                        };
+                        if !shaped {
+                            return None;
+                        }
+                        Some(Span::of(c, text)?)
                     }
-                    let start = (c.as_ptr() as usize).checked_sub(text.as_ptr() as usize)?;
-                    Some(start..start + c.len())
-                }
-                None => {
-                    let calls = m.tool_calls.is_some() || m.function_call.is_some();
-                    if !(matches!(m.role, Role::Assistant) && calls) {
-                        return None;
+                    None => {
+                        let calls = given(m.tool_calls) || given(m.function_call);
+                        if !(matches!(m.role, Role::Assistant) && calls) {
+                            return None;
+                        }
+                        None
                     }
-                    None
+                };
+                let slot = match m.role {
+                    Role::System => Some(0),
+                    Role::User => Some(1),
+                    _ => None,
+                };
+                if let Some(slot) = slot {
+                    content[slot].get_or_insert(span.map(Span::range));
                 }
-            };
-            let slot = match m.role {
-                Role::System => 0,
-                Role::User => 1,
-                _ => continue,
-            };
-            content[slot].get_or_insert(span);
-        }
+                Some(MessageSpans {
+                    role: m.role.as_str(),
+                    content: span,
+                    tool_calls: at(m.tool_calls)?,
+                    function_call: at(m.function_call)?,
+                    name: at(m.name)?,
+                })
+            })
+            .collect::<Option<Vec<_>>>()?;
         let model = view.model.into_owned();
         let edits = super::canon::Edits {
             skip: &FINGERPRINT_SKIP,
@@ -370,6 +463,13 @@ impl ParsedRequest {
                     .metadata
                     .and_then(|ObjectOnly(m)| m.session_id)
                     .map(Cow::into_owned),
+                messages,
+                tools: offered(view.tools) || offered(view.functions),
+                // A number serde_json refuses sent the body to the tree (the canonical walk).
+                deterministic: view
+                    .temperature
+                    .and_then(|t| serde_json::from_str::<f64>(t.get()).ok())
+                    .is_some_and(|t| t == 0.0),
             }),
             raw,
         })
@@ -739,6 +839,63 @@ impl ParsedRequest {
         (text, special)
     }
 
+    /// A chat's messages as the steps that read a conversation see them: borrowed from the
+    /// client's text for a body read that way (each member decoded when asked; no tree is
+    /// built), else the tree's. `None` when not a chat, or when `messages` is not a list.
+    pub fn messages(&self) -> Option<Vec<Message<'_>>> {
+        if self.endpoint != Endpoint::Chat {
+            return None;
+        }
+        if let Some(root) = &self.root {
+            let raw = &self.raw[..];
+            let at = |s: Option<Span>| s.map(|s| &raw[s.range()]);
+            return Some(
+                root.messages
+                    .iter()
+                    .map(|m| {
+                        Message::of_text(
+                            m.role,
+                            at(m.name),
+                            at(m.content),
+                            at(m.tool_calls),
+                            at(m.function_call),
+                        )
+                    })
+                    .collect(),
+            );
+        }
+        match self.body().get("messages") {
+            Some(Value::Array(m)) => Some(Message::of_values(m)),
+            _ => None,
+        }
+    }
+
+    /// Whether the request offers the model tools or functions (a non-empty list, or any value
+    /// but `null`).
+    pub fn has_tools(&self) -> bool {
+        if let Some(root) = &self.root {
+            return root.tools;
+        }
+        ["tools", "functions"]
+            .iter()
+            .any(|f| match self.body().get(*f) {
+                Some(Value::Array(a)) => !a.is_empty(),
+                Some(Value::Null) | None => false,
+                Some(_) => true,
+            })
+    }
+
+    /// Whether `temperature` is present and exactly 0.
+    pub fn deterministic(&self) -> bool {
+        if let Some(root) = &self.root {
+            return root.deterministic;
+        }
+        self.body()
+            .get("temperature")
+            .and_then(Value::as_f64)
+            .is_some_and(|t| t == 0.0)
+    }
+
     /// The request's `user` field (OpenAI's end-user id), if any.
     pub fn end_user(&self) -> Option<&str> {
         self.user.as_deref()
@@ -747,10 +904,7 @@ impl ParsedRequest {
     /// Prompt tokens as the gateway counts them (when the upstream reports none).
     pub fn count_prompt_tokens(&self, tokenizer: &Tokenizer) -> u64 {
         let n = match self.endpoint {
-            Endpoint::Chat => match self.body().get("messages") {
-                Some(Value::Array(messages)) => tokenizer.count_chat(messages),
-                _ => 0,
-            },
+            Endpoint::Chat => self.messages().map_or(0, |m| tokenizer.count_chat(&m)),
             Endpoint::Completions => self
                 .body()
                 .get("prompt")
@@ -1232,7 +1386,8 @@ mod tests {
             .to_owned()
         };
         let space = |rng: &mut rand::rngs::StdRng| pick(rng, &["", "", " ", "\n  ", "\t"]);
-        let content = |rng: &mut rand::rngs::StdRng| match rng.random_range(0..10) {
+        let content = |rng: &mut rand::rngs::StdRng| {
+            match rng.random_range(0..10) {
             0 => format!(
                 r#"[{{"type":"text","text":{}}},{{"text":"x","type":"image_url","image_url":{{"url":"u","detail":1.0}}}}]"#,
                 text(rng)
@@ -1240,7 +1395,14 @@ mod tests {
             1 => "[]".to_owned(),
             2 => "null".to_owned(),
             3 => r#"[{"type":"te\u0078t","text":"y"}]"#.to_owned(),
+            4 => r#"[{"type":"text","text":"a","text":"b"},{"type":"text","text":1},{"type":"text","text":"c"}]"#.to_owned(),
+            5 => format!(
+                r#"[{{"type":"text","text":{}}},{{"type":"text","text":{}}}]"#,
+                text(rng),
+                text(rng)
+            ),
             _ => text(rng),
+        }
         };
         let message = |rng: &mut rand::rngs::StdRng| {
             let role = pick(
@@ -1251,20 +1413,40 @@ mod tests {
                 format!(r#""role":"{role}""#),
                 format!(r#""content":{}"#, content(rng)),
             ];
-            if role == "assistant" && rng.random_bool(0.3) {
-                members.pop();
-                members.push(r#""tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]"#.to_owned());
+            if role == "assistant" && rng.random_bool(0.4) {
+                let calls = pick(
+                    rng,
+                    &[
+                        r#""tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]"#,
+                        r#""tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]"#,
+                        r#""tool_calls":[{"id":"c1","function":{"arguments":"{\"b\": 1, \"a\": [2.0]}","name":"read_file","name":"g"}},{"function":7},{"id":"c3"},"x"]"#,
+                        r#""tool_calls":[{"type":"function","function":{"n\u0061me":"run","arguments":{"cmd":"ls"}}}]"#,
+                        r#""tool_calls":[]"#,
+                        r#""tool_calls":null"#,
+                        r#""function_call":{"name":"lookup","arguments":"{\"q\":\"x\"}"}"#,
+                        r#""function_call":null"#,
+                        r#""function_call":{"name":5}"#,
+                    ],
+                );
+                // Calls given instead of content; `null` ones beside it (as some clients send).
+                if !calls.ends_with("null") {
+                    members.pop();
+                }
+                members.push(calls.to_owned());
             }
             if rng.random_bool(0.1) {
                 members.push(format!(r#""name":{}"#, text(rng)));
             }
-            if rng.random_bool(0.03) {
+            if rng.random_bool(0.02) {
+                members.push(r#""name":5"#.to_owned());
+            }
+            if rng.random_bool(0.015) {
                 members.push(r#""content":"again""#.to_owned());
             }
             for i in (1..members.len()).rev() {
                 members.swap(i, rng.random_range(0..=i));
             }
-            if rng.random_bool(0.02) {
+            if rng.random_bool(0.01) {
                 return format!(r#"["{role}","hi"]"#);
             }
             format!("{{{}}}", members.join(","))
@@ -1273,7 +1455,7 @@ mod tests {
             r#""model":{}"#,
             pick(rng, &[r#""fast""#, r#""f\u0061st""#, r#""m/\"x\"""#])
         )];
-        let n = rng.random_range(1..4);
+        let n = rng.random_range(1..6);
         let messages: Vec<String> = (0..n).map(|_| message(rng)).collect();
         members.push(format!(r#""messages":[{}]"#, messages.join(",")));
         for (p, member) in [
@@ -1340,6 +1522,14 @@ mod tests {
                 0.2,
                 r#""tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{}}}}]"#.to_owned(),
             ),
+            (
+                0.1,
+                format!(
+                    r#""{}":{}"#,
+                    pick(rng, &["tools", "functions"]),
+                    pick(rng, &["[]", "[ \n]", "null", "{}", r#"[{"name":"f"}]"#, "0"])
+                ),
+            ),
             (0.1, r#""endpoint":"sneaky""#.to_owned()),
             (0.1, format!(r#""x\u0079":{}"#, text(rng))),
             (0.05, r#""dup":1,"dup":{"b":2,"a":1}"#.to_owned()),
@@ -1363,6 +1553,37 @@ mod tests {
         )
     }
 
+    /// What each message reads as.
+    fn views(r: &ParsedRequest) -> Option<Vec<String>> {
+        let messages = r.messages()?;
+        Some(
+            messages
+                .iter()
+                .map(|m| {
+                    format!(
+                        "{:?}",
+                        (
+                            m.role(),
+                            m.name(),
+                            m.text(),
+                            m.tool_calls(),
+                            m.function_call()
+                        )
+                    )
+                })
+                .collect(),
+        )
+    }
+
+    /// What the loop check reads of the conversation (every step, with its texts).
+    fn conversation(r: &ParsedRequest) -> Option<String> {
+        let messages = r.messages()?;
+        Some(format!(
+            "{:?}",
+            crate::guard::signals::Conversation::read(&messages, true)
+        ))
+    }
+
     /// Quoting for a string of `\u` escapes built by hand.
     trait PipeQuoted {
         fn pipe_quoted(self) -> String;
@@ -1381,6 +1602,7 @@ mod tests {
         use rand::SeedableRng as _;
         let mut rng = rand::rngs::StdRng::seed_from_u64(19);
         let (mut read, mut valid) = (0, 0);
+        let tokens = crate::tokens::Tokenizer::default();
         for _ in 0..20_000 {
             let text = random_chat(&mut rng);
             let raw = Bytes::from(text.clone());
@@ -1419,6 +1641,19 @@ mod tests {
             );
             let session = |r: &ParsedRequest| crate::guard::session::of(None, "k", r);
             assert_eq!(session(&fast), session(&tree), "{text}");
+            assert_eq!(views(&fast), views(&tree), "{text}");
+            assert_eq!(conversation(&fast), conversation(&tree), "{text}");
+            assert_eq!(
+                fast.count_prompt_tokens(&tokens),
+                tree.count_prompt_tokens(&tokens),
+                "{text}"
+            );
+            assert_eq!(
+                (fast.has_tools(), fast.deterministic()),
+                (tree.has_tools(), tree.deterministic()),
+                "{text}"
+            );
+            assert!(fast.body.get().is_none(), "a view built the tree: {text}");
             assert_eq!(fast.body(), tree.body(), "{text}");
             assert_eq!(fast.upstream_body("up"), tree.upstream_body("up"), "{text}");
             fast.set_max_tokens(7);
@@ -1454,33 +1689,36 @@ mod tests {
         }
     }
 
-    /// With a step that walks the tree (the loop check), a small chat is parsed into a tree at
-    /// once and a large one is read from its text (its fingerprint written from the text), and
-    /// both read as the tree does.
+    /// An agent's conversation, small or large, is read from its text: the loop check and the
+    /// token count read borrowed views of it as they read the tree, and no tree is built.
     #[test]
-    fn a_large_chat_is_read_from_its_text_even_when_its_tree_is_walked() {
+    fn a_conversation_is_read_from_its_text_without_a_tree() {
         let big = "line with \"quotes\", a tab\t and 12:03:44\n".repeat(120);
-        let texts = [
-            r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#.to_owned(),
-            json!({"model": "m", "temperature": 1.0, "messages": [
+        let tokens = crate::tokens::Tokenizer::default();
+        for output in ["ok".to_owned(), big] {
+            let text = json!({"model": "m", "temperature": 1.0, "messages": [
                 {"role": "user", "content": "go"},
                 {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
                     "function": {"name": "run", "arguments": "{\"cmd\": \"ls\"}"}}]},
-                {"role": "tool", "tool_call_id": "c1", "content": big},
+                {"role": "tool", "tool_call_id": "c1", "content": output},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c2", "type": "function",
+                    "function": {"arguments": "{\"cmd\":\"ls\"}", "name": "run"}}]},
+                {"role": "tool", "tool_call_id": "c2", "content": output},
             ]})
-            .to_string(),
-        ];
-        for (text, from_text) in texts.iter().zip([false, true]) {
-            assert_eq!(text.len() >= TEXT_FIRST_BYTES, from_text);
+            .to_string();
             let raw = Bytes::from(text.clone());
-            let walked = ParsedRequest::parse_bytes(Endpoint::Chat, raw.clone(), true).unwrap();
+            let req = ParsedRequest::parse_bytes(Endpoint::Chat, raw.clone()).unwrap();
             let tree = ParsedRequest::parse_tree(Endpoint::Chat, raw).unwrap();
-            assert_eq!(walked.root.is_some(), from_text, "{text}");
-            assert_eq!(walked.body.get().is_none(), from_text, "{text}");
-            assert_eq!(walked.fingerprint(), tree.fingerprint(), "{text}");
-            assert_eq!(walked.body(), tree.body(), "{text}");
-            let session = |r: &ParsedRequest| crate::guard::session::of(None, "k", r);
-            assert_eq!(session(&walked), session(&tree), "{text}");
+            assert!(req.root.is_some(), "{text}");
+            let read = conversation(&req).unwrap();
+            assert!(read.contains("`run`"), "{read}");
+            assert_eq!(read, conversation(&tree).unwrap());
+            assert_eq!(
+                req.count_prompt_tokens(&tokens),
+                tree.count_prompt_tokens(&tokens)
+            );
+            assert!(req.body.get().is_none());
+            assert_eq!(req.fingerprint(), tree.fingerprint());
         }
     }
 

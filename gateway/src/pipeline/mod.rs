@@ -99,12 +99,9 @@ pub async fn run(
     body: Bytes,
 ) -> Response {
     let mut event = new_event(&ctx, endpoint);
-    // Parsing and fingerprinting read the whole body: a large one off the async workers. The
-    // loop check walks a chat's conversation as a tree: with it on, the body is parsed into one
-    // at once (reading the text first would be work on top).
-    let walked = state.guard.enabled();
+    // Parsing and fingerprinting read the whole body: a large one off the async workers.
     let parsed = crate::tokens::off_workers(body.len(), || {
-        match ParsedRequest::parse_bytes(endpoint, body.clone(), walked) {
+        match ParsedRequest::parse_bytes(endpoint, body.clone()) {
             Ok(req) => {
                 record_request(&mut event, &ctx.key, &req);
                 Ok(req)
@@ -281,20 +278,17 @@ impl Call {
                 .tags
                 .insert("session".to_owned(), session.id.clone());
         }
-        // The conversation is read (and the body built into a tree for it) only by the loop
-        // check.
+        // The conversation is read only by the loop check (borrowed from the client's text
+        // where the body was read that way).
         let messages = match self.req.endpoint {
-            Endpoint::Chat if self.state.guard.enabled() => match self.req.body().get("messages") {
-                Some(serde_json::Value::Array(m)) => Some(m.as_slice()),
-                _ => None,
-            },
+            Endpoint::Chat if self.state.guard.enabled() => self.req.messages(),
             _ => None,
         };
         let check = crate::guard::Check {
             tenant_id: &self.ctx.key.tenant_id,
             tenant_name: &self.ctx.key.tenant_name,
             session: &session.id,
-            messages,
+            messages: messages.as_deref(),
             request: crate::guard::request_hash(&self.event.fingerprint),
         };
         let retry = crate::guard::RetryCheck {

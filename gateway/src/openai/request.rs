@@ -751,12 +751,12 @@ impl ParsedRequest {
     /// [`Self::write_conversation_root`]'s bytes, written from the text of a body read that way.
     fn root_text(&self) -> Option<Vec<u8>> {
         let root = self.root.as_ref()?;
-        let text = std::str::from_utf8(&self.raw).ok()?;
-        let mut w = super::canon::Writer::new(text, false);
         let mut out = Vec::new();
         for part in &root.content {
             if let Some(range) = part {
-                w.value(range.clone(), &mut out)?;
+                // Only the part's own bytes are checked as text (not the whole body again).
+                let text = std::str::from_utf8(&self.raw[range.clone()]).ok()?;
+                super::canon::Writer::new(text, false).value(0..text.len(), &mut out)?;
             }
             out.push(0);
         }

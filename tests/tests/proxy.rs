@@ -1011,7 +1011,7 @@ async fn a_chat_read_from_its_text_is_recorded_as_its_tree_would_be() {
     ];
     for body in bodies {
         let tree =
-            ParsedRequest::parse_as_tree(Endpoint::Chat, body.as_bytes().to_vec().into()).unwrap();
+            ParsedRequest::parse_tree(Endpoint::Chat, body.as_bytes().to_vec().into()).unwrap();
         let session = gateway::guard::session::of(None, &s.app.key_id, &tree);
         let r = s.app.chat_text(body).await;
         assert_eq!(r.status(), 200, "{body}");

@@ -125,18 +125,17 @@ impl<'a> Message<'a> {
             Some(j @ Json::Text(b)) => match b.first() {
                 Some(b'"') => j.str().unwrap_or_default(),
                 Some(b'[') => {
-                    let parts = parts(b);
-                    let texts: Vec<&str> = parts
-                        .iter()
+                    let texts: Vec<Cow<'a, str>> = parts(b)
+                        .into_iter()
                         .filter_map(|p| match p {
-                            Part::Text(t) => Some(t.as_ref()),
+                            Part::Text(t) => Some(t),
                             _ => None,
                         })
                         .collect();
-                    match texts.as_slice() {
-                        [] => Cow::Borrowed(""),
-                        [one] => Cow::Owned((*one).to_owned()),
-                        _ => Cow::Owned(texts.join("\n")),
+                    // One text is the part's own (borrowed where written without escapes).
+                    match <[_; 1]>::try_from(texts) {
+                        Ok([one]) => one,
+                        Err(texts) => Cow::Owned(texts.join("\n")),
                     }
                 }
                 Some(b'n') => Cow::Borrowed(""),

@@ -254,12 +254,11 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for ObjectOnly<T> {
     }
 }
 
-/// Where a chat's conversation root is in the client's text (see
-/// [`ParsedRequest::write_conversation_root`]): the first system and first user message's
-/// `content`, and `metadata.session_id`.
+/// What a chat body read from its text keeps of it: where each message's members are (the
+/// conversation's root, [`ParsedRequest::write_conversation_root`], is among them), its
+/// `metadata.session_id`, and the two reads of the cache's policy.
 #[derive(Debug, Clone)]
 struct Root {
-    content: [Option<Range<usize>>; 2],
     metadata_session_id: Option<String>,
     /// Every message's members.
     messages: Vec<MessageSpans>,
@@ -350,12 +349,6 @@ impl ParsedRequest {
         Self::parse_tree(endpoint, raw)
     }
 
-    /// The reference reading: `raw` parsed into a tree and validated by views over it, whatever
-    /// the endpoint (the text reader is held equal to it).
-    pub fn parse_as_tree(endpoint: Endpoint, raw: Bytes) -> Result<Self, ApiError> {
-        Self::parse_tree(endpoint, raw)
-    }
-
     /// A valid chat body read from its text: its known fields by borrowed views, its
     /// fingerprint written canonically straight from the text ([`super::canon`]), where its
     /// conversation's root is. `None` for anything the tree might read differently or refuse
@@ -376,7 +369,6 @@ impl ParsedRequest {
             return None;
         }
         // The first system and first user message's content, as the tree's `find` sees them.
-        let mut content: [Option<Option<Range<usize>>>; 2] = [None, None];
         let at = |m: Option<&RawValue>| match m {
             None => Some(None),
             Some(m) => Span::of(m.get(), text).map(Some),
@@ -406,14 +398,6 @@ impl ParsedRequest {
                         None
                     }
                 };
-                let slot = match m.role {
-                    Role::System => Some(0),
-                    Role::User => Some(1),
-                    _ => None,
-                };
-                if let Some(slot) = slot {
-                    content[slot].get_or_insert(span.map(Span::range));
-                }
                 Some(MessageSpans {
                     role: m.role.as_str(),
                     content: span,
@@ -458,7 +442,6 @@ impl ParsedRequest {
             user: view.user.map(Cow::into_owned),
             choices: Some(choices.into_iter().flatten().max().unwrap_or(1).max(1)),
             root: Some(Root {
-                content: content.map(Option::flatten),
                 metadata_session_id: view
                     .metadata
                     .and_then(|ObjectOnly(m)| m.session_id)
@@ -475,8 +458,9 @@ impl ParsedRequest {
         })
     }
 
-    /// Parse `raw` into a tree and validate it by views over the tree, naming the failing field.
-    fn parse_tree(endpoint: Endpoint, raw: Bytes) -> Result<Self, ApiError> {
+    /// Parse `raw` into a tree and validate it by views over the tree, naming the failing field:
+    /// the reference reading, whatever the endpoint (the text reader is held equal to it).
+    pub fn parse_tree(endpoint: Endpoint, raw: Bytes) -> Result<Self, ApiError> {
         let body_bytes = raw.len();
         let body = json_object(&raw)?;
         let value = Value::Object(body);
@@ -752,10 +736,11 @@ impl ParsedRequest {
     fn root_text(&self) -> Option<Vec<u8>> {
         let root = self.root.as_ref()?;
         let mut out = Vec::new();
-        for part in &root.content {
-            if let Some(range) = part {
+        for role in ["system", "user"] {
+            let first = root.messages.iter().find(|m| m.role == role);
+            if let Some(span) = first.and_then(|m| m.content) {
                 // Only the part's own bytes are checked as text (not the whole body again).
-                let text = std::str::from_utf8(&self.raw[range.clone()]).ok()?;
+                let text = std::str::from_utf8(&self.raw[span.range()]).ok()?;
                 super::canon::Writer::new(text, false).value(0..text.len(), &mut out)?;
             }
             out.push(0);

@@ -723,7 +723,9 @@ async fn chat(State(sim): State<Arc<Simulator>>, body: Bytes) -> Response {
             push_text(c, &mut text);
         }
     }
-    let counted = sim.tokenizer.count_chat(&messages);
+    let counted = sim
+        .tokenizer
+        .count_chat(&crate::openai::Message::of_values(&messages));
     let g = plan(&sim, &body, sim.tokenizer.encode(&text), counted);
     generate(sim, g, true).await
 }

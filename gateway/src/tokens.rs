@@ -435,8 +435,8 @@ impl Tokenizer {
     }
 }
 
-/// A chat message as [`Tokenizer::count_chat`] reads it: a node of a body's tree, or the
-/// request's borrowed view of its text (`openai`).
+/// A chat message as [`Tokenizer::count_chat`] reads it (`openai::Message`, which reads a body's
+/// text or its tree; the trait keeps this module below `openai`).
 pub trait ChatMessage {
     /// `role`, when a string.
     fn role(&self) -> Option<&str>;
@@ -446,28 +446,6 @@ pub trait ChatMessage {
     fn push_content(&self, out: &mut String);
     /// `tool_calls` (any value, `null` included) as serde_json writes the parsed value.
     fn tool_calls_written(&self) -> Option<String>;
-}
-
-impl ChatMessage for Value {
-    fn role(&self) -> Option<&str> {
-        self.get("role").and_then(Value::as_str)
-    }
-
-    fn name(&self) -> Option<std::borrow::Cow<'_, str>> {
-        self.get("name")
-            .and_then(Value::as_str)
-            .map(std::borrow::Cow::Borrowed)
-    }
-
-    fn push_content(&self, out: &mut String) {
-        if let Some(content) = self.get("content") {
-            push_text(content, out);
-        }
-    }
-
-    fn tool_calls_written(&self) -> Option<String> {
-        self.get("tool_calls").map(Value::to_string)
-    }
 }
 
 /// Append the text of an OpenAI `content` value (a string, or an array of parts with `text`).
@@ -503,10 +481,11 @@ mod tests {
         assert_eq!(t.count("hello world"), 2);
         assert_eq!(t.count(""), 0);
         let msgs = vec![json!({"role": "user", "content": "hello world"})];
-        assert_eq!(t.count_chat(&msgs), 3 + 4 + 1 + 2);
+        let of = crate::openai::Message::of_values;
+        assert_eq!(t.count_chat(&of(&msgs)), 3 + 4 + 1 + 2);
         let parts =
             vec![json!({"role": "user", "content": [{"type": "text", "text": "hello world"}]})];
-        assert_eq!(t.count_chat(&parts), t.count_chat(&msgs));
+        assert_eq!(t.count_chat(&of(&parts)), t.count_chat(&of(&msgs)));
     }
 
     /// Text that exercises every alternative of both split patterns and the look-ahead put

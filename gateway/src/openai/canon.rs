@@ -33,6 +33,8 @@ pub struct Writer<'a> {
 struct Entry<'a> {
     key: Cow<'a, str>,
     at: Range<usize>,
+    /// Where its value is in the text.
+    value: Range<usize>,
 }
 
 /// What escapes a string holds.
@@ -87,19 +89,47 @@ impl<'a> Writer<'a> {
 
     /// The whole text, an object, with `edits` applied to its top level, written into `sink`
     /// (`out` holds the text of its members on the way; the top level is written from it in
-    /// order, not copied back).
-    pub fn object(
+    /// order, not copied back). Noted on the way: where the top-level members `keys` are in
+    /// the text, as [`super::top_level`] finds them (`None` inside where it finds nothing: a
+    /// top-level key written with escapes, or one of `keys` twice), so that the body is not
+    /// scanned again to splice them.
+    pub fn object<const N: usize>(
         &mut self,
         edits: Edits<'_>,
+        keys: [&str; N],
         out: &mut Vec<u8>,
         sink: &mut dyn std::io::Write,
-    ) -> Option<()> {
+    ) -> Option<Option<super::TopLevel<N>>> {
         let at = self.space(0);
         if self.byte(at)? != b'{' {
             return None;
         }
         let end = self.object_at(at, 1, Some((edits, sink)), out)?;
-        (self.space(end) == self.text.len()).then_some(())
+        if self.space(end) != self.text.len() {
+            return None;
+        }
+        // The top level's entries are left in place by `object_at` (in key order).
+        let found = self.members(keys, end - 1);
+        self.entries.clear();
+        Some(found)
+    }
+
+    /// Where the top-level members `keys` are, from the top level's entries; the object closes
+    /// at `close`.
+    fn members<const N: usize>(&self, keys: [&str; N], close: usize) -> Option<super::TopLevel<N>> {
+        let mut values: [Option<Range<usize>>; N] = std::array::from_fn(|_| None);
+        for e in &self.entries {
+            // A key with escapes could spell one of `keys` another way.
+            let Cow::Borrowed(key) = e.key else {
+                return None;
+            };
+            if let Some(k) = keys.iter().position(|k| *k == key) {
+                if values[k].replace(e.value.clone()).is_some() {
+                    return None;
+                }
+            }
+        }
+        Some(super::TopLevel { values, close })
     }
 
     /// The value at `range` (as a `serde_json::value::RawValue` of this text spans it).
@@ -270,13 +300,15 @@ impl<'a> Writer<'a> {
                     return None;
                 }
                 out.push(b':');
-                i = self.value_at(i + 1, depth, out)?;
+                let value = self.space(i + 1);
+                i = self.value_at(value, depth, out)?;
                 if let Some(last) = self.entries.last().filter(|_| self.entries.len() > base) {
                     sorted &= last.key < key;
                 }
                 self.entries.push(Entry {
                     key,
                     at: from..out.len(),
+                    value: value..i,
                 });
                 i = self.space(i);
                 match self.byte(i)? {
@@ -292,7 +324,11 @@ impl<'a> Writer<'a> {
         match top {
             None if sorted => out.push(b'}'),
             None => self.reorder(start, base, out),
-            Some((edits, sink)) => self.write_sorted(start, base, edits, out, sink).ok()?,
+            // The top level's entries stay for `object` to read.
+            Some((edits, sink)) => {
+                self.write_sorted(start, base, edits, out, sink).ok()?;
+                return Some(i);
+            }
         }
         self.entries.truncate(base);
         Some(i)
@@ -440,19 +476,45 @@ mod tests {
             add: &[("endpoint", "chat"), ("model", "m\"y")],
         };
         Writer::new(text, true)
-            .object(edits, &mut out, &mut sink)
+            .object(edits, ["model"], &mut out, &mut sink)
             .unwrap();
         assert_eq!(
             std::str::from_utf8(&sink).unwrap(),
             r#"{"endpoint":"chat","messages":[],"model":"m\"y","n":1,"temperature":0}"#
         );
-        assert_eq!(
-            Writer::new("[1]", true).object(edits, &mut out, &mut sink),
-            None
-        );
-        assert_eq!(
-            Writer::new("{} x", true).object(edits, &mut out, &mut sink),
-            None
-        );
+        for text in ["[1]", "{} x"] {
+            assert_eq!(
+                Writer::new(text, true).object(edits, ["model"], &mut out, &mut sink),
+                None
+            );
+        }
+    }
+
+    #[test]
+    fn the_top_level_members_are_noted_where_the_scan_finds_them() {
+        let keys = ["model", "max_tokens", "stream_options", "absent"];
+        let edits = Edits {
+            skip: &[],
+            add: &[],
+        };
+        for text in [
+            r#"{"model":"x","messages":[{"model":"inner","max_tokens":1}],"max_tokens":16}"#,
+            " {\n \"max_tokens\" :\t5.0 ,\"model\": \"a\\\"b\" ,\"stream_options\":{\"include_usage\":true} } \n",
+            r#"{"x\u0079":1,"model":"x"}"#,
+            r#"{"model":"x","model":"y"}"#,
+            r#"{"dup":1,"dup":2,"model":"x"}"#,
+            r#"{"m\u006fdel":"x"}"#,
+            r#"{"model":"x","z":{"a\u0062":[1,{"c":null}]}}"#,
+            "{}",
+        ] {
+            let (mut out, mut sink) = (Vec::new(), Vec::new());
+            let keys_bytes = keys.map(str::as_bytes);
+            let noted = Writer::new(text, true).object(edits, keys, &mut out, &mut sink);
+            assert_eq!(
+                noted,
+                Some(crate::openai::top_level(text.as_bytes(), keys_bytes)),
+                "{text}"
+            );
+        }
     }
 }

@@ -266,7 +266,18 @@ struct Root {
     tools: bool,
     /// Whether `temperature` is exactly 0 ([`ParsedRequest::deterministic`]).
     deterministic: bool,
+    /// Where the fields the upstream body splices are ([`SPLICED`]), noted by the canonical
+    /// walk; `None` where a splice is not safe (as [`super::top_level`] would say).
+    spliced_at: Option<super::TopLevel<4>>,
 }
+
+/// The top-level fields the upstream body is spliced at ([`ParsedRequest::upstream_body`]).
+const SPLICED: [&str; 4] = [
+    "model",
+    "stream_options",
+    "max_completion_tokens",
+    "max_tokens",
+];
 
 /// A validated request, ready to forward.
 #[derive(Debug, Clone)]
@@ -413,8 +424,9 @@ impl ParsedRequest {
             add: &[("endpoint", Endpoint::Chat.label()), ("model", &model)],
         };
         let mut hasher = HashWriter(sha2::Digest::new());
-        super::canon::Writer::new(text, true).object(
+        let spliced_at = super::canon::Writer::new(text, true).object(
             edits,
+            SPLICED,
             &mut Vec::with_capacity(text.len()),
             &mut hasher,
         )?;
@@ -453,6 +465,7 @@ impl ParsedRequest {
                     .temperature
                     .and_then(|t| serde_json::from_str::<f64>(t.get()).ok())
                     .is_some_and(|t| t == 0.0),
+                spliced_at,
             }),
             raw,
         })
@@ -609,13 +622,12 @@ impl ParsedRequest {
     fn spliced(&self, upstream_model: &str) -> Option<Bytes> {
         use std::io::Write as _;
         let raw = &self.raw[..];
-        let keys = [
-            b"model".as_slice(),
-            b"stream_options",
-            b"max_completion_tokens",
-            b"max_tokens",
-        ];
-        let super::TopLevel { values, close } = super::top_level(raw, keys)?;
+        // Noted when the body was read from its text; else found by a scan of its top level.
+        let found = match &self.root {
+            Some(root) => root.spliced_at.clone(),
+            None => super::top_level(raw, SPLICED.map(str::as_bytes)),
+        };
+        let super::TopLevel { values, close } = found?;
         let [model, options, max_completion, max] = values;
         let model = model.filter(|r| raw.get(r.start) == Some(&b'"'))?;
         if self.usage_added && options.is_some() {
@@ -1636,6 +1648,12 @@ mod tests {
             assert_eq!(
                 (fast.has_tools(), fast.deterministic()),
                 (tree.has_tools(), tree.deterministic()),
+                "{text}"
+            );
+            let root = fast.root.as_ref().unwrap();
+            assert_eq!(
+                root.spliced_at,
+                super::super::top_level(text.as_bytes(), SPLICED.map(str::as_bytes)),
                 "{text}"
             );
             assert!(fast.body.get().is_none(), "a view built the tree: {text}");

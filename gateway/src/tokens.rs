@@ -17,8 +17,14 @@ use tokio::sync::Semaphore;
 
 use crate::types::TokenizerKind;
 
-/// Requests whose body is at least this large are tokenized off the async workers.
-pub const OFF_WORKER_BYTES: usize = 64 * 1024;
+/// Reading a body whole (parsing, fingerprinting, hashing its conversation's root) runs on the
+/// async workers up to this size: ~1.4 µs per KiB on the standard machine, so ~1.4 ms at most.
+pub const SCAN_INLINE_BYTES: usize = 1024 * 1024;
+
+/// New text (not in [`Counts`]) is tokenized on the async workers up to this much per request:
+/// BPE costs ~14 µs per KiB on the standard machine, so ~1 ms at most. The tier router's
+/// reading of a prompt keeps to the same bound.
+pub const NEW_TEXT_INLINE_BYTES: usize = 64 * 1024;
 
 /// Large tokenizations running at once: one per two cores (at least one), so they leave the
 /// async workers cores to run on (the rest wait their turn without blocking a worker).
@@ -27,20 +33,22 @@ static HEAVY: LazyLock<Semaphore> = LazyLock::new(|| {
     Semaphore::new((cores / 2).max(1))
 });
 
-/// Run `count` (work that reads a request of `bytes` bytes whole: parsing, hashing,
-/// tokenizing): inline when small; otherwise after a [`HEAVY`] permit, on a thread the runtime
-/// takes off its async workers (`block_in_place`), so a long prompt never stalls other requests
-/// or the probes.
-pub async fn off_workers<T>(bytes: usize, count: impl FnOnce() -> T) -> T {
-    if bytes < OFF_WORKER_BYTES {
-        return count();
+/// Run `work` (reading `bytes` bytes of a request): inline below `inline` bytes, the work of
+/// about a millisecond ([`SCAN_INLINE_BYTES`], [`NEW_TEXT_INLINE_BYTES`]); otherwise after a
+/// [`HEAVY`] permit, on a thread the runtime takes off its async workers (`block_in_place`), so
+/// a long prompt never stalls other requests or the probes. (Handing the worker over costs two
+/// context switches and another thread: below a millisecond of work it costs more than it
+/// saves, and an 80 KB agent conversation sent off on every step halved the throughput.)
+pub async fn off_workers<T>(bytes: usize, inline: usize, work: impl FnOnce() -> T) -> T {
+    if bytes < inline {
+        return work();
     }
     let _permit = HEAVY.acquire().await;
     if Handle::current().runtime_flavor() == RuntimeFlavor::MultiThread {
-        tokio::task::block_in_place(count)
+        tokio::task::block_in_place(work)
     } else {
         // A current-thread runtime (some tests) has no other worker to hand its tasks to.
-        count()
+        work()
     }
 }
 
@@ -400,38 +408,59 @@ impl Tokenizer {
 
     /// Number of tokens in `text` (remembered: see [`Counts`]).
     pub fn count(&self, text: &str) -> usize {
+        let mut unbounded = usize::MAX;
+        self.count_within(text, &mut unbounded).unwrap_or_default()
+    }
+
+    /// Number of tokens in `text` when it is remembered ([`Counts`]) or is no longer than what
+    /// is left of `fresh`, the bytes of new text this count may still tokenize (taken from
+    /// it); `None` otherwise, nothing tokenized.
+    pub fn count_within(&self, text: &str, fresh: &mut usize) -> Option<usize> {
         if text.is_empty() {
-            return 0;
+            return Some(0);
         }
         let hash = COUNTS.hash(self.name, text);
         if let Some(n) = COUNTS.get(hash) {
-            return n;
+            return Some(n);
         }
+        *fresh = fresh.checked_sub(text.len())?;
         let n = self.vocab.count(text);
         COUNTS.put(hash, n);
-        n
+        Some(n)
     }
 
     /// Prompt tokens of a chat request's `messages`, counted the way OpenAI documents it: each
     /// message costs its text plus a fixed overhead, plus a primer for the reply.
     pub fn count_chat<M: ChatMessage>(&self, messages: &[M]) -> usize {
+        let mut unbounded = usize::MAX;
+        self.count_chat_within(messages, &mut unbounded)
+            .unwrap_or_default()
+    }
+
+    /// [`Self::count_chat`] tokenizing at most `fresh` bytes of new text
+    /// ([`Self::count_within`]); `None` when it would need more.
+    pub fn count_chat_within<M: ChatMessage>(
+        &self,
+        messages: &[M],
+        fresh: &mut usize,
+    ) -> Option<usize> {
         let mut total = TOKENS_REPLY_PRIMER;
         for m in messages {
             total += TOKENS_PER_MESSAGE;
             if let Some(role) = m.role() {
-                total += self.count(role);
+                total += self.count_within(role, fresh)?;
             }
             if let Some(name) = m.name() {
-                total += self.count(&name);
+                total += self.count_within(&name, fresh)?;
             }
             let mut text = String::new();
             m.push_content(&mut text);
             if let Some(calls) = m.tool_calls_written() {
                 text.push_str(&calls);
             }
-            total += self.count(&text);
+            total += self.count_within(&text, fresh)?;
         }
-        total
+        Some(total)
     }
 }
 
@@ -682,5 +711,36 @@ mod tests {
         let long = c.hash("test-only", "a long one");
         c.put(long, 1 << COUNT_BITS);
         assert_eq!(c.get(long), None);
+    }
+
+    #[test]
+    fn a_bounded_count_tokenizes_only_the_new_text_it_is_allowed() {
+        let t = Tokenizer::default();
+        // Texts no other test counts (the table is the process's).
+        let old = "a_bounded_count: the history an agent sent on its last step";
+        let new = "a_bounded_count: the new tool result, longer than what is left";
+        let remembered = t.count(old);
+        // A remembered text costs none of the allowance, whatever its length.
+        let mut fresh = 0;
+        assert_eq!(t.count_within(old, &mut fresh), Some(remembered));
+        // New text beyond what is left: nothing counted, nothing remembered, nothing taken.
+        let mut fresh = new.len() - 1;
+        assert_eq!(t.count_within(new, &mut fresh), None);
+        assert_eq!(fresh, new.len() - 1);
+        assert_eq!(COUNTS.get(COUNTS.hash(t.name, new)), None);
+        // Within it: counted as `count` counts it, its bytes taken from the allowance.
+        let mut fresh = new.len() + 5;
+        assert_eq!(t.count_within(new, &mut fresh), Some(t.encode(new).len()));
+        assert_eq!(fresh, 5);
+        // A conversation: the same total as unbounded once its texts are remembered.
+        let messages = [
+            serde_json::json!({"role": "user", "content": old}),
+            serde_json::json!({"role": "assistant", "content": new, "name": "a_bounded_count"}),
+        ];
+        let messages = crate::openai::Message::of_values(&messages);
+        let mut none_left = 0;
+        assert_eq!(t.count_chat_within(&messages, &mut none_left), None);
+        let total = t.count_chat(&messages);
+        assert_eq!(t.count_chat_within(&messages, &mut none_left), Some(total));
     }
 }

@@ -185,13 +185,18 @@ async fn long_prompts_are_tokenized_off_the_async_workers() {
         )
         .await;
     assert_eq!(r.status(), 201);
-    // ~2 MiB of made-up words: each needs real BPE merges (unlike common words, which are one
-    // vocabulary lookup), as the hostile prompts that stalled the probes did.
-    let mut x: u64 = 42;
-    let prompt: String = (0..300_000)
-        .map(|_| {
-            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-            format!("{:x} ", x >> 36)
+    // ~2 MiB of made-up words each: each needs real BPE merges (unlike common words, which are
+    // one vocabulary lookup), as the hostile prompts that stalled the probes did. Eight
+    // different ones: a text counted once is remembered, so a repeated prompt costs nothing.
+    let prompts: Vec<String> = (0..8u64)
+        .map(|seed| {
+            let mut x: u64 = 42 + seed;
+            (0..300_000)
+                .map(|_| {
+                    x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                    format!("{:x} ", x >> 36)
+                })
+                .collect()
         })
         .collect();
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -211,7 +216,8 @@ async fn long_prompts_are_tokenized_off_the_async_workers() {
     };
     let started = Instant::now();
     let answers =
-        futures_util::future::join_all((0..8).map(|_| app.chat(chat_body("fast", &prompt)))).await;
+        futures_util::future::join_all(prompts.iter().map(|p| app.chat(chat_body("fast", p))))
+            .await;
     assert!(answers.iter().all(|r| r.status() == 200));
     let took = started.elapsed();
     done.store(true, std::sync::atomic::Ordering::SeqCst);

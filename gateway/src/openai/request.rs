@@ -900,18 +900,33 @@ impl ParsedRequest {
 
     /// Prompt tokens as the gateway counts them (when the upstream reports none).
     pub fn count_prompt_tokens(&self, tokenizer: &Tokenizer) -> u64 {
+        let mut unbounded = usize::MAX;
+        self.count_prompt_tokens_within(tokenizer, &mut unbounded)
+            .unwrap_or_default()
+    }
+
+    /// [`Self::count_prompt_tokens`] tokenizing at most `fresh` bytes of text not counted
+    /// before ([`Tokenizer::count_within`]); `None` when it would need more.
+    pub fn count_prompt_tokens_within(
+        &self,
+        tokenizer: &Tokenizer,
+        fresh: &mut usize,
+    ) -> Option<u64> {
         let n = match self.endpoint {
-            Endpoint::Chat => self.messages().map_or(0, |m| tokenizer.count_chat(&m)),
-            Endpoint::Completions => self
-                .body()
-                .get("prompt")
-                .map_or(0, |p| count_input(p, tokenizer)),
-            Endpoint::Embeddings => self
-                .body()
-                .get("input")
-                .map_or(0, |p| count_input(p, tokenizer)),
+            Endpoint::Chat => match self.messages() {
+                Some(m) => tokenizer.count_chat_within(&m, fresh)?,
+                None => 0,
+            },
+            Endpoint::Completions => match self.body().get("prompt") {
+                Some(p) => count_input(p, tokenizer, fresh)?,
+                None => 0,
+            },
+            Endpoint::Embeddings => match self.body().get("input") {
+                Some(p) => count_input(p, tokenizer, fresh)?,
+                None => 0,
+            },
         };
-        n as u64
+        Some(n as u64)
     }
 }
 
@@ -1110,19 +1125,19 @@ pub fn canonical_numbers(v: &mut Value) {
     }
 }
 
-fn count_input(input: &Value, tokenizer: &Tokenizer) -> usize {
+fn count_input(input: &Value, tokenizer: &Tokenizer, fresh: &mut usize) -> Option<usize> {
     match input {
-        Value::String(s) => tokenizer.count(s),
+        Value::String(s) => tokenizer.count_within(s, fresh),
         Value::Array(items) => items
             .iter()
             .map(|i| match i {
-                Value::String(s) => tokenizer.count(s),
-                Value::Number(_) => 1,
-                Value::Array(tokens) => tokens.len(),
-                _ => 0,
+                Value::String(s) => tokenizer.count_within(s, fresh),
+                Value::Number(_) => Some(1),
+                Value::Array(tokens) => Some(tokens.len()),
+                _ => Some(0),
             })
             .sum(),
-        _ => 0,
+        _ => Some(0),
     }
 }
 

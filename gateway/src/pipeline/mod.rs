@@ -99,8 +99,8 @@ pub async fn run(
     body: Bytes,
 ) -> Response {
     let mut event = new_event(&ctx, endpoint);
-    // Parsing and fingerprinting read the whole body: a large one off the async workers.
-    let parsed = crate::tokens::off_workers(body.len(), || {
+    // Parsing and fingerprinting read the whole body: a very large one off the async workers.
+    let parsed = crate::tokens::off_workers(body.len(), crate::tokens::SCAN_INLINE_BYTES, || {
         match ParsedRequest::parse_bytes(endpoint, body.clone()) {
             Ok(req) => {
                 record_request(&mut event, &ctx.key, &req);
@@ -268,8 +268,10 @@ impl Call {
     async fn guard(&mut self) -> Result<(), ApiError> {
         let tagged = self.event.tags.get("session").cloned();
         let client = self.ctx.session.as_deref().or(tagged.as_deref());
-        // A derived session hashes the conversation's root: a large one off the async workers.
-        let session = crate::tokens::off_workers(self.req.body_bytes, || {
+        // A derived session hashes the conversation's root: a very large one off the async
+        // workers.
+        let inline = crate::tokens::SCAN_INLINE_BYTES;
+        let session = crate::tokens::off_workers(self.req.body_bytes, inline, || {
             crate::guard::session::of(client, &self.ctx.key.id, &self.req)
         })
         .await;
@@ -417,7 +419,8 @@ impl Call {
         // Budget pressure as this replica last saw it: no round trip.
         let budget_used = self.state.budgets.pressure(&self.ctx.key, &self.event.tags);
         // Reading the prompt walks the body: a large one off the async workers.
-        let routed = crate::tokens::off_workers(req.body_bytes, || {
+        let inline = crate::tokens::NEW_TEXT_INLINE_BYTES;
+        let routed = crate::tokens::off_workers(req.body_bytes, inline, || {
             let (text, special) = req.routing_view();
             router.route(tenant, &text, special, budget_used)
         })
@@ -475,10 +478,18 @@ impl Call {
     /// affordable requests.
     async fn admit_input(&self) -> AdmitInput {
         let (state, req) = (&self.state, &self.req);
+        // Counted here unless that would tokenize much new text (an agent's history was
+        // counted on its earlier steps); then off the async workers.
         let prompt_tokens = match state.upstreams.tier(self.tier) {
             Some(t) => {
-                crate::tokens::off_workers(req.body_bytes, || req.count_prompt_tokens(&t.tokenizer))
-                    .await
+                let mut fresh = crate::tokens::NEW_TEXT_INLINE_BYTES;
+                match req.count_prompt_tokens_within(&t.tokenizer, &mut fresh) {
+                    Some(n) => n,
+                    None => {
+                        let count = || req.count_prompt_tokens(&t.tokenizer);
+                        crate::tokens::off_workers(usize::MAX, 0, count).await
+                    }
+                }
             }
             None => 0,
         };

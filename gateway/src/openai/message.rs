@@ -128,7 +128,7 @@ impl<'a> Message<'a> {
                     let texts: Vec<Cow<'a, str>> = parts(b)
                         .into_iter()
                         .filter_map(|p| match p {
-                            Part::Text(t) => Some(t),
+                            Part::Object { text, .. } => text,
                             _ => None,
                         })
                         .collect();
@@ -142,6 +142,47 @@ impl<'a> Message<'a> {
                 _ => Cow::Owned(j.written()),
             },
         }
+    }
+
+    /// What the tier router reads of the message: `content` when a string, else the `text` of
+    /// its parts of type `text`, joined by line breaks; and whether it has a part of any other
+    /// kind (an image, audio, a bare string).
+    pub fn routed_text(&self) -> (String, bool) {
+        let (mut text, mut other) = (String::new(), false);
+        let mut add = |t: &str| {
+            if !text.is_empty() {
+                text.push('\n');
+            }
+            text.push_str(t);
+        };
+        match self.content {
+            Some(Json::Tree(Value::String(s))) => add(s),
+            Some(Json::Tree(Value::Array(parts))) => {
+                for p in parts {
+                    match p.get("type").and_then(Value::as_str) {
+                        Some("text") => p.get("text").and_then(Value::as_str).map_or((), &mut add),
+                        _ => other = true,
+                    }
+                }
+            }
+            Some(j @ Json::Text(b)) => match b.first() {
+                Some(b'"') => add(&j.str().unwrap_or_default()),
+                Some(b'[') => {
+                    for p in parts(b) {
+                        match p {
+                            Part::Object {
+                                text,
+                                kind: Some(kind),
+                            } if kind == "text" => text.as_deref().map_or((), &mut add),
+                            _ => other = true,
+                        }
+                    }
+                }
+                _ => {}
+            },
+            _ => {}
+        }
+        (text, other)
     }
 
     /// The message's `tool_calls` when a list: each call's function.
@@ -190,8 +231,8 @@ impl crate::tokens::ChatMessage for Message<'_> {
                 Some(b'[') => {
                     for p in parts(b) {
                         match p {
-                            Part::Bare(t) | Part::Text(t) => out.push_str(&t),
-                            Part::Other => {}
+                            Part::Bare(t) | Part::Object { text: Some(t), .. } => out.push_str(&t),
+                            Part::Object { text: None, .. } | Part::Other => {}
                         }
                     }
                 }
@@ -213,11 +254,15 @@ fn call_of_value(f: Option<&Value>) -> Call<'_> {
     }
 }
 
-/// One content part: a bare string, an object's `text` when a string, or anything else.
+/// One content part: a bare string, an object (its `text` and `type` when strings), or anything
+/// else.
 #[derive(Default)]
 enum Part<'a> {
     Bare(Cow<'a, str>),
-    Text(Cow<'a, str>),
+    Object {
+        text: Option<Cow<'a, str>>,
+        kind: Option<Cow<'a, str>>,
+    },
     #[default]
     Other,
 }
@@ -394,10 +439,10 @@ impl<'de> Deserialize<'de> for Part<'de> {
                 skip_seq(seq).map(|()| Part::Other)
             }
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-                let mut out = [None];
-                string_members(map, &["text"], &mut out)?;
-                let [text] = out;
-                Ok(text.map_or(Part::Other, Part::Text))
+                let mut out = [None, None];
+                string_members(map, &["text", "type"], &mut out)?;
+                let [text, kind] = out;
+                Ok(Part::Object { text, kind })
             }
         }
         d.deserialize_any(V)

@@ -776,45 +776,19 @@ impl ParsedRequest {
     /// (a completion; its first string when a list), and whether the request carries tools,
     /// functions or non-text content parts (images, audio).
     pub fn routing_view(&self) -> (String, bool) {
-        let non_empty = |k: &str| match self.body().get(k) {
-            Some(Value::Array(a)) => !a.is_empty(),
-            Some(Value::Null) | None => false,
-            Some(_) => true,
-        };
-        let mut special = non_empty("tools") || non_empty("functions");
+        // A request with tools, or with a part that is not text, is `special`.
+        let tools = self.has_tools();
         let text = match self.endpoint {
             Endpoint::Chat => {
-                let messages = match self.body().get("messages") {
-                    Some(Value::Array(m)) => m.as_slice(),
-                    _ => &[],
-                };
-                let mut text = String::new();
-                if let Some(last) = messages
+                // The last user message (read from the client's text where the body was).
+                let messages = self.messages().unwrap_or_default();
+                let (text, other) = messages
                     .iter()
                     .rev()
-                    .find(|m| m.get("role").and_then(Value::as_str) == Some("user"))
-                {
-                    match last.get("content") {
-                        Some(Value::String(s)) => text.push_str(s),
-                        Some(Value::Array(parts)) => {
-                            for part in parts {
-                                match part.get("type").and_then(Value::as_str) {
-                                    Some("text") => {
-                                        if let Some(t) = part.get("text").and_then(Value::as_str) {
-                                            if !text.is_empty() {
-                                                text.push('\n');
-                                            }
-                                            text.push_str(t);
-                                        }
-                                    }
-                                    _ => special = true,
-                                }
-                            }
-                        }
-                        _ => {}
-                    }
-                }
-                text
+                    .find(|m| m.role() == "user")
+                    .map(Message::routed_text)
+                    .unwrap_or_default();
+                return (text, tools || other);
             }
             Endpoint::Completions | Endpoint::Embeddings => {
                 let field = if self.endpoint == Endpoint::Completions {
@@ -833,7 +807,7 @@ impl ParsedRequest {
                 }
             }
         };
-        (text, special)
+        (text, tools)
     }
 
     /// A chat's messages as the steps that read a conversation see them: borrowed from the
@@ -1399,7 +1373,7 @@ mod tests {
         };
         let space = |rng: &mut rand::rngs::StdRng| pick(rng, &["", "", " ", "\n  ", "\t"]);
         let content = |rng: &mut rand::rngs::StdRng| {
-            match rng.random_range(0..10) {
+            match rng.random_range(0..11) {
             0 => format!(
                 r#"[{{"type":"text","text":{}}},{{"text":"x","type":"image_url","image_url":{{"url":"u","detail":1.0}}}}]"#,
                 text(rng)
@@ -1413,6 +1387,8 @@ mod tests {
                 text(rng),
                 text(rng)
             ),
+            // A part of another kind with a `text` too (the router reads it as not text).
+            6 => r#"[{"type":"input_audio","input_audio":{"data":"eA=="},"text":"heard"},{"type":"text","text":"t"}]"#.to_owned(),
             _ => text(rng),
         }
         };
@@ -1671,6 +1647,7 @@ mod tests {
                 super::super::top_level(text.as_bytes(), SPLICED.map(str::as_bytes)),
                 "{text}"
             );
+            assert_eq!(fast.routing_view(), tree.routing_view(), "{text}");
             assert!(fast.body.get().is_none(), "a view built the tree: {text}");
             assert_eq!(fast.body(), tree.body(), "{text}");
             assert_eq!(fast.upstream_body("up"), tree.upstream_body("up"), "{text}");

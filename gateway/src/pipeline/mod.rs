@@ -418,10 +418,14 @@ impl Call {
         let tenant = &self.ctx.key.tenant_id;
         // Budget pressure as this replica last saw it: no round trip.
         let budget_used = self.state.budgets.pressure(&self.ctx.key, &self.event.tags);
-        // Reading the prompt walks the body: a large one off the async workers.
+        // The prompt: its latest user message, read from the client's text (a body parsed
+        // into a tree is walked again: a very large one off the async workers).
+        let inline = crate::tokens::SCAN_INLINE_BYTES;
+        let (text, special) =
+            crate::tokens::off_workers(req.body_bytes, inline, || req.routing_view()).await;
+        // Classifying it tokenizes it: a long one off the async workers.
         let inline = crate::tokens::NEW_TEXT_INLINE_BYTES;
-        let routed = crate::tokens::off_workers(req.body_bytes, inline, || {
-            let (text, special) = req.routing_view();
+        let routed = crate::tokens::off_workers(text.len(), inline, || {
             router.route(tenant, &text, special, budget_used)
         })
         .await;

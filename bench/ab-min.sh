@@ -14,7 +14,7 @@
 # gets the TOML of `EXTRA_A` / `EXTRA_B` after its base configuration (default `EXTRA`: cache off,
 # guard off). Without BODY_FILE every request is a new question in one of 1,000 sessions per wrk
 # thread (x-session-id), so nothing repeats; with it, the file's JSON body is sent as is (its
-# `model` must be `fast`). BUDGETS=1 sets a day budget and rate limits for the tenant, so the
+# `model` must be `fast`, or `auto` with AUTO=1). BUDGETS=1 sets a day budget and rate limits for the tenant, so the
 # budget step (and its prompt token count) runs. PIN=1 runs the gateways on CPU 0 and the
 # upstream and wrk on CPU 1, so the gateway under test has a core to itself and the others do
 # not take turns with it (on a 2-core machine the ratio is then the gateway's own cost, far less

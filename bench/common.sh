@@ -99,7 +99,8 @@ EOF
 
 # gateway_toml PORT UPSTREAM_PORT DB LEDGER_BODY: the benchmark gateway's configuration on stdout
 # (embedded SQLite store at DB, both tiers on the simulator at UPSTREAM_PORT serving `sim-small`,
-# model `fast`, priced; LEDGER_BODY is the body of its [ledger] section).
+# model `fast`, priced; LEDGER_BODY is the body of its [ledger] section). With AUTO=1 the model
+# `auto` is routed by the tier router too (its classifier needs scripts/fetch-model.sh).
 gateway_toml() {
   toml_head "$1" "$3"
   cat <<EOF
@@ -109,6 +110,7 @@ replicas = [{ name = "sim", url = "http://127.0.0.1:$2/v1", model = "sim-small",
 replicas = [{ name = "sim-l", url = "http://127.0.0.1:$2/v1", model = "sim-small", max_concurrency = 4096 }]
 [models]
 fast = "small"
+${AUTO:+auto = \"auto\"}
 [prices.sim-small]
 input = 0.15
 output = 0.60

@@ -100,12 +100,13 @@ EOF
 # gateway_toml PORT UPSTREAM_PORT DB LEDGER_BODY: the benchmark gateway's configuration on stdout
 # (embedded SQLite store at DB, both tiers on the simulator at UPSTREAM_PORT serving `sim-small`,
 # model `fast`, priced; LEDGER_BODY is the body of its [ledger] section). With AUTO=1 the model
-# `auto` is routed by the tier router too (its classifier needs scripts/fetch-model.sh).
+# `auto` is routed by the tier router too (its classifier needs scripts/fetch-model.sh); with
+# TWO=1 the small tier has a second replica on the same upstream, so prefix affinity chooses.
 gateway_toml() {
   toml_head "$1" "$3"
   cat <<EOF
 [tiers.small]
-replicas = [{ name = "sim", url = "http://127.0.0.1:$2/v1", model = "sim-small", max_concurrency = 4096 }]
+replicas = [{ name = "sim", url = "http://127.0.0.1:$2/v1", model = "sim-small", max_concurrency = 4096 }${TWO:+, { name = \"sim2\", url = \"http://127.0.0.1:$2/v1\", model = \"sim-small\", max_concurrency = 4096 \}}]
 [tiers.large]
 replicas = [{ name = "sim-l", url = "http://127.0.0.1:$2/v1", model = "sim-small", max_concurrency = 4096 }]
 [models]

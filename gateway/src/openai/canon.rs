@@ -89,17 +89,17 @@ impl<'a> Writer<'a> {
 
     /// The whole text, an object, with `edits` applied to its top level, written into `sink`
     /// (`out` holds the text of its members on the way; the top level is written from it in
-    /// order, not copied back). Noted on the way: where the top-level members `keys` are in
-    /// the text, as [`super::top_level`] finds them (`None` inside where it finds nothing: a
-    /// top-level key written with escapes, or one of `keys` twice), so that the body is not
-    /// scanned again to splice them.
+    /// order, not copied back). Noted on the way, so that the body is not scanned again: where
+    /// the top-level members `keys` are in the text (by their keys as read; of a key given
+    /// twice, the last), and whether that is also where [`super::top_level`] finds them (every
+    /// top-level key written without escapes, none of `keys` twice: where splicing is safe).
     pub fn object<const N: usize>(
         &mut self,
         edits: Edits<'_>,
         keys: [&str; N],
         out: &mut Vec<u8>,
         sink: &mut dyn std::io::Write,
-    ) -> Option<Option<super::TopLevel<N>>> {
+    ) -> Option<(super::TopLevel<N>, bool)> {
         let at = self.space(0);
         if self.byte(at)? != b'{' {
             return None;
@@ -108,34 +108,36 @@ impl<'a> Writer<'a> {
         if self.space(end) != self.text.len() {
             return None;
         }
-        // The top level's entries are left in place by `object_at` (in key order).
+        // The top level's entries are left in place by `object_at` (in key order, stable).
         let found = self.members(keys, end - 1);
         self.entries.clear();
         Some(found)
     }
 
-    /// Where the top-level members `keys` are, from the top level's entries; the object closes
-    /// at `close`.
-    fn members<const N: usize>(&self, keys: [&str; N], close: usize) -> Option<super::TopLevel<N>> {
+    /// Where the top-level members `keys` are, from the top level's entries, and whether the
+    /// top level is plain (see [`Self::object`]); the object closes at `close`.
+    fn members<const N: usize>(&self, keys: [&str; N], close: usize) -> (super::TopLevel<N>, bool) {
         let mut values: [Option<Range<usize>>; N] = std::array::from_fn(|_| None);
+        let mut plain = true;
         for e in &self.entries {
             // A key with escapes could spell one of `keys` another way.
-            let Cow::Borrowed(key) = e.key else {
-                return None;
-            };
-            if let Some(k) = keys.iter().position(|k| *k == key) {
-                if values[k].replace(e.value.clone()).is_some() {
-                    return None;
-                }
+            plain &= matches!(e.key, Cow::Borrowed(_));
+            if let Some(k) = keys.iter().position(|k| *k == e.key) {
+                plain &= values[k].replace(e.value.clone()).is_none();
             }
         }
-        Some(super::TopLevel { values, close })
+        (super::TopLevel { values, close }, plain)
     }
 
-    /// The value at `range` (as a `serde_json::value::RawValue` of this text spans it).
+    /// The value at `range` (as a `serde_json::value::RawValue` of this text spans it, or a
+    /// member's value as [`Self::object`] notes it): one value, with nothing but spacing around
+    /// it inside `range`.
     pub fn value(&mut self, range: Range<usize>, out: &mut Vec<u8>) -> Option<()> {
         let end = self.value_at(range.start, 0, out)?;
-        (self.space(end) == range.end).then_some(())
+        let rest = self.text.as_bytes().get(end..range.end)?;
+        rest.iter()
+            .all(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
+            .then_some(())
     }
 
     fn byte(&self, at: usize) -> Option<u8> {
@@ -509,12 +511,19 @@ mod tests {
         ] {
             let (mut out, mut sink) = (Vec::new(), Vec::new());
             let keys_bytes = keys.map(str::as_bytes);
-            let noted = Writer::new(text, true).object(edits, keys, &mut out, &mut sink);
-            assert_eq!(
-                noted,
-                Some(crate::openai::top_level(text.as_bytes(), keys_bytes)),
-                "{text}"
-            );
+            let (noted, plain) = Writer::new(text, true)
+                .object(edits, keys, &mut out, &mut sink)
+                .unwrap();
+            let scanned = crate::openai::top_level(text.as_bytes(), keys_bytes);
+            assert_eq!(plain.then_some(&noted), scanned.as_ref(), "{text}");
+            // By the keys as read, the last of a key given twice, as the tree has it.
+            let tree: serde_json::Value = serde_json::from_str(text).unwrap();
+            for (k, at) in keys.iter().zip(&noted.values) {
+                let written = at.clone().map(|r| {
+                    serde_json::from_str::<serde_json::Value>(&text[r]).unwrap()
+                });
+                assert_eq!(written.as_ref(), tree.get(k), "{text} {k}");
+            }
         }
     }
 }

@@ -266,17 +266,23 @@ struct Root {
     tools: bool,
     /// Whether `temperature` is exactly 0 ([`ParsedRequest::deterministic`]).
     deterministic: bool,
-    /// Where the fields the upstream body splices are ([`SPLICED`]), noted by the canonical
-    /// walk; `None` where a splice is not safe (as [`super::top_level`] would say).
-    spliced_at: Option<super::TopLevel<4>>,
+    /// Where the top-level fields in [`NOTED`] are, noted by the canonical walk.
+    noted: super::TopLevel<6>,
+    /// Whether the upstream body may be spliced at `noted` (no top-level key written with
+    /// escapes: as [`super::top_level`] would say).
+    spliceable: bool,
 }
 
-/// The top-level fields the upstream body is spliced at ([`ParsedRequest::upstream_body`]).
-const SPLICED: [&str; 4] = [
+/// The top-level fields the canonical walk notes: those the upstream body splices
+/// ([`ParsedRequest::upstream_body`]), then those prefix affinity reads
+/// ([`ParsedRequest::prefix_bytes`]).
+const NOTED: [&str; 6] = [
     "model",
     "stream_options",
     "max_completion_tokens",
     "max_tokens",
+    "tools",
+    "messages",
 ];
 
 /// A validated request, ready to forward.
@@ -327,6 +333,9 @@ impl ParsedRequest {
     /// the messages (or the prompt of a completion). A request that continues another's
     /// conversation starts with the same bytes. Empty for embeddings (nothing is cached there).
     pub fn prefix_bytes(&self) -> Vec<u8> {
+        if let Some(out) = self.prefix_from_text() {
+            return out;
+        }
         let mut out = Vec::new();
         let fields: &[&str] = match self.endpoint {
             Endpoint::Chat => &["tools", "messages"],
@@ -340,6 +349,20 @@ impl ParsedRequest {
             }
         }
         out
+    }
+
+    /// [`Self::prefix_bytes`] of a chat read from its text: `tools` and `messages` written as
+    /// serde_json writes their parsed values, straight from the client's bytes (where the
+    /// canonical walk noted them), without building the tree.
+    fn prefix_from_text(&self) -> Option<Vec<u8>> {
+        let [.., tools, messages] = &self.root.as_ref()?.noted.values;
+        // Checked as UTF-8 when it was read; checked again here rather than trusted.
+        let text = std::str::from_utf8(&self.raw).ok()?;
+        let mut out = Vec::with_capacity(self.raw.len());
+        for range in [tools, messages].into_iter().flatten() {
+            super::canon::Writer::new(text, false).value(range.clone(), &mut out)?;
+        }
+        Some(out)
     }
 
     /// Parse and validate a body for `endpoint`.
@@ -424,9 +447,9 @@ impl ParsedRequest {
             add: &[("endpoint", Endpoint::Chat.label()), ("model", &model)],
         };
         let mut hasher = HashWriter(sha2::Digest::new());
-        let spliced_at = super::canon::Writer::new(text, true).object(
+        let (noted, spliceable) = super::canon::Writer::new(text, true).object(
             edits,
-            SPLICED,
+            NOTED,
             &mut Vec::with_capacity(text.len()),
             &mut hasher,
         )?;
@@ -465,7 +488,8 @@ impl ParsedRequest {
                     .temperature
                     .and_then(|t| serde_json::from_str::<f64>(t.get()).ok())
                     .is_some_and(|t| t == 0.0),
-                spliced_at,
+                noted,
+                spliceable,
             }),
             raw,
         })
@@ -624,11 +648,13 @@ impl ParsedRequest {
         let raw = &self.raw[..];
         // Noted when the body was read from its text; else found by a scan of its top level.
         let found = match &self.root {
-            Some(root) => root.spliced_at.clone(),
-            None => super::top_level(raw, SPLICED.map(str::as_bytes)),
+            Some(root) => root.spliceable.then(|| root.noted.clone()),
+            None => super::top_level(raw, NOTED.map(str::as_bytes)),
         };
-        let super::TopLevel { values, close } = found?;
-        let [model, options, max_completion, max] = values;
+        let super::TopLevel {
+            values: [model, options, max_completion, max, ..],
+            close,
+        } = found?;
         let model = model.filter(|r| raw.get(r.start) == Some(&b'"'))?;
         if self.usage_added && options.is_some() {
             return None;
@@ -1643,11 +1669,12 @@ mod tests {
             );
             let root = fast.root.as_ref().unwrap();
             assert_eq!(
-                root.spliced_at,
-                super::super::top_level(text.as_bytes(), SPLICED.map(str::as_bytes)),
+                root.spliceable.then_some(&root.noted),
+                super::super::top_level(text.as_bytes(), NOTED.map(str::as_bytes)).as_ref(),
                 "{text}"
             );
             assert_eq!(fast.routing_view(), tree.routing_view(), "{text}");
+            assert_eq!(fast.prefix_bytes(), tree.prefix_bytes(), "{text}");
             assert!(fast.body.get().is_none(), "a view built the tree: {text}");
             assert_eq!(fast.body(), tree.body(), "{text}");
             assert_eq!(fast.upstream_body("up"), tree.upstream_body("up"), "{text}");

@@ -43,6 +43,12 @@ pub async fn off_workers<T>(bytes: usize, inline: usize, work: impl FnOnce() -> 
     if bytes < inline {
         return work();
     }
+    hand_over(work).await
+}
+
+/// Run `work`, known to be long, after a [`HEAVY`] permit, off the async workers (see
+/// [`off_workers`]).
+pub async fn hand_over<T>(work: impl FnOnce() -> T) -> T {
     let _permit = HEAVY.acquire().await;
     if Handle::current().runtime_flavor() == RuntimeFlavor::MultiThread {
         tokio::task::block_in_place(work)

@@ -802,19 +802,16 @@ impl ParsedRequest {
     /// (a completion; its first string when a list), and whether the request carries tools,
     /// functions or non-text content parts (images, audio).
     pub fn routing_view(&self) -> (String, bool) {
-        // A request with tools, or with a part that is not text, is `special`.
-        let tools = self.has_tools();
-        let text = match self.endpoint {
+        let (text, other_parts) = match self.endpoint {
             Endpoint::Chat => {
                 // The last user message (read from the client's text where the body was).
                 let messages = self.messages().unwrap_or_default();
-                let (text, other) = messages
+                messages
                     .iter()
                     .rev()
                     .find(|m| m.role() == "user")
                     .map(Message::routed_text)
-                    .unwrap_or_default();
-                return (text, tools || other);
+                    .unwrap_or_default()
             }
             Endpoint::Completions | Endpoint::Embeddings => {
                 let field = if self.endpoint == Endpoint::Completions {
@@ -822,7 +819,7 @@ impl ParsedRequest {
                 } else {
                     "input"
                 };
-                match self.body().get(field) {
+                let text = match self.body().get(field) {
                     Some(Value::String(s)) => s.clone(),
                     Some(Value::Array(a)) => a
                         .iter()
@@ -830,10 +827,12 @@ impl ParsedRequest {
                         .unwrap_or_default()
                         .to_owned(),
                     _ => String::new(),
-                }
+                };
+                (text, false)
             }
         };
-        (text, tools)
+        // A request with tools, or with a part that is not text, is `special`.
+        (text, self.has_tools() || other_parts)
     }
 
     /// A chat's messages as the steps that read a conversation see them: borrowed from the

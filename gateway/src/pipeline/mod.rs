@@ -490,8 +490,7 @@ impl Call {
                 match req.count_prompt_tokens_within(&t.tokenizer, &mut fresh) {
                     Some(n) => n,
                     None => {
-                        let count = || req.count_prompt_tokens(&t.tokenizer);
-                        crate::tokens::off_workers(usize::MAX, 0, count).await
+                        crate::tokens::hand_over(|| req.count_prompt_tokens(&t.tokenizer)).await
                     }
                 }
             }

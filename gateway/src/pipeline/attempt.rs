@@ -238,7 +238,13 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
                     pool.set.record_success(&lease, Instant::now());
                     pool.record_latency(&lease, router::Signal::Whole);
                     answered_by(&mut call, tier, attempts);
-                    let response = respond::buffered(call, pool, &lease, status, &headers, body);
+                    let usage = if status.is_success() {
+                        Some(respond::answer_usage(&call.req, &pool.tokenizer, &body).await)
+                    } else {
+                        None
+                    };
+                    let response =
+                        respond::buffered(call, pool, &lease, status, &headers, body, usage);
                     return (response, Some(tier));
                 }
                 Buffered::Failed(e) if !e.is_replica_failure() => {

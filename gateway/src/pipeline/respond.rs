@@ -20,7 +20,10 @@ use crate::budget::{Admission, Scope, Window};
 use crate::config::DisconnectPolicy;
 use crate::error::ApiError;
 use crate::headers;
-use crate::openai::{completion_text, usage_in_body, SseRewriter, StreamAssembler, Usage};
+use crate::openai::{
+    completion_text, usage_in_body, ParsedRequest, SseRewriter, StreamAssembler, Usage,
+};
+use crate::tokens::{self, Tokenizer};
 use crate::types::price::Usd;
 use crate::upstream::{Target, TierPool, UpstreamResponse};
 use crate::usage::{UsageEvent, UsageSource};
@@ -206,8 +209,54 @@ fn retries_header(retries: u32) -> HeaderValue {
     }
 }
 
-/// A whole (non-streamed) upstream answer: usage from the body or the tokenizer, cache fill,
-/// settle, respond.
+/// The usage of a whole successful answer: as the upstream reported it in `body`, or (when it
+/// did not) the prompt and the answer's text counted with the tier's tokenizer
+/// ([`counted_usage`]; reading a body of [`crate::tokens::SCAN_INLINE_BYTES`] or more for its
+/// text runs off the async workers).
+pub(super) async fn answer_usage(
+    req: &ParsedRequest,
+    tokenizer: &Tokenizer,
+    body: &Bytes,
+) -> (Usage, UsageSource) {
+    if let Some(u) = usage_in_body(body) {
+        return (u, UsageSource::Upstream);
+    }
+    // Rare (the upstream omits `usage`): boxed, so its state does not grow every request's.
+    let counted = Box::pin(async {
+        let text = tokens::off_workers(body.len(), tokens::SCAN_INLINE_BYTES, || {
+            let mut text = String::new();
+            if let Ok(v) = serde_json::from_slice::<Value>(body) {
+                completion_text(&v, &mut text);
+            }
+            text
+        })
+        .await;
+        counted_usage(req, tokenizer, &text).await
+    });
+    (counted.await, UsageSource::Tokenizer)
+}
+
+/// An answer's usage counted with the tier's tokenizer (the upstream reported none): on the
+/// async workers when that tokenizes at most [`tokens::NEW_TEXT_INLINE_BYTES`] of text not
+/// counted before (an agent's earlier messages are remembered), otherwise all of it off them,
+/// as the budget step counts a prompt, so that a long prompt or answer never stalls the other
+/// requests of its lane.
+async fn counted_usage(req: &ParsedRequest, tokenizer: &Tokenizer, completion: &str) -> Usage {
+    let usage = |prompt_tokens| Usage {
+        prompt_tokens,
+        completion_tokens: tokenizer.count(completion) as u64,
+        cached_tokens: 0,
+    };
+    if let Some(mut fresh) = tokens::NEW_TEXT_INLINE_BYTES.checked_sub(completion.len()) {
+        if let Some(prompt) = req.count_prompt_tokens_within(tokenizer, &mut fresh) {
+            return usage(prompt);
+        }
+    }
+    tokens::hand_over(|| usage(req.count_prompt_tokens(tokenizer))).await
+}
+
+/// A whole (non-streamed) upstream answer with its usage (from [`answer_usage`] when it
+/// succeeded): cache fill, settle, respond.
 pub(super) fn buffered(
     call: Call,
     pool: &TierPool,
@@ -215,11 +264,11 @@ pub(super) fn buffered(
     status: StatusCode,
     upstream_headers: &HeaderMap,
     body: Bytes,
+    usage: Option<(Usage, UsageSource)>,
 ) -> Response {
     let Call {
         state,
         ctx,
-        req,
         mut event,
         reservation,
         cache,
@@ -231,20 +280,8 @@ pub(super) fn buffered(
     event.latency_ms = ms_since(ctx.started);
     event.ttft_ms = Some(event.latency_ms);
     if status.is_success() {
-        match usage_in_body(&body) {
-            Some(u) => apply_usage(&mut event, u, UsageSource::Upstream),
-            None => {
-                let mut text = String::new();
-                if let Ok(v) = serde_json::from_slice::<Value>(&body) {
-                    completion_text(&v, &mut text);
-                }
-                let counted = Usage {
-                    prompt_tokens: req.count_prompt_tokens(&pool.tokenizer),
-                    completion_tokens: pool.tokenizer.count(&text) as u64,
-                    cached_tokens: 0,
-                };
-                apply_usage(&mut event, counted, UsageSource::Tokenizer);
-            }
+        if let Some((usage, source)) = usage {
+            apply_usage(&mut event, usage, source);
         }
         if let (Some(lookup), true) = (cache, status == StatusCode::OK) {
             let entry = cache_entry(&event, pool, target, body.clone(), lookup.ttl);
@@ -449,11 +486,7 @@ pub(super) fn streamed(
         let usage = match rewriter.usage {
             Some(u) => (u, UsageSource::Upstream),
             None => (
-                Usage {
-                    prompt_tokens: req.count_prompt_tokens(&pool.tokenizer),
-                    completion_tokens: pool.tokenizer.count(&rewriter.text) as u64,
-                    cached_tokens: 0,
-                },
+                counted_usage(&req, &pool.tokenizer, &rewriter.text).await,
                 UsageSource::Tokenizer,
             ),
         };
@@ -484,6 +517,7 @@ pub(super) fn streamed(
 }
 
 #[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "tests")]
 mod tests {
     use chrono::TimeZone;
 
@@ -493,6 +527,73 @@ mod tests {
         out.iter()
             .find(|(n, _)| n == name)
             .and_then(|(_, v)| v.to_str().ok())
+    }
+
+    /// An answer without `usage` to a long prompt: counting it leaves the lane's one worker
+    /// free for its other tasks (here a ticker), and counts what the tokenizer counts.
+    #[test]
+    fn a_long_count_for_an_answer_without_usage_leaves_the_async_worker() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        // Made-up words (each needs BPE merges), new to this process's remembered counts.
+        let mut x = u64::from(std::process::id());
+        let prompt: String = (0..60_000)
+            .map(|_| {
+                x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                format!("{:x} ", x >> 36)
+            })
+            .collect();
+        let body = serde_json::json!({"model": "m", "messages": [
+            {"role": "user", "content": prompt}]});
+        let req = ParsedRequest::parse_bytes(
+            crate::openai::Endpoint::Chat,
+            Bytes::from(body.to_string()),
+        )
+        .unwrap();
+        let answer = Bytes::from_static(
+            br#"{"choices":[{"index":0,"message":{"role":"assistant","content":"four words of answer"}}]}"#,
+        );
+        // The vocabulary loaded (once per process, ~0.2 s in a debug build) before the clock.
+        let tokenizer = Tokenizer::default();
+        assert_eq!(tokenizer.count("warm"), 1);
+        let (usage, source, took, worst) = rt.block_on(async move {
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let ticker = tokio::spawn({
+                let stop = stop.clone();
+                async move {
+                    let mut worst = std::time::Duration::ZERO;
+                    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                        let t = Instant::now();
+                        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                        worst = worst.max(t.elapsed());
+                    }
+                    worst
+                }
+            });
+            // Counted on the worker (a task), as the pipeline counts.
+            let counted = tokio::spawn(async move {
+                let started = Instant::now();
+                let (usage, source) = answer_usage(&req, &tokenizer, &answer).await;
+                let took = started.elapsed();
+                assert_eq!(usage.prompt_tokens, req.count_prompt_tokens(&tokenizer));
+                (usage, source, took)
+            })
+            .await
+            .unwrap();
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            let worst = ticker.await.unwrap();
+            (counted.0, counted.1, counted.2, worst)
+        });
+        assert_eq!(source, UsageSource::Tokenizer);
+        assert_eq!(usage.completion_tokens, 4);
+        assert!(usage.prompt_tokens > 60_000, "{usage:?}");
+        assert!(
+            worst < took / 2,
+            "the ticker waited up to {worst:?} while the count took {took:?}"
+        );
     }
 
     #[test]

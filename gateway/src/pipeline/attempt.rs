@@ -43,7 +43,7 @@ async fn read_all(resp: UpstreamResponse, deadline: Instant, limit: usize) -> Bu
 /// (`upstream.stream_first_byte_timeout_ms` for streams, `first_byte_timeout_ms` otherwise),
 /// but never beyond what is left of the first-byte budget the attempts share
 /// (`first_byte_budget_ms`); the whole exchange ends at `total_timeout_ms`.
-pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
+pub(super) async fn forward(mut call: Box<Call>) -> (Response, Option<Tier>) {
     // The pools are borrowed from this handle while the call itself moves on to respond.
     let state = call.state.clone();
     let up = state.upstreams.config();
@@ -312,7 +312,7 @@ pub(super) async fn forward(mut call: Call) -> (Response, Option<Tier>) {
         ctx,
         reservation,
         ..
-    } = call;
+    } = *call;
     event.retries = attempts.saturating_sub(1);
     event.status = error.status().as_u16();
     event.error_kind = Some(error.kind().to_owned());

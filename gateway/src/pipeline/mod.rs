@@ -121,12 +121,16 @@ pub async fn run(
         let e = ApiError::ModelNotFound(req.model.clone());
         return refuse(&state, &ctx, event, e).await;
     };
-    let mut call = Call::new(state, ctx, req, event, target);
+    // Boxed: the steps below take the call by value, and an `async fn` keeps a by-value
+    // argument twice in its future (as the argument and as the body's local), so a 1.4 KB
+    // `Call` passed down two levels made the request's future ~10 KB, copied whole into its
+    // box on every request.
+    let mut call = Box::new(Call::new(state, ctx, req, event, target));
     // Guard: agent loops (and, next, client retries) are checked here, before any cost.
     if let Err(e) = call.guard().await {
         let Call {
             state, ctx, event, ..
-        } = call;
+        } = *call;
         return refuse(&state, &ctx, event, e).await;
     }
     // A client retry of a request still running joins it (a stream from its first chunk).
@@ -157,7 +161,7 @@ pub async fn run(
 }
 
 /// The steps after the guard: cache, route, budget, attempts.
-async fn answer(mut call: Call, target: ModelTarget) -> Response {
+async fn answer(mut call: Box<Call>, target: ModelTarget) -> Response {
     if let Some(hit) = call.cache_lookup().await {
         return hit;
     }

@@ -258,7 +258,7 @@ async fn counted_usage(req: &ParsedRequest, tokenizer: &Tokenizer, completion: &
 /// A whole (non-streamed) upstream answer with its usage (from [`answer_usage`] when it
 /// succeeded): cache fill, settle, respond.
 pub(super) fn buffered(
-    call: Call,
+    call: Box<Call>,
     pool: &TierPool,
     lease: &Lease,
     status: StatusCode,
@@ -273,7 +273,7 @@ pub(super) fn buffered(
         reservation,
         cache,
         ..
-    } = call;
+    } = *call;
     let target = pool.target(lease);
     served_by(&mut event, pool, target);
     event.status = status.as_u16();
@@ -358,7 +358,7 @@ fn apply_usage(event: &mut UsageEvent, usage: Usage, source: UsageSource) {
 /// A streamed upstream answer: the response streams what a driver task on the tracker forwards;
 /// the task settles when the upstream ends (or the client left and the stream was cancelled).
 pub(super) fn streamed(
-    call: Call,
+    call: Box<Call>,
     pool: &TierPool,
     lease: Lease,
     resp: UpstreamResponse,
@@ -373,7 +373,7 @@ pub(super) fn streamed(
         cache,
         stream_log,
         ..
-    } = call;
+    } = *call;
     // Retries that join this stream replay what its client is sent (the log ends with the
     // driver, however it ends).
     let log = stream_log.map(|log| {

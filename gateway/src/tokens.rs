@@ -46,6 +46,21 @@ pub async fn off_workers<T>(bytes: usize, inline: usize, work: impl FnOnce() -> 
     hand_over(work).await
 }
 
+/// A token count on the async worker when `bounded` manages it within
+/// [`NEW_TEXT_INLINE_BYTES`] of text not counted before (it is given that allowance, takes
+/// what it tokenizes from it and answers `None` past it, tokenizing nothing more); otherwise
+/// `whole`, the same count unbounded, off the workers ([`hand_over`]).
+pub async fn count_bounded<T>(
+    bounded: impl FnOnce(&mut usize) -> Option<T>,
+    whole: impl FnOnce() -> T,
+) -> T {
+    let mut fresh = NEW_TEXT_INLINE_BYTES;
+    match bounded(&mut fresh) {
+        Some(n) => n,
+        None => hand_over(whole).await,
+    }
+}
+
 /// Run `work`, known to be long, after a [`HEAVY`] permit, off the async workers (see
 /// [`off_workers`]).
 pub async fn hand_over<T>(work: impl FnOnce() -> T) -> T {

@@ -490,13 +490,11 @@ impl Call {
         // counted on its earlier steps); then off the async workers.
         let prompt_tokens = match state.upstreams.tier(self.tier) {
             Some(t) => {
-                let mut fresh = crate::tokens::NEW_TEXT_INLINE_BYTES;
-                match req.count_prompt_tokens_within(&t.tokenizer, &mut fresh) {
-                    Some(n) => n,
-                    None => {
-                        crate::tokens::hand_over(|| req.count_prompt_tokens(&t.tokenizer)).await
-                    }
-                }
+                crate::tokens::count_bounded(
+                    |fresh| req.count_prompt_tokens_within(&t.tokenizer, fresh),
+                    || req.count_prompt_tokens(&t.tokenizer),
+                )
+                .await
             }
             None => 0,
         };

@@ -236,23 +236,25 @@ pub(super) async fn answer_usage(
     (counted.await, UsageSource::Tokenizer)
 }
 
-/// An answer's usage counted with the tier's tokenizer (the upstream reported none): on the
-/// async workers when that tokenizes at most [`tokens::NEW_TEXT_INLINE_BYTES`] of text not
-/// counted before (an agent's earlier messages are remembered), otherwise all of it off them,
-/// as the budget step counts a prompt, so that a long prompt or answer never stalls the other
-/// requests of its lane.
+/// An answer's usage counted with the tier's tokenizer (the upstream reported none), bounded
+/// as the budget step counts a prompt ([`tokens::count_bounded`]; an agent's earlier messages
+/// are remembered), so that a long prompt or answer never stalls the other requests of its
+/// lane.
 async fn counted_usage(req: &ParsedRequest, tokenizer: &Tokenizer, completion: &str) -> Usage {
     let usage = |prompt_tokens| Usage {
         prompt_tokens,
         completion_tokens: tokenizer.count(completion) as u64,
         cached_tokens: 0,
     };
-    if let Some(mut fresh) = tokens::NEW_TEXT_INLINE_BYTES.checked_sub(completion.len()) {
-        if let Some(prompt) = req.count_prompt_tokens_within(tokenizer, &mut fresh) {
-            return usage(prompt);
-        }
-    }
-    tokens::hand_over(|| usage(req.count_prompt_tokens(tokenizer))).await
+    tokens::count_bounded(
+        |fresh| {
+            // The answer's text takes its share of the allowance first.
+            *fresh = fresh.checked_sub(completion.len())?;
+            req.count_prompt_tokens_within(tokenizer, fresh).map(usage)
+        },
+        || usage(req.count_prompt_tokens(tokenizer)),
+    )
+    .await
 }
 
 /// A whole (non-streamed) upstream answer with its usage (from [`answer_usage`] when it

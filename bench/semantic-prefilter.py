@@ -41,6 +41,12 @@ prompts as pairs, extra texts for the fit:
     python3 bench/semantic-prefilter.py student /tmp/gate-pairs.jsonl /tmp/gp /tmp/gx /tmp/gs.jsonl embedder/assets/verifier.json
     python3 bench/semantic-prefilter.py fit /tmp/gate-pairs.jsonl /tmp/gp /tmp/gx embedder/assets/gate-student.bin
 
+`asym` prints `student`'s tables with each stored question's true transformer vector (placed in
+the student space) instead of its student vector (tried, not shipped: docs/benchmarks.md,
+"Thirty-third sitting"):
+
+    python3 bench/semantic-prefilter.py asym /tmp/gate-pairs.jsonl /tmp/gp /tmp/gx /tmp/gs.jsonl embedder/assets/verifier.json
+
 Needs numpy. The sample: 2,500 pairs of ../shared/data/qqp-dev.jsonl and 2,500 of
 ../shared/data/pairs-dev.jsonl, seed 7.
 """
@@ -245,16 +251,27 @@ def student_data(pairs_path, prefix, extra_prefix):
     return rows, teacher, static, extra_t, extra_s, src
 
 
-def student_fit(static, teacher):
+def student_fit(static, teacher, with_basis=False):
     """Ridge regression from [static sentence vector, 1] to the transformer's vector, then the
-    output reduced to its STUDENT_DIMS principal directions: a (385, STUDENT_DIMS) map."""
+    output reduced to its STUDENT_DIMS principal directions: a (385, STUDENT_DIMS) map (and,
+    `with_basis`, those directions as a (384, STUDENT_DIMS) map of transformer vectors)."""
     import numpy as np
 
     f = np.hstack([static, np.ones((len(static), 1))])
     w = np.linalg.solve(f.T @ f + STUDENT_RIDGE * np.eye(f.shape[1]), f.T @ teacher)
     y = f @ w
     _, _, vt = np.linalg.svd(y - y.mean(0), full_matrices=False)
-    return w @ vt[:STUDENT_DIMS].T
+    basis = vt[:STUDENT_DIMS].T
+    return (w @ basis, basis) if with_basis else w @ basis
+
+
+def stored_vectors(teacher, basis):
+    """A stored question's transformer vector in the student's space (the question was
+    embedded when its answer was indexed, so the stored side need not be approximated)."""
+    import numpy as np
+
+    y = teacher @ basis
+    return y / np.maximum(np.linalg.norm(y, axis=-1, keepdims=True), 1e-9)
 
 
 def student_vectors(static, w):
@@ -264,9 +281,10 @@ def student_vectors(static, w):
     return y / np.maximum(np.linalg.norm(y, axis=-1, keepdims=True), 1e-9)
 
 
-def student(pairs_path, prefix, extra_prefix, scores_path, verifier_path):
-    """Held out: each source's pairs scored by a map fitted on the other sources' texts and the
-    routing prompts; the QQP namespace by one fitted without QQP."""
+def held_out(pairs_path, prefix, extra_prefix, scores_path, verifier_path, with_basis=False):
+    """What `student` and `asym` share: the vectors, each pair's transformer cosine and verifier
+    probability, whether it is a duplicate, and per source a map fitted without that source's
+    texts (with its basis when asked)."""
     import numpy as np
 
     rows, teacher, static, extra_t, extra_s, src = student_data(pairs_path, prefix, extra_prefix)
@@ -275,16 +293,26 @@ def student(pairs_path, prefix, extra_prefix, scores_path, verifier_path):
     p = np.array([r["p"] for r in scores])
     cos = np.array([r["cos"] for r in scores])
     dup = np.array([bool(r["duplicate"]) for r in rows])
-    gates = (0.3, 0.35, 0.4, 0.45, 0.5)
 
     def fit_without(source):
         m = src != source
         return student_fit(np.vstack([static[m].reshape(-1, 384), extra_s]),
-                           np.vstack([teacher[m].reshape(-1, 384), extra_t]))
+                           np.vstack([teacher[m].reshape(-1, 384), extra_t]), with_basis)
 
+    maps = {s: fit_without(s) for s in sorted(set(src))}
+    return rows, teacher, static, src, verifier, p, cos, dup, maps
+
+
+def student(pairs_path, prefix, extra_prefix, scores_path, verifier_path):
+    """Held out: each source's pairs scored by a map fitted on the other sources' texts and the
+    routing prompts; the QQP namespace by one fitted without QQP."""
+    import numpy as np
+
+    rows, teacher, static, src, verifier, p, cos, dup, maps = held_out(
+        pairs_path, prefix, extra_prefix, scores_path, verifier_path)
+    gates = (0.3, 0.35, 0.4, 0.45, 0.5)
     print("| source | min precision | true hits | " + " | ".join(f"kept at t = {t}" for t in gates) + " |")
     print("|---|---|---|" + "---|" * len(gates))
-    maps = {s: fit_without(s) for s in sorted(set(src))}
     for s, w in maps.items():
         m = src == s
         cs = (student_vectors(static[m, 0], w) * student_vectors(static[m, 1], w)).sum(-1)
@@ -312,6 +340,56 @@ def student(pairs_path, prefix, extra_prefix, scores_path, verifier_path):
         print(f"| {size} | {cells} | {np.mean(t[:size, :size].max(1) >= 0.7):.2f} |")
 
 
+def student_asym(pairs_path, prefix, extra_prefix, scores_path, verifier_path):
+    """`student`'s tables with the stored side's true transformer vector (in the student's
+    space) instead of its student vector: a new question's student vector against what the
+    index holds. Each pair counts as two lookups (either text stored first); held out as
+    `student`."""
+    import numpy as np
+
+    rows, teacher, static, src, verifier, p, cos, dup, maps = held_out(
+        pairs_path, prefix, extra_prefix, scores_path, verifier_path, with_basis=True)
+    gates = (0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6)
+    print("| source | min precision | true hits | " + " | ".join(f"kept at t = {t}" for t in gates) + " |")
+    print("|---|---|---|" + "---|" * len(gates))
+    for s, (w, basis) in maps.items():
+        m = src == s
+        q = [student_vectors(static[m, k], w) for k in (0, 1)]
+        st = [stored_vectors(teacher[m, k], basis) for k in (0, 1)]
+        cs = np.concatenate([(q[0] * st[1]).sum(-1), (q[1] * st[0]).sum(-1)])
+        for target in (0.80, 0.90):
+            thr = min(v["threshold"] for v in verifier["curve"]
+                      if v["precision"] >= target and v["recall"] > 0)
+            hit = (p[m] >= thr) & (cos[m] >= 0.7) & dup[m]
+            if hit.sum() < 5:
+                continue
+            hit2 = np.concatenate([hit, hit])
+            cells = " | ".join(f"{np.mean(cs[hit2] >= t):.3f}" for t in gates)
+            print(f"| {s} | {target:.2f} | {hit.sum()} | {cells} |")
+    # The same text asked again (a repeat the exact layer did not answer: another namespace
+    # key, or spacing): its student vector against its own stored vector.
+    cells = []
+    for t in gates:
+        kept = []
+        for s, (w, basis) in maps.items():
+            m = src == s
+            x = (student_vectors(static[m, 0], w) * stored_vectors(teacher[m, 0], basis)).sum(-1)
+            kept.append(x >= t)
+        cells.append(f"{np.mean(np.concatenate(kept)):.3f}")
+    print(f"| the same text | — | {len(rows)} | " + " | ".join(cells) + " |")
+    qqp = np.flatnonzero(src == "qqp")[:QUERIES]
+    w, basis = maps["qqp"]
+    sims = student_vectors(static[qqp, 0], w) @ stored_vectors(teacher[qqp, 0], basis).T
+    np.fill_diagonal(sims, -1)
+    print()
+    print("| questions in the namespace | " + " | ".join(f"go on at t = {g}" for g in gates) + " |")
+    print("|---|" + "---|" * len(gates))
+    for size in (100, 500, 1000, len(qqp)):
+        best = sims[:size, :size].max(1)
+        cells = " | ".join(f"{np.mean(best >= g):.2f}" for g in gates)
+        print(f"| {size} | {cells} |")
+
+
 def fit(pairs_path, prefix, extra_prefix, out_path):
     """The shipped map: fitted on every text. File: b"GWSTUDNT", version 1, rows, columns
     (u32 little-endian), then the (385, 128) map row-major as little-endian f32."""
@@ -336,6 +414,8 @@ if __name__ == "__main__":
         prompts(sys.argv[2])
     elif sys.argv[1] == "student":
         student(*sys.argv[2:7])
+    elif sys.argv[1] == "asym":
+        student_asym(*sys.argv[2:7])
     elif sys.argv[1] == "fit":
         fit(*sys.argv[2:6])
     else:

@@ -47,6 +47,11 @@ the student space) instead of its student vector (tried, not shipped: docs/bench
 
     python3 bench/semantic-prefilter.py asym /tmp/gate-pairs.jsonl /tmp/gp /tmp/gx /tmp/gs.jsonl embedder/assets/verifier.json
 
+`pooled` does the same for a map from the mean, max and min of the question's static token rows
+(measured, not shipped):
+
+    python3 bench/semantic-prefilter.py pooled /tmp/gate-pairs.jsonl /tmp/gp /tmp/gx /tmp/gs.jsonl embedder/assets/verifier.json models/all-MiniLM-L6-v2/static.bin
+
 Needs numpy. The sample: 2,500 pairs of ../shared/data/qqp-dev.jsonl and 2,500 of
 ../shared/data/pairs-dev.jsonl, seed 7.
 """
@@ -303,6 +308,20 @@ def held_out(pairs_path, prefix, extra_prefix, scores_path, verifier_path, with_
     return rows, teacher, static, src, verifier, p, cos, dup, maps
 
 
+def go_on_table(sims, gates):
+    """Share of the namespace's questions that find another above each gate, as it grows
+    (`sims`: lookup by stored question; a question does not find itself)."""
+    import numpy as np
+
+    np.fill_diagonal(sims, -1)
+    print()
+    print("| questions in the namespace | " + " | ".join(f"go on at t = {g}" for g in gates) + " |")
+    print("|---|" + "---|" * len(gates))
+    for size in (100, 500, 1000, len(sims)):
+        best = sims[:size, :size].max(1)
+        print(f"| {size} | " + " | ".join(f"{np.mean(best >= g):.2f}" for g in gates) + " |")
+
+
 def student(pairs_path, prefix, extra_prefix, scores_path, verifier_path):
     """Held out: each source's pairs scored by a map fitted on the other sources' texts and the
     routing prompts; the QQP namespace by one fitted without QQP."""
@@ -380,14 +399,59 @@ def student_asym(pairs_path, prefix, extra_prefix, scores_path, verifier_path):
     qqp = np.flatnonzero(src == "qqp")[:QUERIES]
     w, basis = maps["qqp"]
     sims = student_vectors(static[qqp, 0], w) @ stored_vectors(teacher[qqp, 0], basis).T
-    np.fill_diagonal(sims, -1)
-    print()
-    print("| questions in the namespace | " + " | ".join(f"go on at t = {g}" for g in gates) + " |")
-    print("|---|" + "---|" * len(gates))
-    for size in (100, 500, 1000, len(qqp)):
-        best = sims[:size, :size].max(1)
-        cells = " | ".join(f"{np.mean(best >= g):.2f}" for g in gates)
-        print(f"| {size} | {cells} |")
+    go_on_table(sims, gates)
+
+
+def student_pooled(pairs_path, prefix, extra_prefix, scores_path, verifier_path, table_path):
+    """`student`'s tables for a map from more than the mean: the normalised mean, the max and the
+    min of the question's static token rows (from `PREFIX.ids.jsonl` and the table file), same
+    held-out folds."""
+    import struct
+    import numpy as np
+
+    raw = open(table_path, "rb").read()
+    _, vocab, dim = struct.unpack("<III", raw[8:20])
+    table = np.frombuffer(raw[20:], dtype="<f4").reshape(vocab, dim).astype(np.float64)
+
+    def pooled(ids_path):
+        out = []
+        for line in open(ids_path):
+            ids = json.loads(line)
+            if not ids:
+                out.append(np.zeros(3 * dim))
+                continue
+            rows = table[ids]
+            mean = rows.sum(0)
+            mean /= max(np.linalg.norm(mean), 1e-9)
+            out.append(np.concatenate([mean, rows.max(0), rows.min(0)]))
+        return np.array(out)
+
+    rows, teacher, static, extra_t, extra_s, src = student_data(pairs_path, prefix, extra_prefix)
+    x = pooled(f"{prefix}.ids.jsonl").reshape(len(rows), 2, -1)
+    extra_x = pooled(f"{extra_prefix}.ids.jsonl")
+    scores = [json.loads(line) for line in open(scores_path)]
+    verifier = json.load(open(verifier_path))
+    p = np.array([r["p"] for r in scores])
+    cos = np.array([r["cos"] for r in scores])
+    dup = np.array([bool(r["duplicate"]) for r in rows])
+    thr = min(v["threshold"] for v in verifier["curve"] if v["precision"] >= 0.80 and v["recall"] > 0)
+    gates = (0.4, 0.45, 0.5, 0.55, 0.6)
+    maps = {}
+    for s in sorted(set(src)):
+        m = src != s
+        maps[s] = student_fit(np.vstack([x[m].reshape(-1, x.shape[2]), extra_x]),
+                              np.vstack([teacher[m].reshape(-1, 384), extra_t]))
+    print("| source | true hits (min precision 0.80) | " + " | ".join(f"kept at t = {t}" for t in gates) + " |")
+    print("|---|---|" + "---|" * len(gates))
+    for s, w in maps.items():
+        m = src == s
+        cs = (student_vectors(x[m, 0], w) * student_vectors(x[m, 1], w)).sum(-1)
+        hit = (p[m] >= thr) & (cos[m] >= 0.7) & dup[m]
+        print(f"| {s} | {hit.sum()} | " + " | ".join(f"{np.mean(cs[hit] >= t):.3f}" for t in gates) + " |")
+    qqp = np.flatnonzero(src == "qqp")[:QUERIES]
+    a = student_vectors(x[qqp, 0], maps["qqp"])
+    sims = a @ a.T
+    go_on_table(sims, gates)
 
 
 def fit(pairs_path, prefix, extra_prefix, out_path):
@@ -414,6 +478,8 @@ if __name__ == "__main__":
         prompts(sys.argv[2])
     elif sys.argv[1] == "student":
         student(*sys.argv[2:7])
+    elif sys.argv[1] == "pooled":
+        student_pooled(*sys.argv[2:8])
     elif sys.argv[1] == "asym":
         student_asym(*sys.argv[2:7])
     elif sys.argv[1] == "fit":

@@ -379,9 +379,12 @@ struct Worker {
 /// Lower the calling thread's scheduling priority to niceness `nice` (on Linux niceness is per
 /// thread), so the model's work yields the CPU to the threads answering requests; never raise
 /// it. Best effort.
-fn yield_to_requests(nice: i32) {
+fn yield_to_requests(nice: i32, idle_class: bool) {
     #[cfg(target_os = "linux")]
     {
+        if idle_class && idle_scheduling() {
+            return;
+        }
         let thread = Some(rustix::thread::gettid());
         // Only ever lower it: a gateway started under `nice` keeps its threads' niceness.
         let now = rustix::process::getpriority_process(thread).unwrap_or(0);
@@ -392,7 +395,24 @@ fn yield_to_requests(nice: i32) {
         }
     }
     #[cfg(not(target_os = "linux"))]
-    let _ = nice;
+    let _ = (nice, idle_class);
+}
+
+/// Put the calling thread in Linux's idle scheduling class (`SCHED_IDLE`); whether it is now.
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
+fn idle_scheduling() -> bool {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: `sched_setscheduler` only reads the `sched_param` it is given, which lives for the
+    // call; pid 0 names the calling thread. rustix has no wrapper for it.
+    let done = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } == 0;
+    if !done {
+        tracing::debug!(
+            error = %std::io::Error::last_os_error(),
+            "could not put an embedding thread in the idle class; lowering its niceness instead"
+        );
+    }
+    done
 }
 
 /// Load the static table next to the model, distilling (and saving) it on first use.
@@ -450,13 +470,14 @@ impl Worker {
 
     fn run(self, rx: &mpsc::Receiver<Job>) {
         let started = Instant::now();
-        // This thread and the pool the model's matrix products run on (rayon's global pool,
-        // built here, before the model's first use).
-        let nice = self.config.nice;
-        yield_to_requests(nice);
+        // This thread and the pool the model's matrix products run on on the CPU (rayon's
+        // global pool, built here, before the model's first use). This thread joins the idle
+        // class only once the model is known to run on the CPU: on a GPU it feeds the device.
+        let (nice, idle_class) = (self.config.nice, self.config.idle_class);
+        yield_to_requests(nice, false);
         let pool = rayon::ThreadPoolBuilder::new()
             .thread_name(|i| format!("gw-embed-{i}"))
-            .start_handler(move |_| yield_to_requests(nice))
+            .start_handler(move |_| yield_to_requests(nice, idle_class))
             .build_global();
         if let Err(e) = pool {
             tracing::debug!(error = %e, "the model's thread pool was already built; its threads keep their priority");
@@ -468,6 +489,9 @@ impl Worker {
                 return;
             }
         };
+        if bert.device() == "cpu" {
+            yield_to_requests(nice, idle_class);
+        }
         let epoch = Instant::now();
         let now_ms = |at: Instant| i64::try_from(at.duration_since(epoch).as_millis()).unwrap_or(0);
         if let Some(gate) = &gate {
@@ -639,6 +663,40 @@ impl WorkQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The calling thread's scheduling policy and niceness, from `/proc/thread-self/stat`
+    /// (fields 41 and 19; the command name in parentheses may hold spaces).
+    #[cfg(target_os = "linux")]
+    fn policy_and_nice() -> (u32, i32) {
+        let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default();
+        let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+        let fields: Vec<&str> = after.split_whitespace().collect();
+        let field = |n: usize| fields.get(n - 3).copied().unwrap_or_default();
+        (
+            field(41).parse().unwrap_or(u32::MAX),
+            field(19).parse().unwrap_or(i32::MIN),
+        )
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_embedding_threads_yield_to_requests_by_class_or_by_niceness() {
+        const SCHED_OTHER: u32 = 0;
+        const SCHED_IDLE: u32 = 5;
+        // Each in a thread of its own: a thread cannot take back the priority it gave up.
+        let run = |idle_class: bool| {
+            std::thread::spawn(move || {
+                yield_to_requests(10, idle_class);
+                policy_and_nice()
+            })
+            .join()
+            .unwrap_or((u32::MAX, i32::MIN))
+        };
+        assert_eq!(run(true).0, SCHED_IDLE);
+        let (policy, nice) = run(false);
+        assert_eq!(policy, SCHED_OTHER);
+        assert!(nice >= 10, "niceness {nice}");
+    }
 
     #[test]
     fn the_predicted_wait_counts_the_jobs_ahead_and_the_lookup_itself() {

@@ -94,6 +94,12 @@ pub struct SemanticConfig {
     /// the first stage decided, or one with no semantic lookup at all, does not wait behind an
     /// embedding. 0 gives them the requests' priority.
     pub nice: i32,
+    /// Run the model's threads in Linux's idle scheduling class (`SCHED_IDLE`) while the model
+    /// runs on the CPU: they get a core only when no other thread wants it, and a request's
+    /// thread that wakes takes the core back at once (niceness only shares it out by weight).
+    /// Where the kernel refuses, or on a GPU (whose feeding thread must not starve), `nice`
+    /// applies.
+    pub idle_class: bool,
     /// Most requests embedded in one batch.
     pub batch: usize,
     /// Longest a request waits for the semantic lookup before it is treated as a miss, ms.
@@ -121,6 +127,7 @@ impl Default for SemanticConfig {
             gate_overlap: 0.0,
             gate_student: 0.0,
             nice: 10,
+            idle_class: true,
             batch: 16,
             lookup_timeout_ms: 250,
             max_queue: 32,

@@ -608,21 +608,28 @@ async fn first_stage_decides_unrelated_questions(stage: impl FnOnce(&mut Config)
 }
 
 /// The model's threads (the worker and the pool its matrix products run on) run at
-/// `cache.semantic.nice`, below the threads answering requests; 0 leaves them as they are.
+/// `cache.semantic.nice`, below the threads answering requests, and (the model on the CPU, as
+/// here) in the idle scheduling class (`cache.semantic.idle_class`, on by default); 0 leaves
+/// their niceness as it is.
 #[cfg(target_os = "linux")]
 #[tokio::test]
 async fn the_model_threads_yield_the_cpu_to_requests() {
-    /// (thread name, niceness) of every thread of this process.
-    fn threads() -> Vec<(String, i64)> {
+    const SCHED_OTHER: i64 = 0;
+    const SCHED_IDLE: i64 = 5;
+    /// (thread name, niceness, scheduling policy) of every thread of this process.
+    fn threads() -> Vec<(String, i64, i64)> {
         std::fs::read_dir("/proc/self/task")
             .unwrap()
             .filter_map(|t| {
                 let dir = t.ok()?.path();
                 let name = std::fs::read_to_string(dir.join("comm")).ok()?;
                 let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
-                // After the name's closing parenthesis: state is field 3, niceness field 19.
-                let nice = stat.rsplit_once(") ")?.1.split(' ').nth(16)?.parse().ok()?;
-                Some((name.trim().to_owned(), nice))
+                // After the name's closing parenthesis: state is field 3, niceness field 19,
+                // policy field 41.
+                let fields: Vec<&str> = stat.rsplit_once(") ")?.1.split(' ').collect();
+                let nice = fields.get(16)?.parse().ok()?;
+                let policy = fields.get(38)?.parse().ok()?;
+                Some((name.trim().to_owned(), nice, policy))
             })
             .collect()
     }
@@ -641,23 +648,28 @@ async fn the_model_threads_yield_the_cpu_to_requests() {
         .parse()
         .unwrap();
     let model = base.max(12);
-    let niceness = |prefix: &str| -> Vec<i64> {
+    let niceness = |prefix: &str| -> Vec<(i64, i64)> {
         all.iter()
-            .filter(|(n, _)| n.starts_with(prefix))
-            .map(|t| t.1)
+            .filter(|(n, ..)| n.starts_with(prefix))
+            .map(|t| (t.1, t.2))
             .collect()
     };
-    assert_eq!(niceness("gw-semantic"), vec![model], "{all:?}");
-    let pool = niceness("gw-embed-");
-    assert!(
-        !pool.is_empty() && pool.iter().all(|&n| n == model),
+    // The worker joins the class once the model is loaded (on the CPU).
+    assert_eq!(
+        niceness("gw-semantic"),
+        vec![(model, SCHED_IDLE)],
         "{all:?}"
     );
-    // Everything else (the runtime answering requests) keeps its priority.
+    let pool = niceness("gw-embed-");
+    assert!(
+        !pool.is_empty() && pool.iter().all(|&t| t == (model, SCHED_IDLE)),
+        "{all:?}"
+    );
+    // Everything else (the runtime answering requests) keeps its priority and class.
     assert!(
         all.iter()
-            .filter(|(n, _)| !n.starts_with("gw-semantic") && !n.starts_with("gw-embed-"))
-            .all(|t| t.1 == base),
+            .filter(|(n, ..)| !n.starts_with("gw-semantic") && !n.starts_with("gw-embed-"))
+            .all(|t| (t.1, t.2) == (base, SCHED_OTHER)),
         "{all:?}"
     );
     app.stop().await;

@@ -376,9 +376,10 @@ struct Worker {
     metrics: Metrics,
 }
 
-/// Lower the calling thread's scheduling priority to niceness `nice` (on Linux niceness is per
-/// thread), so the model's work yields the CPU to the threads answering requests; never raise
-/// it. Best effort.
+/// Lower the calling thread's scheduling priority (on Linux both are per thread), so the
+/// model's work yields the CPU to the threads answering requests: into the idle class when
+/// `idle_class` is set and the kernel allows it, otherwise to niceness `nice`, never raising it.
+/// Best effort.
 fn yield_to_requests(nice: i32, idle_class: bool) {
     #[cfg(target_os = "linux")]
     {
@@ -470,7 +471,7 @@ impl Worker {
 
     fn run(self, rx: &mpsc::Receiver<Job>) {
         let started = Instant::now();
-        // This thread and the pool the model's matrix products run on on the CPU (rayon's
+        // This thread and the pool the model's matrix products run on when on the CPU (rayon's
         // global pool, built here, before the model's first use). This thread joins the idle
         // class only once the model is known to run on the CPU: on a GPU it feeds the device.
         let (nice, idle_class) = (self.config.nice, self.config.idle_class);

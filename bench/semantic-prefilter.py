@@ -61,6 +61,20 @@ import sys
 from collections import Counter
 
 QUERIES = 2500
+# `cache.semantic.min_cosine`: a stored question is handed to the verifier only above it.
+MIN_COSINE = 0.7
+
+
+def verifier_threshold(verifier, target):
+    """The verifier's lowest probability threshold reaching precision `target` on its curve."""
+    return min(q["threshold"] for q in verifier["curve"]
+               if q["precision"] >= target and q["recall"] > 0)
+
+
+def true_hits(p, cos, dup, thr):
+    """Pairs the shipped verifier answers (above the cosine floor and the threshold) that are
+    labelled duplicates."""
+    return (p >= thr) & (cos >= MIN_COSINE) & dup
 
 
 def sample(paths):
@@ -179,15 +193,11 @@ def gate(scores_path, verifier_path):
         union = sum(weight(t) for t in a | b)
         return sum(weight(t) for t in a & b) / union if union else 0.0
 
-    def lowest(target):
-        pts = [p for p in verifier["curve"] if p["precision"] >= target and p["recall"] > 0]
-        return min(p["threshold"] for p in pts)
-
-    settings = [(m, lowest(m)) for m in (0.80, 0.85, 0.90)]
+    settings = [(m, verifier_threshold(verifier, m)) for m in (0.80, 0.85, 0.90)]
     src = np.array([r["source"] for r in rows])
     p = np.array([r["p"] for r in rows])
     # A stored question is handed to the verifier only above `cache.semantic.min_cosine`.
-    p[np.array([r["cos"] for r in rows]) < 0.7] = 0.0
+    p[np.array([r["cos"] for r in rows]) < MIN_COSINE] = 0.0
     dup = np.array([bool(r["duplicate"]) for r in rows])
     jac = np.array([jaccard(r["ids_a"], r["ids_b"]) for r in rows])
     gates = (0.1, 0.15, 0.2, 0.25, 0.3)
@@ -336,9 +346,7 @@ def student(pairs_path, prefix, extra_prefix, scores_path, verifier_path):
         m = src == s
         cs = (student_vectors(static[m, 0], w) * student_vectors(static[m, 1], w)).sum(-1)
         for target in (0.80, 0.90):
-            thr = min(q["threshold"] for q in verifier["curve"]
-                      if q["precision"] >= target and q["recall"] > 0)
-            hit = (p[m] >= thr) & (cos[m] >= 0.7) & dup[m]
+            hit = true_hits(p[m], cos[m], dup[m], verifier_threshold(verifier, target))
             if hit.sum() < 5:
                 continue
             cells = " | ".join(f"{np.mean(cs[hit] >= t):.3f}" for t in gates)
@@ -351,12 +359,12 @@ def student(pairs_path, prefix, extra_prefix, scores_path, verifier_path):
     np.fill_diagonal(t, -1)
     print()
     print("| questions in the namespace | " + " | ".join(f"go on at t = {g}" for g in gates)
-          + " | the transformer's own cosine >= 0.7 |")
+          + f" | the transformer's own cosine >= {MIN_COSINE} |")
     print("|---|" + "---|" * (len(gates) + 1))
     for size in (100, 500, 1000, len(qqp)):
         best = sims[:size, :size].max(1)
         cells = " | ".join(f"{np.mean(best >= g):.2f}" for g in gates)
-        print(f"| {size} | {cells} | {np.mean(t[:size, :size].max(1) >= 0.7):.2f} |")
+        print(f"| {size} | {cells} | {np.mean(t[:size, :size].max(1) >= MIN_COSINE):.2f} |")
 
 
 def student_asym(pairs_path, prefix, extra_prefix, scores_path, verifier_path):
@@ -377,9 +385,7 @@ def student_asym(pairs_path, prefix, extra_prefix, scores_path, verifier_path):
         st = [stored_vectors(teacher[m, k], basis) for k in (0, 1)]
         cs = np.concatenate([(q[0] * st[1]).sum(-1), (q[1] * st[0]).sum(-1)])
         for target in (0.80, 0.90):
-            thr = min(v["threshold"] for v in verifier["curve"]
-                      if v["precision"] >= target and v["recall"] > 0)
-            hit = (p[m] >= thr) & (cos[m] >= 0.7) & dup[m]
+            hit = true_hits(p[m], cos[m], dup[m], verifier_threshold(verifier, target))
             if hit.sum() < 5:
                 continue
             hit2 = np.concatenate([hit, hit])
@@ -434,7 +440,7 @@ def student_pooled(pairs_path, prefix, extra_prefix, scores_path, verifier_path,
     p = np.array([r["p"] for r in scores])
     cos = np.array([r["cos"] for r in scores])
     dup = np.array([bool(r["duplicate"]) for r in rows])
-    thr = min(v["threshold"] for v in verifier["curve"] if v["precision"] >= 0.80 and v["recall"] > 0)
+    thr = verifier_threshold(verifier, 0.80)
     gates = (0.4, 0.45, 0.5, 0.55, 0.6)
     maps = {}
     for s in sorted(set(src)):
@@ -446,7 +452,7 @@ def student_pooled(pairs_path, prefix, extra_prefix, scores_path, verifier_path,
     for s, w in maps.items():
         m = src == s
         cs = (student_vectors(x[m, 0], w) * student_vectors(x[m, 1], w)).sum(-1)
-        hit = (p[m] >= thr) & (cos[m] >= 0.7) & dup[m]
+        hit = true_hits(p[m], cos[m], dup[m], thr)
         print(f"| {s} | {hit.sum()} | " + " | ".join(f"{np.mean(cs[hit] >= t):.3f}" for t in gates) + " |")
     qqp = np.flatnonzero(src == "qqp")[:QUERIES]
     a = student_vectors(x[qqp, 0], maps["qqp"])

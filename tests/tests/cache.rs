@@ -648,7 +648,7 @@ async fn the_model_threads_yield_the_cpu_to_requests() {
         .parse()
         .unwrap();
     let model = base.max(12);
-    let niceness = |prefix: &str| -> Vec<(i64, i64)> {
+    let priority = |prefix: &str| -> Vec<(i64, i64)> {
         all.iter()
             .filter(|(n, ..)| n.starts_with(prefix))
             .map(|t| (t.1, t.2))
@@ -656,11 +656,11 @@ async fn the_model_threads_yield_the_cpu_to_requests() {
     };
     // The worker joins the class once the model is loaded (on the CPU).
     assert_eq!(
-        niceness("gw-semantic"),
+        priority("gw-semantic"),
         vec![(model, SCHED_IDLE)],
         "{all:?}"
     );
-    let pool = niceness("gw-embed-");
+    let pool = priority("gw-embed-");
     assert!(
         !pool.is_empty() && pool.iter().all(|&t| t == (model, SCHED_IDLE)),
         "{all:?}"

@@ -391,8 +391,6 @@ impl hyper::body::Body for DeadlineBody {
 mod tests {
     use std::collections::BTreeMap;
 
-    use std::path::Path;
-
     use axum::routing::get;
 
     use super::*;
@@ -523,7 +521,9 @@ mod tests {
             .await
             .unwrap();
         let writes = || {
-            let io = std::fs::read_to_string(Path::new("/proc").join(&thread).join("io")).unwrap();
+            let io =
+                std::fs::read_to_string(std::path::Path::new("/proc").join(&thread).join("io"))
+                    .unwrap();
             let line = io.lines().find(|l| l.starts_with("syscw:")).unwrap();
             line["syscw:".len()..].trim().parse::<u64>().unwrap()
         };

@@ -1,6 +1,7 @@
-//! One lazily connected Redis — a single node, or a cluster when several seed URLs are given —
-//! shared by the budget store and the response cache. The connection is made on first use, so a
-//! gateway starts while Redis is down, and every call made through it is bounded by `timeout`.
+//! One lazily connected Redis (a single node, or a cluster when several seed URLs are given),
+//! one each for the budget store, the guard and the response cache. The connection is made on
+//! first use, so a gateway starts while Redis is down; every call made through it is bounded by
+//! `timeout` where it is made ([`RedisConn::timeout`]).
 
 use std::time::Duration;
 
@@ -90,9 +91,16 @@ impl RedisConn {
     async fn connect(&self) -> Result<Conn, RedisError> {
         Ok(if self.urls.len() == 1 {
             let client = redis::Client::open(self.urls[0].as_str())?;
+            // No response timeout of the crate's own: every call through this connection is
+            // already bounded by `timeout` where it is made (the budget store's, the guard's
+            // and the cache's calls each run under `tokio::time::timeout`), and the crate's,
+            // one more timer per command, only doubled it. A timer armed while the lane runs
+            // also wakes its driver (docs/benchmarks.md, "Thirty-fifth sitting"). A command
+            // that times out does not make the manager reconnect either way (a timeout is not
+            // a dropped connection to it).
             let config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(self.timeout))
-                .set_response_timeout(Some(self.timeout))
+                .set_response_timeout(None)
                 .set_number_of_retries(1)
                 .set_max_delay(Duration::from_millis(500));
             Conn::Single(ConnectionManager::new_with_config(client, config).await?)

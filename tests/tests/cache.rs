@@ -770,6 +770,34 @@ async fn with_redis_a_repeat_hits_on_every_replica() {
 }
 
 #[tokio::test]
+async fn with_redis_frozen_a_lookup_is_a_miss_within_its_timeout() {
+    let redis = e2e::PrivateRedis::start().unwrap();
+    let sim = Sim::zero("sim-small").await;
+    let mut c = config(
+        vec![replica("s1", &sim.url, "sim-small")],
+        vec![replica("l1", &sim.url, "sim-small")],
+    );
+    c.cache.semantic.model_dir = "/nonexistent/model".into();
+    c.cache.redis_urls = vec![redis.url.clone()];
+    c.cache.redis_timeout_ms = 200;
+    let app = TestApp::spawn(c, StoreKind::Sqlite).await;
+    let r = app.chat(deterministic("Asked while Redis answers")).await;
+    assert_eq!(cache_header(&r), "miss");
+    // Frozen (SIGSTOP): the connection stays open and nothing is answered. The lookup is bounded
+    // by the cache's own timeout (the connection sets none of its own), so the request is a
+    // miss served by the upstream, not a request waiting on Redis.
+    redis.pause().unwrap();
+    let started = std::time::Instant::now();
+    let r = app.chat(deterministic("Asked while Redis is frozen")).await;
+    let waited = started.elapsed();
+    redis.unpause().unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(cache_header(&r), "miss");
+    assert!(waited < Duration::from_secs(2), "{waited:?}");
+    app.stop().await;
+}
+
+#[tokio::test]
 async fn the_semantic_layer_loads_only_once_a_policy_asks_for_it() {
     let sim = Sim::zero("sim-small").await;
     let mut c = semantic_config(&sim);

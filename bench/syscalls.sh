@@ -33,12 +33,9 @@ for v in A B; do
   port=$([ "$v" = A ] && echo 19711 || echo 19712)
   bin_var=BIN_$v
   BIN=${!bin_var}
-  if [ "$CFG" = plain ]; then
-    cost_config plain "$port" "$P_UP" 0 x | sed "s|$WORK/plain.db|$WORK/$v.db|" >"$WORK/$v.toml"
-  else
-    cost_config "$CFG" "$port" "$P_UP" 0 x |
-      sed "s|$WORK/$CFG.db|$WORK/$v.db|; s|spool-$CFG|spool-$v|" >"$WORK/$v.toml"
-  fi
+  # A database and spool of its own for each gateway (cost_config names them after CFG).
+  cost_config "$CFG" "$port" "$P_UP" 0 x |
+    sed "s|$WORK/$CFG.db|$WORK/$v.db|; s|spool-$CFG|spool-$v|" >"$WORK/$v.toml"
   RUST_LOG=warn "$BIN/gateway" serve --config "$WORK/$v.toml" >"$WORK/$v.log" 2>&1 &
   PIDS+=($!)
   PID[$v]=$!
@@ -69,7 +66,7 @@ for r in $(seq 1 "$ROUNDS"); do
     n=$(echo "$out" | awk '/^WRK/ {print $2}')
     lat=$(echo "$out" | awk '/^LAT/ {print $2, $3}')
     calls=$(awk -F, -v n="$n" '/syscalls/ {k = $3; sub(/.*sys_enter_/, "", k); printf "%s=%.2f ", k, $1 / n}' "$WORK/$v.stat")
-    cpu_us=$(python3 -c "import sys; print(round(($c1 - $c0) / $(getconf CLK_TCK) * 1e6 / $n, 1))")
+    cpu_us=$(python3 -c "print(round(($c1 - $c0) / $(getconf CLK_TCK) * 1e6 / $n, 1))")
     echo "round $r $v: $((n / DUR)) req/s, p50/p99 ms $lat, CPU µs/request $cpu_us; per request: $calls"
   done
 done

@@ -578,3 +578,67 @@ async fn with_its_redis_down_the_guard_backs_off_and_the_in_request_signal_still
         .starts_with("flagged; session=run-down"));
     app.stop().await;
 }
+
+#[tokio::test]
+async fn with_its_redis_frozen_the_guard_is_bounded_by_its_timeout_and_resumes_after() {
+    let redis = e2e::PrivateRedis::start().unwrap();
+    let store = std::sync::Arc::new(
+        gateway::guard::redis::RedisGuard::new(
+            vec![redis.url.clone()],
+            std::time::Duration::from_millis(200),
+        )
+        .unwrap(),
+    );
+    let sim = Sim::zero("sim-small").await;
+    let deps = gateway::state::Deps {
+        guard_store: Some(store),
+        ..Default::default()
+    };
+    let db = e2e::TestStore::new(StoreKind::Sqlite).await.unwrap();
+    let mut app = TestApp::spawn_custom(e2e::config_on(&sim, None), db, true, true, deps).await;
+    let ask = e2e::chat_body("fast", "What is the status of order 1182?");
+    let r = send(&app, "before", &ask).await;
+    assert_eq!(r.status(), 200);
+    let _ = app.next_event().await;
+
+    // Frozen (SIGSTOP): the connection stays open and nothing is answered. The guard's call is
+    // bounded by its own timeout (the connection sets none), so the request is served; the
+    // signal read from the request itself still flags.
+    redis.pause().unwrap();
+    let started = std::time::Instant::now();
+    let r = send(&app, "frozen", &stuck()).await;
+    let waited = started.elapsed();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["x-gateway-loop"]
+        .to_str()
+        .unwrap()
+        .starts_with("flagged; session=frozen"));
+    assert!(waited < std::time::Duration::from_secs(2), "{waited:?}");
+    let _ = app.next_event().await;
+    // Within the back-off the next request does not wait at all on the frozen server.
+    let started = std::time::Instant::now();
+    assert_eq!(send(&app, "before", &ask).await.status(), 200);
+    assert!(
+        started.elapsed() < std::time::Duration::from_millis(150),
+        "{:?}",
+        started.elapsed()
+    );
+    let _ = app.next_event().await;
+    redis.unpause().unwrap();
+
+    // The late answers to the calls that timed out are read and dropped; once the back-off
+    // has passed, the same connection serves the shared window again: a question sent three
+    // times in a new session is flagged on the third.
+    tokio::time::sleep(std::time::Duration::from_millis(1_200)).await;
+    for i in 0..3 {
+        let r = send(&app, "after", &ask).await;
+        assert_eq!(r.status(), 200);
+        let flagged = r
+            .headers()
+            .get("x-gateway-loop")
+            .is_some_and(|f| f.to_str().unwrap().contains("session=after"));
+        assert_eq!(flagged, i == 2, "request {i}");
+        let _ = app.next_event().await;
+    }
+    app.stop().await;
+}

@@ -1,6 +1,8 @@
 //! Embedding models, the vector index and the learned models of the gateway's cache.
 //!
-//! - [`bert`]: the transformer sentence embedder (all-MiniLM-L6-v2 on the CPU, with candle).
+//! - [`bert`]: the transformer sentence embedder (all-MiniLM-L6-v2 on the CPU).
+//! - [`forward`]: its forward pass on the CPU, on [`matmul`]'s few-row products; [`model`]: the
+//!   model's files as the CPU and GPU passes read them.
 //! - `cuda` (feature `cuda`): the transformer, the static table and the vector index on an
 //!   NVIDIA GPU (CUDA libraries loaded at run time; NVRTC kernels, cuBLAS products).
 //! - [`eval`]: precision / recall / hit rate of a similarity threshold on labelled pairs.
@@ -23,9 +25,12 @@ pub mod bert;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod eval;
+pub mod forward;
 pub mod gate;
 pub mod index;
 pub mod learn;
+pub mod matmul;
+pub mod model;
 pub mod semantic;
 pub mod static_embed;
 pub mod student;

@@ -17,17 +17,17 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 
-use candle_core::DType;
 use cudarc::cublas::{CudaBlas, Gemm};
 use cudarc::driver::ValidAsZeroBits;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DeviceRepr, PushKernelArg};
-use tokenizers::{Tokenizer, TruncationParams};
+use tokenizers::Tokenizer;
 
 use super::{
     attention_context, attention_scores, device_err, function, guard, int, linear,
     thread_per_element, warp_per_row, Gpu, MAX_PASS_TOKENS,
 };
-use crate::bert::{Embed, EmbedError, TextVectors, MAX_TOKENS};
+use crate::bert::{Embed, EmbedError, TextVectors};
+use crate::model::{self, ModelConfig};
 
 /// The transformer's kernels (CUDA C).
 pub(super) const KERNELS: &str = include_str!("kernels.cu");
@@ -36,54 +36,8 @@ pub(super) const KERNELS: &str = include_str!("kernels.cu");
 /// is larger runs its attention in chunks of texts.
 const SCORE_BUDGET: usize = 1 << 25;
 
-/// The fields of `config.json` the forward pass needs.
-#[derive(Debug, Clone, serde::Deserialize)]
-struct Config {
-    hidden_size: usize,
-    num_attention_heads: usize,
-    num_hidden_layers: usize,
-    intermediate_size: usize,
-    layer_norm_eps: f64,
-    vocab_size: usize,
-    max_position_embeddings: usize,
-    #[serde(default = "default_type_vocab")]
-    type_vocab_size: usize,
-    hidden_act: String,
-    #[serde(default)]
-    position_embedding_type: Option<String>,
-}
-
-fn default_type_vocab() -> usize {
-    2
-}
-
-struct Layer {
-    /// `[3h, h]`: query, key, value weights stacked.
-    qkv_w: CudaSlice<f32>,
-    qkv_b: CudaSlice<f32>,
-    attn_out_w: CudaSlice<f32>,
-    attn_out_b: CudaSlice<f32>,
-    attn_ln_g: CudaSlice<f32>,
-    attn_ln_b: CudaSlice<f32>,
-    /// `[intermediate, h]`.
-    up_w: CudaSlice<f32>,
-    up_b: CudaSlice<f32>,
-    /// `[h, intermediate]`.
-    down_w: CudaSlice<f32>,
-    down_b: CudaSlice<f32>,
-    out_ln_g: CudaSlice<f32>,
-    out_ln_b: CudaSlice<f32>,
-}
-
-struct Weights {
-    word: CudaSlice<f32>,
-    position: CudaSlice<f32>,
-    /// Row 0 of the token type embeddings (every token is type 0).
-    type0: CudaSlice<f32>,
-    ln_g: CudaSlice<f32>,
-    ln_b: CudaSlice<f32>,
-    layers: Vec<Layer>,
-}
+/// Every weight on the device.
+type Weights = model::Weights<CudaSlice<f32>>;
 
 struct Kernels {
     embed_layernorm: CudaFunction,
@@ -162,7 +116,7 @@ pub struct GpuEmbedder {
     blas: CudaBlas,
     kernels: Kernels,
     weights: Weights,
-    config: Config,
+    config: ModelConfig,
     tokenizer: Tokenizer,
     workspace: Mutex<Workspace>,
     dir: PathBuf,
@@ -187,36 +141,23 @@ impl std::fmt::Debug for GpuEmbedder {
     }
 }
 
-fn read(path: &Path) -> Result<Vec<u8>, EmbedError> {
-    std::fs::read(path).map_err(|e| EmbedError::File {
-        path: path.to_owned(),
-        message: e.to_string(),
-    })
-}
-
-fn bad_file(path: &Path, message: String) -> EmbedError {
-    EmbedError::File {
-        path: path.to_owned(),
-        message,
-    }
-}
-
 impl GpuEmbedder {
     /// Load the model from `dir` (as `scripts/fetch-model.sh` lays it out: `model.safetensors`,
     /// `tokenizer.json`, `config.json`) onto CUDA device `ordinal`: the weights are uploaded once
     /// and the kernels compiled. Fails with [`EmbedError::Device`] where there is no usable GPU
     /// (see [`available`](super::available)).
     pub fn load(dir: &Path, ordinal: usize) -> Result<Self, EmbedError> {
-        let config_path = dir.join("config.json");
-        let config: Config = serde_json::from_slice(&read(&config_path)?)
-            .map_err(|e| bad_file(&config_path, e.to_string()))?;
-        check_config(&config, &config_path)?;
-        let tokenizer = load_tokenizer(&dir.join("tokenizer.json"))?;
+        let config = ModelConfig::read(&dir.join("config.json"))?;
+        let tokenizer = model::load_tokenizer(&dir.join("tokenizer.json"))?;
         let weights_path = dir.join("model.safetensors");
-        let bytes = read(&weights_path)?;
+        let host = model::Weights::read(&model::read(&weights_path)?, &weights_path, &config)?;
         let gpu = Gpu::open(ordinal)?;
         let (weights, kernels, blas, workspace) = guard("loading the model onto the GPU", || {
-            let weights = upload_weights(&gpu, &bytes, &weights_path, &config)?;
+            let weights = host.try_map(|v| {
+                gpu.stream
+                    .clone_htod(v)
+                    .map_err(device_err("uploading the weights"))
+            })?;
             let module = gpu.compile(KERNELS, &[])?;
             let kernels = Kernels {
                 embed_layernorm: function(&module, "embed_layernorm")?,
@@ -274,21 +215,8 @@ impl GpuEmbedder {
         if texts.is_empty() {
             return Ok(Vec::new());
         }
-        let encodings = self
-            .tokenizer
-            .encode_batch(texts.to_vec(), true)
-            .map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
-        let vocab = self.config.vocab_size;
-        let mut sequences = Vec::with_capacity(encodings.len());
-        for e in &encodings {
-            let ids = e.get_ids();
-            if ids.iter().any(|&id| id as usize >= vocab) {
-                return Err(EmbedError::Tokenizer(format!(
-                    "token id past the model's vocabulary ({vocab})"
-                )));
-            }
-            sequences.push(ids);
-        }
+        let ids = model::token_ids(&self.tokenizer, texts, self.config.vocab_size)?;
+        let sequences: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
         let mut workspace = self
             .workspace
             .lock()
@@ -622,122 +550,6 @@ fn passes(sequences: &[&[u32]]) -> Vec<std::ops::Range<usize>> {
         out.push(start..sequences.len());
     }
     out
-}
-
-/// The model's tokenizer, truncating at [`MAX_TOKENS`] as `BertEmbedder` does; padding is done
-/// per pass here.
-fn load_tokenizer(path: &Path) -> Result<Tokenizer, EmbedError> {
-    let mut tokenizer =
-        Tokenizer::from_bytes(read(path)?).map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
-    tokenizer
-        .with_truncation(Some(TruncationParams {
-            max_length: MAX_TOKENS,
-            ..Default::default()
-        }))
-        .map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
-    tokenizer.with_padding(None);
-    Ok(tokenizer)
-}
-
-fn check_config(c: &Config, path: &Path) -> Result<(), EmbedError> {
-    let bad = |m: &str| Err(bad_file(path, m.to_owned()));
-    if c.hidden_act != "gelu" {
-        return bad("only the exact (erf) GELU activation is implemented on the GPU");
-    }
-    if c.position_embedding_type
-        .as_deref()
-        .is_some_and(|p| p != "absolute")
-    {
-        return bad("only absolute position embeddings are implemented on the GPU");
-    }
-    if c.hidden_size.checked_rem(c.num_attention_heads) != Some(0) {
-        return bad("hidden size not a multiple of the number of heads");
-    }
-    if c.max_position_embeddings < MAX_TOKENS {
-        return bad("fewer position embeddings than the token limit");
-    }
-    if c.type_vocab_size == 0 || c.num_hidden_layers == 0 || c.vocab_size == 0 {
-        return bad("empty model");
-    }
-    Ok(())
-}
-
-/// Read the safetensors file and upload every weight the forward pass uses (names as
-/// candle's `BertModel` loads them, with or without a `bert.` prefix).
-fn upload_weights(gpu: &Gpu, bytes: &[u8], path: &Path, c: &Config) -> Result<Weights, EmbedError> {
-    let tensors = candle_core::safetensors::load_buffer(bytes, &candle_core::Device::Cpu)?;
-    let prefix = if tensors.contains_key("bert.embeddings.word_embeddings.weight") {
-        "bert."
-    } else {
-        ""
-    };
-    let get = |name: &str, shape: &[usize]| -> Result<Vec<f32>, EmbedError> {
-        let full = format!("{prefix}{name}");
-        let tensor = tensors
-            .get(&full)
-            .ok_or_else(|| bad_file(path, format!("no tensor {full}")))?;
-        if tensor.dims() != shape {
-            return Err(bad_file(
-                path,
-                format!("{full}: shape {:?}, expected {shape:?}", tensor.dims()),
-            ));
-        }
-        Ok(tensor
-            .to_dtype(DType::F32)?
-            .flatten_all()?
-            .to_vec1::<f32>()?)
-    };
-    let up = |v: &[f32]| {
-        gpu.stream
-            .clone_htod(v)
-            .map_err(device_err("uploading the weights"))
-    };
-    let (h, inter) = (c.hidden_size, c.intermediate_size);
-    let types = get(
-        "embeddings.token_type_embeddings.weight",
-        &[c.type_vocab_size, h],
-    )?;
-    let mut layers = Vec::with_capacity(c.num_hidden_layers);
-    for i in 0..c.num_hidden_layers {
-        let name = |n: &str| format!("encoder.layer.{i}.{n}");
-        let mut qkv_w = Vec::with_capacity(3 * h * h);
-        let mut qkv_b = Vec::with_capacity(3 * h);
-        for part in ["query", "key", "value"] {
-            qkv_w.extend(get(
-                &name(&format!("attention.self.{part}.weight")),
-                &[h, h],
-            )?);
-            qkv_b.extend(get(&name(&format!("attention.self.{part}.bias")), &[h])?);
-        }
-        layers.push(Layer {
-            qkv_w: up(&qkv_w)?,
-            qkv_b: up(&qkv_b)?,
-            attn_out_w: up(&get(&name("attention.output.dense.weight"), &[h, h])?)?,
-            attn_out_b: up(&get(&name("attention.output.dense.bias"), &[h])?)?,
-            attn_ln_g: up(&get(&name("attention.output.LayerNorm.weight"), &[h])?)?,
-            attn_ln_b: up(&get(&name("attention.output.LayerNorm.bias"), &[h])?)?,
-            up_w: up(&get(&name("intermediate.dense.weight"), &[inter, h])?)?,
-            up_b: up(&get(&name("intermediate.dense.bias"), &[inter])?)?,
-            down_w: up(&get(&name("output.dense.weight"), &[h, inter])?)?,
-            down_b: up(&get(&name("output.dense.bias"), &[h])?)?,
-            out_ln_g: up(&get(&name("output.LayerNorm.weight"), &[h])?)?,
-            out_ln_b: up(&get(&name("output.LayerNorm.bias"), &[h])?)?,
-        });
-    }
-    Ok(Weights {
-        word: up(&get(
-            "embeddings.word_embeddings.weight",
-            &[c.vocab_size, h],
-        )?)?,
-        position: up(&get(
-            "embeddings.position_embeddings.weight",
-            &[c.max_position_embeddings, h],
-        )?)?,
-        type0: up(&types[..h])?,
-        ln_g: up(&get("embeddings.LayerNorm.weight", &[h])?)?,
-        ln_b: up(&get("embeddings.LayerNorm.bias", &[h])?)?,
-        layers,
-    })
 }
 
 #[cfg(test)]

@@ -1,0 +1,287 @@
+//! The transformer's forward pass on the CPU: BERT (as all-MiniLM-L6-v2's `config.json` says),
+//! the same steps as the GPU's (`cuda::bert`), over unpadded texts.
+//!
+//! The texts of a pass are laid end to end, one row of `h` floats per token, so the layers'
+//! products run over every token of every text at once ([`matmul::product`]); attention runs
+//! per text and head over that text's own tokens only, which is what a padded batch's mask
+//! computes for its real tokens (a padding key weighs exactly 0 after the softmax). Then the
+//! mean over each text's tokens, L2-normalised (the sentence vector), and its token rows but
+//! `[CLS]` and `[SEP]`, each L2-normalised.
+
+use rayon::prelude::*;
+
+use crate::bert::TextVectors;
+use crate::matmul::{self, Rows};
+use crate::model::{ModelConfig, Weights};
+
+/// Tokens per pass at most (a text longer than this is a pass of its own): bounds the pass's
+/// buffers (~14 KiB per token for this model).
+const PASS_TOKENS: usize = 4096;
+
+/// Below this many attention multiply-adds a pass's heads run on the calling thread alone.
+const PARALLEL_ATTENTION: usize = 1 << 18;
+
+/// The model's weights on the host and what the pass needs to know of its shape.
+#[derive(Debug)]
+pub struct CpuBert {
+    config: ModelConfig,
+    weights: Weights<Vec<f32>>,
+}
+
+/// One pass's texts: where each starts among the pass's token rows, and its length.
+struct Spans {
+    spans: Vec<(usize, usize)>,
+    tokens: usize,
+}
+
+impl CpuBert {
+    /// The forward pass for a model described by `config` with `weights`.
+    pub fn new(config: ModelConfig, weights: Weights<Vec<f32>>) -> Self {
+        Self { config, weights }
+    }
+
+    /// Output dimension.
+    pub fn dim(&self) -> usize {
+        self.config.hidden_size
+    }
+
+    /// Rows of the word embeddings.
+    pub fn vocab(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    /// For each sequence of token ids (with `[CLS]` and `[SEP]`, at most the position
+    /// embeddings' count, ids within the vocabulary): its sentence vector and, with
+    /// `with_tokens`, its token vectors (see the module's doc).
+    ///
+    /// Panics on an id past the vocabulary or a sequence longer than the position embeddings.
+    pub fn forward(&self, sequences: &[&[u32]], with_tokens: bool) -> Vec<TextVectors> {
+        let mut out = Vec::with_capacity(sequences.len());
+        let mut start = 0;
+        while start < sequences.len() {
+            let mut end = start;
+            let mut tokens = 0;
+            while end < sequences.len()
+                && (end == start || tokens + sequences[end].len() <= PASS_TOKENS)
+            {
+                tokens += sequences[end].len();
+                end += 1;
+            }
+            out.extend(self.pass(&sequences[start..end], with_tokens));
+            start = end;
+        }
+        out
+    }
+
+    fn pass(&self, sequences: &[&[u32]], with_tokens: bool) -> Vec<TextVectors> {
+        let c = &self.config;
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let eps = c.layer_norm_eps;
+        let mut spans = Vec::with_capacity(sequences.len());
+        let mut t = 0;
+        for s in sequences {
+            assert!(s.len() <= c.max_position_embeddings, "sequence too long");
+            spans.push((t, s.len()));
+            t += s.len();
+        }
+        let spans = Spans { spans, tokens: t };
+        let w = &self.weights;
+        // Embeddings: word + position + token type 0, layer norm.
+        let mut x = vec![0.0f32; t * h];
+        for (s, &(first, _)) in sequences.iter().zip(&spans.spans) {
+            for (p, &id) in s.iter().enumerate() {
+                let id = id as usize;
+                assert!(id < c.vocab_size, "token id past the vocabulary");
+                let row = &mut x[(first + p) * h..(first + p + 1) * h];
+                let word = &w.word[id * h..(id + 1) * h];
+                let position = &w.position[p * h..(p + 1) * h];
+                for (k, v) in row.iter_mut().enumerate() {
+                    *v = word[k] + position[k] + w.type0[k];
+                }
+                layer_norm(row, &w.ln_g, &w.ln_b, eps);
+            }
+        }
+        let mut qkv = vec![0.0f32; t * 3 * h];
+        let mut ctx = vec![0.0f32; t * h];
+        let mut mid = vec![0.0f32; t * inter];
+        let mut out = vec![0.0f32; t * h];
+        for layer in &w.layers {
+            matmul::product(
+                Rows::dense(&x, t, h),
+                Rows::dense(&layer.qkv_w, 3 * h, h),
+                Some(&layer.qkv_b),
+                &mut qkv,
+                3 * h,
+            );
+            self.attention(&qkv, &spans, &mut ctx);
+            matmul::product(
+                Rows::dense(&ctx, t, h),
+                Rows::dense(&layer.attn_out_w, h, h),
+                Some(&layer.attn_out_b),
+                &mut out,
+                h,
+            );
+            residual_layer_norm(&mut x, &out, h, &layer.attn_ln_g, &layer.attn_ln_b, eps);
+            matmul::product(
+                Rows::dense(&x, t, h),
+                Rows::dense(&layer.up_w, inter, h),
+                Some(&layer.up_b),
+                &mut mid,
+                inter,
+            );
+            gelu(&mut mid);
+            matmul::product(
+                Rows::dense(&mid, t, inter),
+                Rows::dense(&layer.down_w, h, inter),
+                Some(&layer.down_b),
+                &mut out,
+                h,
+            );
+            residual_layer_norm(&mut x, &out, h, &layer.out_ln_g, &layer.out_ln_b, eps);
+        }
+        spans
+            .spans
+            .iter()
+            .map(|&(first, len)| {
+                let rows = &x[first * h..(first + len) * h];
+                let mut sentence = vec![0.0f64; h];
+                for row in rows.chunks_exact(h) {
+                    for (s, v) in sentence.iter_mut().zip(row) {
+                        *s += f64::from(*v);
+                    }
+                }
+                let n = len.max(1) as f64;
+                #[allow(clippy::cast_possible_truncation, reason = "back to the model's f32")]
+                let mut sentence: Vec<f32> = sentence.iter().map(|s| (s / n) as f32).collect();
+                normalize(&mut sentence);
+                let tokens = if with_tokens && len > 2 {
+                    rows.chunks_exact(h)
+                        .skip(1)
+                        .take(len - 2)
+                        .map(|r| {
+                            let mut r = r.to_vec();
+                            normalize(&mut r);
+                            r
+                        })
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                (sentence, tokens)
+            })
+            .collect()
+    }
+
+    /// Self-attention of every text and head: `ctx` (`[t, h]`, heads side by side) from the
+    /// queries, keys and values in `qkv` (`[t, 3h]`).
+    fn attention(&self, qkv: &[f32], spans: &Spans, ctx: &mut [f32]) {
+        let c = &self.config;
+        let (h, heads) = (c.hidden_size, c.num_attention_heads);
+        let dh = h / heads;
+        #[allow(clippy::cast_precision_loss, reason = "a head's width")]
+        let scale = 1.0 / (dh as f32).sqrt();
+        let jobs: Vec<(usize, usize, usize)> = spans
+            .spans
+            .iter()
+            .flat_map(|&(first, len)| (0..heads).map(move |head| (first, len, head)))
+            .collect();
+        let head = |&(first, len, head): &(usize, usize, usize)| -> Vec<f32> {
+            let base = first * 3 * h + head * dh;
+            let view = |offset: usize| Rows {
+                data: &qkv[base + offset..],
+                rows: len,
+                cols: dh,
+                stride: 3 * h,
+            };
+            // Scores q·kᵀ/√dh, each query's row softmaxed.
+            let mut scores = vec![0.0f32; len * len];
+            matmul::product(view(0), view(h), None, &mut scores, len);
+            for row in scores.chunks_exact_mut(len) {
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0.0f32;
+                for v in row.iter_mut() {
+                    *v = ((*v - max) * scale).exp();
+                    sum += *v;
+                }
+                for v in row.iter_mut() {
+                    *v /= sum;
+                }
+            }
+            // Values transposed (`[dh, len]`), so the context is scores · (vᵀ)ᵀ.
+            let mut vt = vec![0.0f32; dh * len];
+            for j in 0..len {
+                let v = &qkv[base + 2 * h + j * 3 * h..base + 2 * h + j * 3 * h + dh];
+                for (d, value) in v.iter().enumerate() {
+                    vt[d * len + j] = *value;
+                }
+            }
+            let mut part = vec![0.0f32; len * dh];
+            matmul::product(
+                Rows::dense(&scores, len, len),
+                Rows::dense(&vt, dh, len),
+                None,
+                &mut part,
+                dh,
+            );
+            part
+        };
+        let work: usize = spans.spans.iter().map(|&(_, len)| len * len).sum::<usize>() * h * 2;
+        let parts: Vec<Vec<f32>> = if work >= PARALLEL_ATTENTION && spans.tokens > 1 {
+            jobs.par_iter().map(head).collect()
+        } else {
+            jobs.iter().map(head).collect()
+        };
+        for (&(first, len, head), part) in jobs.iter().zip(parts) {
+            for (j, row) in part.chunks_exact(dh).enumerate() {
+                let at = (first + j) * h + head * dh;
+                ctx[at..at + dh].copy_from_slice(row);
+            }
+            debug_assert_eq!(part.len(), len * dh);
+        }
+    }
+}
+
+/// `row = (row - mean) / √(var + eps) · g + b`, the statistics summed in f64.
+#[allow(clippy::cast_possible_truncation, reason = "back to the model's f32")]
+fn layer_norm(row: &mut [f32], g: &[f32], b: &[f32], eps: f64) {
+    #[allow(clippy::cast_precision_loss, reason = "a row's width")]
+    let n = row.len() as f64;
+    let mean = row.iter().map(|v| f64::from(*v)).sum::<f64>() / n;
+    let var = row
+        .iter()
+        .map(|v| (f64::from(*v) - mean).powi(2))
+        .sum::<f64>()
+        / n;
+    let inv = 1.0 / (var + eps).sqrt();
+    for ((v, g), b) in row.iter_mut().zip(g).zip(b) {
+        *v = ((f64::from(*v) - mean) * inv) as f32 * g + b;
+    }
+}
+
+/// `x = layer_norm(x + add)`, row by row.
+fn residual_layer_norm(x: &mut [f32], add: &[f32], h: usize, g: &[f32], b: &[f32], eps: f64) {
+    for (row, add) in x.chunks_exact_mut(h).zip(add.chunks_exact(h)) {
+        for (v, a) in row.iter_mut().zip(add) {
+            *v += a;
+        }
+        layer_norm(row, g, b, eps);
+    }
+}
+
+/// GELU in its exact form, `x/2 · (1 + erf(x/√2))`, in place.
+fn gelu(v: &mut [f32]) {
+    let one =
+        |x: &mut f32| *x = 0.5 * *x * (1.0 + libm::erff(*x * std::f32::consts::FRAC_1_SQRT_2));
+    if v.len() >= 1 << 16 {
+        v.par_chunks_mut(1 << 14)
+            .for_each(|c| c.iter_mut().for_each(one));
+    } else {
+        v.iter_mut().for_each(one);
+    }
+}
+
+/// Scale `v` to unit length (a zero vector stays zero).
+fn normalize(v: &mut [f32]) {
+    let n = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
+    v.iter_mut().for_each(|x| *x /= n);
+}

@@ -1,0 +1,276 @@
+//! The transformer's files as both forward passes (the CPU's in [`crate::forward`], the GPU's
+//! in `cuda::bert`) read them: the fields of `config.json` they need, every weight from
+//! `model.safetensors` (names as the reference BERT implementations load them, with or without
+//! a `bert.` prefix), and the tokenizer truncating at [`MAX_TOKENS`] without padding (each
+//! pass pads, or not, as it runs).
+
+use std::path::Path;
+
+use candle_core::DType;
+use tokenizers::{Tokenizer, TruncationParams};
+
+use crate::bert::{EmbedError, MAX_TOKENS};
+
+/// The fields of `config.json` the forward passes need.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct ModelConfig {
+    /// Width of the hidden states (384 for all-MiniLM-L6-v2).
+    pub hidden_size: usize,
+    /// Attention heads per layer.
+    pub num_attention_heads: usize,
+    /// Encoder layers.
+    pub num_hidden_layers: usize,
+    /// Width of the feed-forward layer.
+    pub intermediate_size: usize,
+    /// Layer norms' epsilon.
+    pub layer_norm_eps: f64,
+    /// Rows of the word embeddings.
+    pub vocab_size: usize,
+    /// Rows of the position embeddings.
+    pub max_position_embeddings: usize,
+    /// Rows of the token type embeddings.
+    #[serde(default = "default_type_vocab")]
+    pub type_vocab_size: usize,
+    /// The feed-forward activation (only `gelu`, the erf form, is implemented).
+    pub hidden_act: String,
+    /// Only `absolute` (or absent) is implemented.
+    #[serde(default)]
+    pub position_embedding_type: Option<String>,
+}
+
+fn default_type_vocab() -> usize {
+    2
+}
+
+impl ModelConfig {
+    /// Read `config.json` and check it describes a model the forward passes implement.
+    pub fn read(path: &Path) -> Result<Self, EmbedError> {
+        let config: Self =
+            serde_json::from_slice(&read(path)?).map_err(|e| bad_file(path, e.to_string()))?;
+        config.check(path)?;
+        Ok(config)
+    }
+
+    fn check(&self, path: &Path) -> Result<(), EmbedError> {
+        let bad = |m: &str| Err(bad_file(path, m.to_owned()));
+        if self.hidden_act != "gelu" {
+            return bad("only the exact (erf) GELU activation is implemented");
+        }
+        if self
+            .position_embedding_type
+            .as_deref()
+            .is_some_and(|p| p != "absolute")
+        {
+            return bad("only absolute position embeddings are implemented");
+        }
+        if self.hidden_size.checked_rem(self.num_attention_heads) != Some(0) {
+            return bad("hidden size not a multiple of the number of heads");
+        }
+        if self.max_position_embeddings < MAX_TOKENS {
+            return bad("fewer position embeddings than the token limit");
+        }
+        if self.type_vocab_size == 0 || self.num_hidden_layers == 0 || self.vocab_size == 0 {
+            return bad("empty model");
+        }
+        Ok(())
+    }
+}
+
+/// One encoder layer's weights (`T`: the host's `Vec<f32>`, or a device's buffer).
+#[derive(Debug)]
+pub struct Layer<T> {
+    /// `[3h, h]`: query, key, value weights stacked.
+    pub qkv_w: T,
+    /// `[3h]`.
+    pub qkv_b: T,
+    /// `[h, h]`.
+    pub attn_out_w: T,
+    /// `[h]`.
+    pub attn_out_b: T,
+    /// `[h]`.
+    pub attn_ln_g: T,
+    /// `[h]`.
+    pub attn_ln_b: T,
+    /// `[intermediate, h]`.
+    pub up_w: T,
+    /// `[intermediate]`.
+    pub up_b: T,
+    /// `[h, intermediate]`.
+    pub down_w: T,
+    /// `[h]`.
+    pub down_b: T,
+    /// `[h]`.
+    pub out_ln_g: T,
+    /// `[h]`.
+    pub out_ln_b: T,
+}
+
+/// Every weight the forward passes use (`T` as in [`Layer`]).
+#[derive(Debug)]
+pub struct Weights<T> {
+    /// `[vocab, h]`.
+    pub word: T,
+    /// `[positions, h]`.
+    pub position: T,
+    /// Row 0 of the token type embeddings (every token is type 0).
+    pub type0: T,
+    /// The embeddings' layer norm, `[h]` each.
+    pub ln_g: T,
+    /// See `ln_g`.
+    pub ln_b: T,
+    /// The encoder layers, in order.
+    pub layers: Vec<Layer<T>>,
+}
+
+impl Weights<Vec<f32>> {
+    /// Read every weight from the safetensors file `bytes` (read from `path`), as f32.
+    pub fn read(bytes: &[u8], path: &Path, c: &ModelConfig) -> Result<Self, EmbedError> {
+        let tensors = candle_core::safetensors::load_buffer(bytes, &candle_core::Device::Cpu)?;
+        let prefix = if tensors.contains_key("bert.embeddings.word_embeddings.weight") {
+            "bert."
+        } else {
+            ""
+        };
+        let get = |name: &str, shape: &[usize]| -> Result<Vec<f32>, EmbedError> {
+            let full = format!("{prefix}{name}");
+            let tensor = tensors
+                .get(&full)
+                .ok_or_else(|| bad_file(path, format!("no tensor {full}")))?;
+            if tensor.dims() != shape {
+                return Err(bad_file(
+                    path,
+                    format!("{full}: shape {:?}, expected {shape:?}", tensor.dims()),
+                ));
+            }
+            Ok(tensor
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?)
+        };
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let mut types = get(
+            "embeddings.token_type_embeddings.weight",
+            &[c.type_vocab_size, h],
+        )?;
+        types.truncate(h);
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let name = |n: &str| format!("encoder.layer.{i}.{n}");
+            let mut qkv_w = Vec::with_capacity(3 * h * h);
+            let mut qkv_b = Vec::with_capacity(3 * h);
+            for part in ["query", "key", "value"] {
+                qkv_w.extend(get(
+                    &name(&format!("attention.self.{part}.weight")),
+                    &[h, h],
+                )?);
+                qkv_b.extend(get(&name(&format!("attention.self.{part}.bias")), &[h])?);
+            }
+            layers.push(Layer {
+                qkv_w,
+                qkv_b,
+                attn_out_w: get(&name("attention.output.dense.weight"), &[h, h])?,
+                attn_out_b: get(&name("attention.output.dense.bias"), &[h])?,
+                attn_ln_g: get(&name("attention.output.LayerNorm.weight"), &[h])?,
+                attn_ln_b: get(&name("attention.output.LayerNorm.bias"), &[h])?,
+                up_w: get(&name("intermediate.dense.weight"), &[inter, h])?,
+                up_b: get(&name("intermediate.dense.bias"), &[inter])?,
+                down_w: get(&name("output.dense.weight"), &[h, inter])?,
+                down_b: get(&name("output.dense.bias"), &[h])?,
+                out_ln_g: get(&name("output.LayerNorm.weight"), &[h])?,
+                out_ln_b: get(&name("output.LayerNorm.bias"), &[h])?,
+            });
+        }
+        Ok(Weights {
+            word: get("embeddings.word_embeddings.weight", &[c.vocab_size, h])?,
+            position: get(
+                "embeddings.position_embeddings.weight",
+                &[c.max_position_embeddings, h],
+            )?,
+            type0: types,
+            ln_g: get("embeddings.LayerNorm.weight", &[h])?,
+            ln_b: get("embeddings.LayerNorm.bias", &[h])?,
+            layers,
+        })
+    }
+}
+
+impl<T> Weights<T> {
+    /// The same weights, each converted by `f` (e.g. copied to a device), in order.
+    pub fn try_map<U, E>(&self, mut f: impl FnMut(&T) -> Result<U, E>) -> Result<Weights<U>, E> {
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            layers.push(Layer {
+                qkv_w: f(&l.qkv_w)?,
+                qkv_b: f(&l.qkv_b)?,
+                attn_out_w: f(&l.attn_out_w)?,
+                attn_out_b: f(&l.attn_out_b)?,
+                attn_ln_g: f(&l.attn_ln_g)?,
+                attn_ln_b: f(&l.attn_ln_b)?,
+                up_w: f(&l.up_w)?,
+                up_b: f(&l.up_b)?,
+                down_w: f(&l.down_w)?,
+                down_b: f(&l.down_b)?,
+                out_ln_g: f(&l.out_ln_g)?,
+                out_ln_b: f(&l.out_ln_b)?,
+            });
+        }
+        Ok(Weights {
+            word: f(&self.word)?,
+            position: f(&self.position)?,
+            type0: f(&self.type0)?,
+            ln_g: f(&self.ln_g)?,
+            ln_b: f(&self.ln_b)?,
+            layers,
+        })
+    }
+}
+
+/// The model's tokenizer, truncating at [`MAX_TOKENS`], without padding.
+pub fn load_tokenizer(path: &Path) -> Result<Tokenizer, EmbedError> {
+    let mut tokenizer =
+        Tokenizer::from_bytes(read(path)?).map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
+    tokenizer
+        .with_truncation(Some(TruncationParams {
+            max_length: MAX_TOKENS,
+            ..Default::default()
+        }))
+        .map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
+    tokenizer.with_padding(None);
+    Ok(tokenizer)
+}
+
+/// Tokenize `texts` (with `[CLS]`/`[SEP]`, truncated), refusing an id past the vocabulary.
+pub fn token_ids(
+    tokenizer: &Tokenizer,
+    texts: &[&str],
+    vocab: usize,
+) -> Result<Vec<Vec<u32>>, EmbedError> {
+    let encodings = tokenizer
+        .encode_batch(texts.to_vec(), true)
+        .map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
+    encodings
+        .into_iter()
+        .map(|e| {
+            let ids = e.get_ids();
+            if ids.iter().any(|&id| id as usize >= vocab) {
+                return Err(EmbedError::Tokenizer(format!(
+                    "token id past the model's vocabulary ({vocab})"
+                )));
+            }
+            Ok(ids.to_vec())
+        })
+        .collect()
+}
+
+/// A model file's bytes.
+pub fn read(path: &Path) -> Result<Vec<u8>, EmbedError> {
+    std::fs::read(path).map_err(|e| bad_file(path, e.to_string()))
+}
+
+/// [`EmbedError::File`] for `path`.
+pub fn bad_file(path: &Path, message: String) -> EmbedError {
+    EmbedError::File {
+        path: path.to_owned(),
+        message,
+    }
+}

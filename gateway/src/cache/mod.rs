@@ -90,6 +90,9 @@ pub struct SemanticQuery {
     /// The question's token ids, once the first stage read them (kept to record the fresh
     /// answer in it).
     pub tokens: Option<Vec<u32>>,
+    /// How long the semantic lookup took (zero when none was made), so that the answer's own
+    /// time upstream can be told from the request's.
+    pub waited: Duration,
 }
 
 /// A request's cache plan, from [`Cache::plan`] to [`Cache::fill`].
@@ -458,6 +461,7 @@ impl Cache {
                             threshold,
                             vectors: None,
                             tokens: None,
+                            waited: Duration::ZERO,
                         })
                     }
                     _ => None,
@@ -521,7 +525,9 @@ impl Cache {
             return None;
         }
         let started = Instant::now();
-        let Some(result) = s.lookup(q.ns, &q.text, q.threshold).await else {
+        let looked = s.lookup(q.ns, &q.text, q.threshold).await;
+        q.waited = started.elapsed();
+        let Some(result) = looked else {
             lookups.with_label_values(&["semantic", "skipped"]).inc();
             return None;
         };
@@ -543,8 +549,9 @@ impl Cache {
         found
     }
 
-    /// Store a fresh answer under `lookup` (when it may be stored and is not too large).
-    pub fn fill(&self, lookup: Lookup, entry: Entry) {
+    /// Store a fresh answer under `lookup` (when it may be stored and is not too large);
+    /// `elapsed`: the request's time until the answer was complete.
+    pub fn fill(&self, lookup: Lookup, entry: Entry, elapsed: Duration) {
         if !lookup.write || entry.body.len() as u64 > self.config.max_entry_bytes {
             return;
         }
@@ -553,7 +560,8 @@ impl Cache {
         }
         self.exact.insert(lookup.key, Arc::new(entry));
         if let (Some(s), Some(q)) = (self.semantic(), lookup.semantic) {
-            s.insert(q.ns, q.text, q.vectors, q.tokens, lookup.key);
+            let upstream = elapsed.saturating_sub(q.waited);
+            s.insert(q.ns, q.text, q.vectors, q.tokens, lookup.key, upstream);
         }
     }
 }

@@ -5,7 +5,8 @@
 //!
 //! Overload never slows the gateway down: when more than `max_queue` jobs are waiting, when the
 //! wait a new lookup would have (the jobs ahead of it at the worker's measured time per text)
-//! already passes half of `lookup_timeout_ms`, or when a reply takes longer than
+//! already passes half of `lookup_timeout_ms` or, behind other lookups, the time its
+//! namespace's answers take upstream (what a hit would save), or when a reply takes longer than
 //! `lookup_timeout_ms`, the request goes on as a miss.
 //!
 //! A question whose namespace holds nothing yet (a new system prompt, new sampling parameters)
@@ -94,6 +95,40 @@ impl Populated {
     }
 }
 
+/// What a hit saves in each namespace: a moving average of how long its answers took to come
+/// from the upstream (microseconds; 0 until one is seen), in [`AnswerTimes::SLOTS`] slots by
+/// namespace hash. Namespaces sharing a slot share an average (a namespace's model and prompt
+/// set its answers' time, so a shared slot errs toward another model's time).
+#[derive(Debug)]
+struct AnswerTimes(Vec<AtomicU64>);
+
+impl AnswerTimes {
+    const SLOTS: u64 = 4096;
+
+    fn new() -> Self {
+        Self((0..Self::SLOTS).map(|_| AtomicU64::new(0)).collect())
+    }
+
+    fn slot(&self, ns: u64) -> &AtomicU64 {
+        &self.0[(ns % Self::SLOTS) as usize]
+    }
+
+    fn record(&self, ns: u64, took: Duration) {
+        let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX).max(1);
+        let slot = self.slot(ns);
+        // Two answers recorded at once may lose one sample: an average, not a count.
+        slot.store(
+            moving_average(slot.load(Ordering::Relaxed), us),
+            Ordering::Relaxed,
+        );
+    }
+
+    fn get(&self, ns: u64) -> Option<Duration> {
+        let us = self.slot(ns).load(Ordering::Relaxed);
+        (us > 0).then(|| Duration::from_micros(us))
+    }
+}
+
 /// Handle to the worker thread.
 #[derive(Debug)]
 pub struct Semantic {
@@ -102,6 +137,8 @@ pub struct Semantic {
     queued: Arc<Queued>,
     /// The worker's recent time per embedded text, microseconds (a moving average).
     per_text_us: Arc<AtomicU64>,
+    /// How long each namespace's answers take upstream: what a lookup may wait for.
+    answer_times: AnswerTimes,
     verifier: Arc<OnceLock<Verifier>>,
     /// The first stage, once the layer is loaded (absent when `gate_overlap` and
     /// `gate_student` are 0).
@@ -167,6 +204,7 @@ impl Semantic {
             populated: Populated::new(),
             queued,
             per_text_us,
+            answer_times: AnswerTimes::new(),
             verifier,
             gate,
             next_id: Mutex::new(1),
@@ -197,7 +235,7 @@ impl Semantic {
         let lookups = self.queued.lookups.load(Ordering::Relaxed);
         // The worker takes lookups before inserts, so at most one insert is ahead of this one.
         let ahead = lookups + usize::from(self.queued.inserts.load(Ordering::Relaxed) > 0);
-        if !self.ready() || lookups >= self.max_queue || self.wait_too_long(ahead) {
+        if !self.ready() || lookups >= self.max_queue || self.wait_too_long(ahead, lookups, ns) {
             return None;
         }
         let (reply, rx) = oneshot::channel();
@@ -215,14 +253,24 @@ impl Semantic {
         tokio::time::timeout(self.timeout, rx).await.ok()?.ok()
     }
 
-    /// Whether a lookup behind `ahead` texts would wait past half the lookup timeout at the
-    /// worker's recent time per text: then it is skipped at once instead of timing out later
-    /// (the worker embeds a batch at a time, so this errs on the long side).
+    /// Whether a lookup in `ns` behind `ahead` texts, `lookups` of them other lookups, would
+    /// wait longer than it may at the worker's recent time per text: half the lookup timeout,
+    /// and, once other lookups are queued (the model is the bottleneck), no longer than `ns`'s
+    /// answers take upstream: a hit saves no more than that, so in front of a fast server a
+    /// busy model is skipped, not queued for. Behind nothing but an answer being indexed it
+    /// keeps the half timeout: that answer is the one a paraphrase sent right after it would
+    /// hit. A skipped lookup is skipped at once instead of timing out later (the worker embeds
+    /// a batch at a time, so this errs on the long side).
     /// An idle worker always takes the lookup, so the time per text is measured again after a
     /// burst however slow the burst made it look.
-    fn wait_too_long(&self, ahead: usize) -> bool {
-        ahead > 0
-            && predicted_wait(ahead, self.per_text_us.load(Ordering::Relaxed)) > self.timeout / 2
+    fn wait_too_long(&self, ahead: usize, lookups: usize, ns: u64) -> bool {
+        let answer = if lookups > 0 {
+            self.answer_times.get(ns)
+        } else {
+            None
+        };
+        let budget = wait_budget(self.timeout, answer);
+        ahead > 0 && predicted_wait(ahead, self.per_text_us.load(Ordering::Relaxed)) > budget
     }
 
     /// Whether namespace `ns` may hold entries (`false`: a lookup cannot hit, skip it).
@@ -245,7 +293,7 @@ impl Semantic {
     }
 
     /// Index a fresh answer's question (embedded by the worker when `vectors` is `None`; its
-    /// gate tokens computed here when `tokens` is `None`).
+    /// gate tokens computed here when `tokens` is `None`), which took `upstream` to answer.
     /// Best effort: dropped when `max_queue` inserts are already waiting, so a burst of answers
     /// cannot queue without bound.
     pub fn insert(
@@ -255,9 +303,11 @@ impl Semantic {
         vectors: Option<Arc<TextVectors>>,
         tokens: Option<Vec<u32>>,
         key: u128,
+        upstream: Duration,
     ) {
         // Marked even when the insert is dropped: a "may hold" that costs at most a lookup.
         self.populated.mark(ns);
+        self.answer_times.record(ns, upstream);
         let inserts = &self.queued.inserts;
         if inserts.fetch_add(1, Ordering::Relaxed) >= self.max_queue {
             inserts.fetch_sub(1, Ordering::Relaxed);
@@ -296,6 +346,13 @@ impl Semantic {
 struct Queued {
     lookups: AtomicUsize,
     inserts: AtomicUsize,
+}
+
+/// How long a lookup may wait: half the lookup `timeout`, and no longer than its namespace's
+/// answers take upstream (`answer`, when one was seen).
+fn wait_budget(timeout: Duration, answer: Option<Duration>) -> Duration {
+    let half = timeout / 2;
+    answer.map_or(half, |t| t.min(half))
 }
 
 /// The wait of a job behind `queued` others at `per_text_us` each (itself included).
@@ -697,6 +754,28 @@ mod tests {
         let (policy, nice) = run(false);
         assert_eq!(policy, SCHED_OTHER);
         assert!(nice >= 10, "niceness {nice}");
+    }
+
+    #[test]
+    fn a_lookup_waits_no_longer_than_its_namespaces_answers_take_upstream() {
+        let timeout = Duration::from_millis(250);
+        let times = AnswerTimes::new();
+        // No answer seen yet: half the timeout.
+        assert_eq!(wait_budget(timeout, times.get(7)), timeout / 2);
+        // A fast server (a fraction of a millisecond): a lookup behind another at 6 ms a text
+        // is skipped, where half the timeout would have let it wait.
+        times.record(7, Duration::from_micros(300));
+        let fast = wait_budget(timeout, times.get(7));
+        assert_eq!(fast, Duration::from_micros(300));
+        assert!(predicted_wait(1, 6_000) > fast);
+        assert!(predicted_wait(1, 6_000) <= timeout / 2);
+        // A slow model's namespace keeps half the timeout; the average follows its answers.
+        times.record(8, Duration::from_secs(2));
+        assert_eq!(wait_budget(timeout, times.get(8)), timeout / 2);
+        times.record(7, Duration::from_micros(1_100));
+        assert_eq!(times.get(7), Some(Duration::from_micros(400)));
+        // Another namespace in another slot is not affected.
+        assert_eq!(times.get(9), None);
     }
 
     #[test]

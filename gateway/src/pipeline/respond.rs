@@ -287,7 +287,7 @@ pub(super) fn buffered(
         }
         if let (Some(lookup), true) = (cache, status == StatusCode::OK) {
             let entry = cache_entry(&event, pool, target, body.clone(), lookup.ttl);
-            state.cache.fill(lookup, entry);
+            state.cache.fill(lookup, entry, ctx.started.elapsed());
         }
     } else {
         event.error_kind = Some(format!("upstream_{}", status.as_u16()));
@@ -500,7 +500,7 @@ pub(super) fn streamed(
         if let (Some(lookup), Some(body)) = (cache, assembled) {
             let target = pool.target(&lease);
             let entry = cache_entry(&event, pool, target, body, lookup.ttl);
-            state.cache.fill(lookup, entry);
+            state.cache.fill(lookup, entry, ctx.started.elapsed());
         }
         if client_gone {
             event.client_disconnected = true;

@@ -178,10 +178,13 @@ impl BertEmbedder {
         let vocab = self.model.vocab();
         let mut sequences = Vec::with_capacity(rows);
         for r in 0..rows {
-            let real = mask[r * len..(r + 1) * len]
-                .iter()
-                .take_while(|&&m| m == 1)
-                .count();
+            let row_mask = &mask[r * len..(r + 1) * len];
+            let real = row_mask.iter().take_while(|&&m| m == 1).count();
+            if real == 0 || row_mask[real..].iter().any(|&m| m != 0) {
+                return Err(EmbedError::Invalid(format!(
+                    "row {r}'s mask is not real tokens (1) followed by padding (0)"
+                )));
+            }
             let row = &ids[r * len..r * len + real];
             if row.iter().any(|&id| id as usize >= vocab) {
                 return Err(EmbedError::Invalid(format!(

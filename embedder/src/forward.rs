@@ -183,6 +183,7 @@ impl CpuBert {
         let jobs: Vec<(usize, usize, usize)> = spans
             .spans
             .iter()
+            .filter(|&&(_, len)| len > 0)
             .flat_map(|&(first, len)| (0..heads).map(move |head| (first, len, head)))
             .collect();
         let head = |&(first, len, head): &(usize, usize, usize)| -> Vec<f32> {

@@ -40,11 +40,11 @@ impl<'a> Rows<'a> {
         }
     }
 
-    /// Panics unless every row lies within `data`.
+    /// Panics unless every row lies within `data` (sizes that overflow included: the unsafe
+    /// kernel relies on this).
     fn check(&self) {
-        assert!(self.cols <= self.stride || self.rows <= 1, "rows overlap");
         if self.rows > 0 {
-            let end = (self.rows - 1) * self.stride + self.cols;
+            let end = span(self.rows, self.stride, self.cols);
             assert!(end <= self.data.len(), "rows past the end of the data");
         }
     }
@@ -52,6 +52,16 @@ impl<'a> Rows<'a> {
     fn row(&self, i: usize) -> &'a [f32] {
         &self.data[i * self.stride..i * self.stride + self.cols]
     }
+}
+
+/// Floats from the start of row 0 to the end of row `rows - 1` (`rows > 0`), `stride` apart
+/// and `cols` long; panics on overflow.
+fn span(rows: usize, stride: usize, cols: usize) -> usize {
+    let end = (rows - 1)
+        .checked_mul(stride)
+        .and_then(|n| n.checked_add(cols));
+    assert!(end.is_some(), "a matrix view's size overflows");
+    end.unwrap_or(usize::MAX)
 }
 
 /// A product's two operands and its output's row stride.
@@ -87,7 +97,7 @@ pub fn product(x: Rows<'_>, w: Rows<'_>, bias: Option<&[f32]>, y: &mut [f32], y_
     if x.rows == 0 || w.rows == 0 {
         return;
     }
-    let y_len = (x.rows - 1) * y_stride + w.rows;
+    let y_len = span(x.rows, y_stride, w.rows);
     assert!(y.len() >= y_len, "output too short");
     let y = &mut y[..y_len];
     let threads = rayon::current_num_threads();
@@ -226,16 +236,18 @@ mod avx2 {
     pub(super) fn product(p: Operands<'_>, y: &mut [f32], rows: Range<usize>, outs: Range<usize>) {
         let Operands { x, w, y_stride } = p;
         assert!(available());
-        // Every index below is within these bounds; the views were checked by the caller
-        // (`Rows::check`), the output here.
+        // Every index below is within these bounds, the views' and the output's checked here.
+        x.check();
+        w.check();
+        assert_eq!(x.cols, w.cols);
         assert!(rows.end <= x.rows && outs.end <= w.rows && outs.end <= y_stride);
         if !rows.is_empty() {
-            assert!((rows.end - 1) * y_stride + outs.end <= y.len());
+            assert!(super::span(rows.end, y_stride, outs.end) <= y.len());
         }
         // SAFETY: AVX2 and FMA are present (asserted above), and `kernel` reads only rows
         // `rows` of `x` and `outs` of `w`, `cols` floats each from its start (within the
-        // data by `Rows::check`), and writes only `y[i · y_stride + j]` for those `i` and `j`
-        // (within `y` by the assertion above).
+        // data by `Rows::check`, overflow included), and writes only `y[i · y_stride + j]` for
+        // those `i` and `j` (within `y` by the assertion above).
         unsafe { kernel(p, y, rows, outs) }
     }
 
@@ -456,5 +468,23 @@ mod tests {
             product(x, w, None, &mut y, 2);
         });
         assert!(past.is_err());
+        // Sizes that wrap around are refused, not trusted.
+        let huge = std::panic::catch_unwind(|| {
+            let x = Rows {
+                data: &[0.0; 4],
+                rows: 3,
+                cols: 4,
+                stride: 1 << (usize::BITS - 1),
+            };
+            let mut y = vec![0.0; 8];
+            product(x, w, None, &mut y, 2);
+        });
+        assert!(huge.is_err());
+        let wide = std::panic::catch_unwind(|| {
+            let x = Rows::dense(&[1.0; 8], 2, 4);
+            let mut y = vec![0.0; 4];
+            product(x, w, None, &mut y, 1 << (usize::BITS - 1));
+        });
+        assert!(wide.is_err());
     }
 }

@@ -132,7 +132,12 @@ fn sentence_and_token_vectors_match_candles_bert_over_a_padded_batch() {
     mask.resize(2 * n, 0);
     let by_ids = model.embed_ids(rows, mask, (2, n)).unwrap();
     assert!(cosine(&by_ids[0], &want[0].0) >= 1.0 - 1e-6);
-    assert!(model
-        .embed_ids(vec![0; 3], vec![1; 2], (1, 3))
-        .is_err_and(|e| e.to_string().contains("mask")));
+    for (ids, mask) in [
+        (vec![0; 3], vec![1; 2]),
+        (vec![101, 0, 102], vec![1, 0, 1]),
+        (vec![0; 3], vec![0; 3]),
+    ] {
+        let refused = model.embed_ids(ids, mask, (1, 3));
+        assert!(refused.is_err_and(|e| e.to_string().contains("mask")));
+    }
 }

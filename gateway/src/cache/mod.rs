@@ -81,6 +81,8 @@ pub struct Entry {
 pub struct SemanticQuery {
     /// Hash of everything that must match exactly.
     pub ns: u64,
+    /// Hash of the tenant, endpoint and model: what sets how long an answer takes upstream.
+    pub model_key: u64,
     /// The question.
     pub text: String,
     /// Verifier probability a hit needs (from the tenant's precision target).
@@ -449,14 +451,15 @@ impl Cache {
                         let mut rest = Value::Object(rest);
                         crate::openai::canonical_numbers(&mut rest);
                         let rest = serde_json::to_vec(&rest).unwrap_or_default();
-                        let ns = sha128(&[
+                        let model = [
                             tenant_id.as_bytes(),
                             req.endpoint.label().as_bytes(),
                             req.model.as_bytes(),
-                            &rest,
-                        ]) as u64;
+                        ];
+                        let ns = sha128(&[model[0], model[1], model[2], &rest]) as u64;
                         Some(SemanticQuery {
                             ns,
+                            model_key: sha128(&model) as u64,
                             text,
                             threshold,
                             vectors: None,
@@ -525,7 +528,7 @@ impl Cache {
             return None;
         }
         let started = Instant::now();
-        let looked = s.lookup(q.ns, &q.text, q.threshold).await;
+        let looked = s.lookup(q.ns, q.model_key, &q.text, q.threshold).await;
         q.waited = started.elapsed();
         let Some(result) = looked else {
             lookups.with_label_values(&["semantic", "skipped"]).inc();
@@ -561,7 +564,8 @@ impl Cache {
         self.exact.insert(lookup.key, Arc::new(entry));
         if let (Some(s), Some(q)) = (self.semantic(), lookup.semantic) {
             let upstream = elapsed.saturating_sub(q.waited);
-            s.insert(q.ns, q.text, q.vectors, q.tokens, lookup.key, upstream);
+            let answered = (q.model_key, upstream);
+            s.insert(q.ns, q.text, q.vectors, q.tokens, lookup.key, answered);
         }
     }
 }

@@ -5,8 +5,8 @@
 //!
 //! Overload never slows the gateway down: when more than `max_queue` jobs are waiting, when the
 //! wait a new lookup would have (the jobs ahead of it at the worker's measured time per text)
-//! already passes half of `lookup_timeout_ms` or, behind other lookups, the time its
-//! namespace's answers take upstream (what a hit would save), or when a reply takes longer than
+//! already passes half of `lookup_timeout_ms` or, behind other lookups, the time its model's
+//! answers take upstream (what a hit would save), or when a reply takes longer than
 //! `lookup_timeout_ms`, the request goes on as a miss.
 //!
 //! A question whose namespace holds nothing yet (a new system prompt, new sampling parameters)
@@ -95,10 +95,10 @@ impl Populated {
     }
 }
 
-/// What a hit saves in each namespace: a moving average of how long its answers took to come
-/// from the upstream (microseconds; 0 until one is seen), in [`AnswerTimes::SLOTS`] slots by
-/// namespace hash. Namespaces sharing a slot share an average (a namespace's model and prompt
-/// set its answers' time, so a shared slot errs toward another model's time).
+/// What a hit saves for each model: a moving average of how long its answers took to come from
+/// the upstream (microseconds; 0 until one is seen), in [`AnswerTimes::SLOTS`] slots by the hash
+/// of tenant, endpoint and model (`SemanticQuery::model_key`), which take few values: two
+/// models sharing a slot (rare) share an average.
 #[derive(Debug)]
 struct AnswerTimes(Vec<AtomicU64>);
 
@@ -109,13 +109,13 @@ impl AnswerTimes {
         Self((0..Self::SLOTS).map(|_| AtomicU64::new(0)).collect())
     }
 
-    fn slot(&self, ns: u64) -> &AtomicU64 {
-        &self.0[(ns % Self::SLOTS) as usize]
+    fn slot(&self, model: u64) -> &AtomicU64 {
+        &self.0[(model % Self::SLOTS) as usize]
     }
 
-    fn record(&self, ns: u64, took: Duration) {
+    fn record(&self, model: u64, took: Duration) {
         let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX).max(1);
-        let slot = self.slot(ns);
+        let slot = self.slot(model);
         // Two answers recorded at once may lose one sample: an average, not a count.
         slot.store(
             moving_average(slot.load(Ordering::Relaxed), us),
@@ -123,8 +123,8 @@ impl AnswerTimes {
         );
     }
 
-    fn get(&self, ns: u64) -> Option<Duration> {
-        let us = self.slot(ns).load(Ordering::Relaxed);
+    fn get(&self, model: u64) -> Option<Duration> {
+        let us = self.slot(model).load(Ordering::Relaxed);
         (us > 0).then(|| Duration::from_micros(us))
     }
 }
@@ -137,7 +137,7 @@ pub struct Semantic {
     queued: Arc<Queued>,
     /// The worker's recent time per embedded text, microseconds (a moving average).
     per_text_us: Arc<AtomicU64>,
-    /// How long each namespace's answers take upstream: what a lookup may wait for.
+    /// How long each model's answers take upstream: what a lookup may wait for.
     answer_times: AnswerTimes,
     verifier: Arc<OnceLock<Verifier>>,
     /// The first stage, once the layer is loaded (absent when `gate_overlap` and
@@ -229,13 +229,14 @@ impl Semantic {
         self.verifier.get()?.threshold_for(precision)
     }
 
-    /// Embed `text` and find its best verified match in `ns`; `None` when skipped (not ready,
-    /// queue full, a wait already too long, too slow).
-    pub async fn lookup(&self, ns: u64, text: &str, threshold: f32) -> Option<Looked> {
+    /// Embed `text` and find its best verified match in `ns` (whose answers come from
+    /// `model`, a [`super::SemanticQuery::model_key`]); `None` when skipped (not ready, queue
+    /// full, a wait already too long, too slow).
+    pub async fn lookup(&self, ns: u64, model: u64, text: &str, threshold: f32) -> Option<Looked> {
         let lookups = self.queued.lookups.load(Ordering::Relaxed);
         // The worker takes lookups before inserts, so at most one insert is ahead of this one.
         let ahead = lookups + usize::from(self.queued.inserts.load(Ordering::Relaxed) > 0);
-        if !self.ready() || lookups >= self.max_queue || self.wait_too_long(ahead, lookups, ns) {
+        if !self.ready() || lookups >= self.max_queue || self.wait_too_long(ahead, lookups, model) {
             return None;
         }
         let (reply, rx) = oneshot::channel();
@@ -253,19 +254,19 @@ impl Semantic {
         tokio::time::timeout(self.timeout, rx).await.ok()?.ok()
     }
 
-    /// Whether a lookup in `ns` behind `ahead` texts, `lookups` of them other lookups, would
-    /// wait longer than it may at the worker's recent time per text: half the lookup timeout,
-    /// and, once other lookups are queued (the model is the bottleneck), no longer than `ns`'s
-    /// answers take upstream: a hit saves no more than that, so in front of a fast server a
+    /// Whether a lookup for `model` behind `ahead` texts, `lookups` of them other lookups,
+    /// would wait longer than it may at the worker's recent time per text: half the lookup
+    /// timeout, and, once other lookups are queued (the embedding model is the bottleneck), no
+    /// longer than `model`'s answers take upstream: a hit saves no more than that, so in front of a fast server a
     /// busy model is skipped, not queued for. Behind nothing but an answer being indexed it
     /// keeps the half timeout: that answer is the one a paraphrase sent right after it would
     /// hit. A skipped lookup is skipped at once instead of timing out later (the worker embeds
     /// a batch at a time, so this errs on the long side).
     /// An idle worker always takes the lookup, so the time per text is measured again after a
     /// burst however slow the burst made it look.
-    fn wait_too_long(&self, ahead: usize, lookups: usize, ns: u64) -> bool {
+    fn wait_too_long(&self, ahead: usize, lookups: usize, model: u64) -> bool {
         let answer = if lookups > 0 {
-            self.answer_times.get(ns)
+            self.answer_times.get(model)
         } else {
             None
         };
@@ -293,7 +294,8 @@ impl Semantic {
     }
 
     /// Index a fresh answer's question (embedded by the worker when `vectors` is `None`; its
-    /// gate tokens computed here when `tokens` is `None`), which took `upstream` to answer.
+    /// gate tokens computed here when `tokens` is `None`); `answered`: the model key
+    /// ([`super::SemanticQuery::model_key`]) and how long the answer took upstream.
     /// Best effort: dropped when `max_queue` inserts are already waiting, so a burst of answers
     /// cannot queue without bound.
     pub fn insert(
@@ -303,11 +305,11 @@ impl Semantic {
         vectors: Option<Arc<TextVectors>>,
         tokens: Option<Vec<u32>>,
         key: u128,
-        upstream: Duration,
+        answered: (u64, Duration),
     ) {
         // Marked even when the insert is dropped: a "may hold" that costs at most a lookup.
         self.populated.mark(ns);
-        self.answer_times.record(ns, upstream);
+        self.answer_times.record(answered.0, answered.1);
         let inserts = &self.queued.inserts;
         if inserts.fetch_add(1, Ordering::Relaxed) >= self.max_queue {
             inserts.fetch_sub(1, Ordering::Relaxed);
@@ -348,7 +350,7 @@ struct Queued {
     inserts: AtomicUsize,
 }
 
-/// How long a lookup may wait: half the lookup `timeout`, and no longer than its namespace's
+/// How long a lookup may wait: half the lookup `timeout`, and no longer than its model's
 /// answers take upstream (`answer`, when one was seen).
 fn wait_budget(timeout: Duration, answer: Option<Duration>) -> Duration {
     let half = timeout / 2;
@@ -757,7 +759,7 @@ mod tests {
     }
 
     #[test]
-    fn a_lookup_waits_no_longer_than_its_namespaces_answers_take_upstream() {
+    fn a_queued_lookup_waits_no_longer_than_its_models_answers_take_upstream() {
         let timeout = Duration::from_millis(250);
         let times = AnswerTimes::new();
         // No answer seen yet: half the timeout.
@@ -769,12 +771,12 @@ mod tests {
         assert_eq!(fast, Duration::from_micros(300));
         assert!(predicted_wait(1, 6_000) > fast);
         assert!(predicted_wait(1, 6_000) <= timeout / 2);
-        // A slow model's namespace keeps half the timeout; the average follows its answers.
+        // A slow model keeps half the timeout; the average follows its answers.
         times.record(8, Duration::from_secs(2));
         assert_eq!(wait_budget(timeout, times.get(8)), timeout / 2);
         times.record(7, Duration::from_micros(1_100));
         assert_eq!(times.get(7), Some(Duration::from_micros(400)));
-        // Another namespace in another slot is not affected.
+        // Another model in another slot is not affected.
         assert_eq!(times.get(9), None);
     }
 

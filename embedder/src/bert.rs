@@ -28,9 +28,6 @@ pub enum EmbedError {
     /// The tokenizer failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
-    /// The model failed.
-    #[error("model: {0}")]
-    Model(#[from] candle_core::Error),
     /// A model asset (the first stage's map, say) does not fit or is damaged.
     #[error("{0}")]
     Invalid(String),

@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use candle_core::DType;
+use safetensors::{Dtype, SafeTensors};
 use tokenizers::{Tokenizer, TruncationParams};
 
 use crate::bert::{EmbedError, MAX_TOKENS};
@@ -125,27 +125,31 @@ pub struct Weights<T> {
 impl Weights<Vec<f32>> {
     /// Read every weight from the safetensors file `bytes` (read from `path`), as f32.
     pub fn read(bytes: &[u8], path: &Path, c: &ModelConfig) -> Result<Self, EmbedError> {
-        let tensors = candle_core::safetensors::load_buffer(bytes, &candle_core::Device::Cpu)?;
-        let prefix = if tensors.contains_key("bert.embeddings.word_embeddings.weight") {
+        let tensors = SafeTensors::deserialize(bytes)
+            .map_err(|e| bad_file(path, format!("not a safetensors file: {e}")))?;
+        let prefix = if tensors
+            .tensor("bert.embeddings.word_embeddings.weight")
+            .is_ok()
+        {
             "bert."
         } else {
             ""
         };
+        // Each tensor converted straight from the file's bytes (no intermediate copy, so
+        // loading holds the file and the weights, not a third copy).
         let get = |name: &str, shape: &[usize]| -> Result<Vec<f32>, EmbedError> {
             let full = format!("{prefix}{name}");
             let tensor = tensors
-                .get(&full)
-                .ok_or_else(|| bad_file(path, format!("no tensor {full}")))?;
-            if tensor.dims() != shape {
+                .tensor(&full)
+                .map_err(|_| bad_file(path, format!("no tensor {full}")))?;
+            if tensor.shape() != shape {
                 return Err(bad_file(
                     path,
-                    format!("{full}: shape {:?}, expected {shape:?}", tensor.dims()),
+                    format!("{full}: shape {:?}, expected {shape:?}", tensor.shape()),
                 ));
             }
-            Ok(tensor
-                .to_dtype(DType::F32)?
-                .flatten_all()?
-                .to_vec1::<f32>()?)
+            floats(tensor.dtype(), tensor.data())
+                .ok_or_else(|| bad_file(path, format!("{full}: {:?} values", tensor.dtype())))
         };
         let (h, inter) = (c.hidden_size, c.intermediate_size);
         let mut types = get(
@@ -223,6 +227,31 @@ impl<T> Weights<T> {
             layers,
         })
     }
+}
+
+/// A tensor's little-endian `data` of `dtype` as f32 (`None` for a type a BERT checkpoint does
+/// not store weights in).
+fn floats(dtype: Dtype, data: &[u8]) -> Option<Vec<f32>> {
+    Some(match dtype {
+        Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::F16 => data
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => data
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        #[allow(clippy::cast_possible_truncation, reason = "f64 weights kept as f32")]
+        Dtype::F64 => data
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32)
+            .collect(),
+        _ => return None,
+    })
 }
 
 /// The model's tokenizer, truncating at [`MAX_TOKENS`], without padding.

@@ -90,15 +90,15 @@ impl BertEmbedder {
     /// Load the model from `dir` (as `scripts/fetch-model.sh` lays it out).
     pub fn load(dir: &Path) -> Result<Self, EmbedError> {
         let config = ModelConfig::read(&dir.join("config.json"))?;
-        let tokenizer = model::load_tokenizer(&dir.join("tokenizer.json"))?;
-        let weights_path = dir.join("model.safetensors");
-        let weights = Weights::read(&model::read(&weights_path)?, &weights_path, &config)?;
         if config.hidden_size != DIM {
             return Err(model::bad_file(
                 &dir.join("config.json"),
                 format!("hidden size {}, expected {DIM}", config.hidden_size),
             ));
         }
+        let tokenizer = model::load_tokenizer(&dir.join("tokenizer.json"))?;
+        let weights_path = dir.join("model.safetensors");
+        let weights = Weights::read(&model::read(&weights_path)?, &weights_path, &config)?;
         Ok(Self {
             model: CpuBert::new(config, weights),
             tokenizer,

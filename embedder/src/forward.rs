@@ -11,6 +11,7 @@
 use rayon::prelude::*;
 
 use crate::bert::TextVectors;
+use crate::index::normalise;
 use crate::matmul::{self, Rows};
 use crate::model::{ModelConfig, Weights};
 
@@ -28,21 +29,10 @@ pub struct CpuBert {
     weights: Weights<Vec<f32>>,
 }
 
-/// One pass's texts: where each starts among the pass's token rows, and its length.
-struct Spans {
-    spans: Vec<(usize, usize)>,
-    tokens: usize,
-}
-
 impl CpuBert {
     /// The forward pass for a model described by `config` with `weights`.
     pub fn new(config: ModelConfig, weights: Weights<Vec<f32>>) -> Self {
         Self { config, weights }
-    }
-
-    /// Output dimension.
-    pub fn dim(&self) -> usize {
-        self.config.hidden_size
     }
 
     /// Rows of the word embeddings.
@@ -77,6 +67,7 @@ impl CpuBert {
         let c = &self.config;
         let (h, inter) = (c.hidden_size, c.intermediate_size);
         let eps = c.layer_norm_eps;
+        // Each text's first row among the pass's token rows, and its length.
         let mut spans = Vec::with_capacity(sequences.len());
         let mut t = 0;
         for s in sequences {
@@ -84,11 +75,10 @@ impl CpuBert {
             spans.push((t, s.len()));
             t += s.len();
         }
-        let spans = Spans { spans, tokens: t };
         let w = &self.weights;
         // Embeddings: word + position + token type 0, layer norm.
         let mut x = vec![0.0f32; t * h];
-        for (s, &(first, _)) in sequences.iter().zip(&spans.spans) {
+        for (s, &(first, _)) in sequences.iter().zip(&spans) {
             for (p, &id) in s.iter().enumerate() {
                 let id = id as usize;
                 assert!(id < c.vocab_size, "token id past the vocabulary");
@@ -140,7 +130,6 @@ impl CpuBert {
             residual_layer_norm(&mut x, &out, h, &layer.out_ln_g, &layer.out_ln_b, eps);
         }
         spans
-            .spans
             .iter()
             .map(|&(first, len)| {
                 let rows = &x[first * h..(first + len) * h];
@@ -153,14 +142,14 @@ impl CpuBert {
                 let n = len.max(1) as f64;
                 #[allow(clippy::cast_possible_truncation, reason = "back to the model's f32")]
                 let mut sentence: Vec<f32> = sentence.iter().map(|s| (s / n) as f32).collect();
-                normalize(&mut sentence);
+                normalise(&mut sentence);
                 let tokens = if with_tokens && len > 2 {
                     rows.chunks_exact(h)
                         .skip(1)
                         .take(len - 2)
                         .map(|r| {
                             let mut r = r.to_vec();
-                            normalize(&mut r);
+                            normalise(&mut r);
                             r
                         })
                         .collect()
@@ -172,16 +161,15 @@ impl CpuBert {
             .collect()
     }
 
-    /// Self-attention of every text and head: `ctx` (`[t, h]`, heads side by side) from the
-    /// queries, keys and values in `qkv` (`[t, 3h]`).
-    fn attention(&self, qkv: &[f32], spans: &Spans, ctx: &mut [f32]) {
+    /// Self-attention of every text (`spans`: its first row and length) and head: `ctx`
+    /// (`[t, h]`, heads side by side) from the queries, keys and values in `qkv` (`[t, 3h]`).
+    fn attention(&self, qkv: &[f32], spans: &[(usize, usize)], ctx: &mut [f32]) {
         let c = &self.config;
         let (h, heads) = (c.hidden_size, c.num_attention_heads);
         let dh = h / heads;
         #[allow(clippy::cast_precision_loss, reason = "a head's width")]
         let scale = 1.0 / (dh as f32).sqrt();
         let jobs: Vec<(usize, usize, usize)> = spans
-            .spans
             .iter()
             .filter(|&&(_, len)| len > 0)
             .flat_map(|&(first, len)| (0..heads).map(move |head| (first, len, head)))
@@ -226,8 +214,8 @@ impl CpuBert {
             );
             part
         };
-        let work: usize = spans.spans.iter().map(|&(_, len)| len * len).sum::<usize>() * h * 2;
-        let parts: Vec<Vec<f32>> = if work >= PARALLEL_ATTENTION && spans.tokens > 1 {
+        let work: usize = spans.iter().map(|&(_, len)| len * len).sum::<usize>() * h * 2;
+        let parts: Vec<Vec<f32>> = if work >= PARALLEL_ATTENTION {
             jobs.par_iter().map(head).collect()
         } else {
             jobs.iter().map(head).collect()
@@ -279,10 +267,4 @@ fn gelu(v: &mut [f32]) {
     } else {
         v.iter_mut().for_each(one);
     }
-}
-
-/// Scale `v` to unit length (a zero vector stays zero).
-fn normalize(v: &mut [f32]) {
-    let n = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
-    v.iter_mut().for_each(|x| *x /= n);
 }

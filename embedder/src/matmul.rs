@@ -16,6 +16,8 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
+use crate::index::dot;
+
 /// A matrix view: `rows` rows of `cols` floats, row `i` starting at `data[i * stride]`.
 #[derive(Debug, Clone, Copy)]
 pub struct Rows<'a> {
@@ -189,24 +191,6 @@ fn portable(p: Operands<'_>, y: &mut [f32], rows: Range<usize>, outs: Range<usiz
             y[i * p.y_stride + j] = dot(p.x.row(i), wr);
         }
     }
-}
-
-/// `a · b` in eight lanes, then their sum.
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0.0f32; 8];
-    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ac
-        .remainder()
-        .iter()
-        .zip(bc.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ac.zip(bc) {
-        for l in 0..8 {
-            lanes[l] += x[l] * y[l];
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
 }
 
 #[cfg(target_arch = "x86_64")]

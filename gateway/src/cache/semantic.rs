@@ -257,10 +257,10 @@ impl Semantic {
     /// Whether a lookup for `model` behind `ahead` texts, `lookups` of them other lookups,
     /// would wait longer than it may at the worker's recent time per text: half the lookup
     /// timeout, and, once other lookups are queued (the embedding model is the bottleneck), no
-    /// longer than `model`'s answers take upstream: a hit saves no more than that, so in front of a fast server a
-    /// busy model is skipped, not queued for. Behind nothing but an answer being indexed it
-    /// keeps the half timeout: that answer is the one a paraphrase sent right after it would
-    /// hit. A skipped lookup is skipped at once instead of timing out later (the worker embeds
+    /// longer than `model`'s answers take upstream: a hit saves no more than that, so in front
+    /// of a fast server a busy model is skipped, not queued for. Behind nothing but an answer
+    /// being indexed it keeps the half timeout: that answer is the one a paraphrase sent right
+    /// after it would hit. A skipped lookup is skipped at once instead of timing out later (the worker embeds
     /// a batch at a time, so this errs on the long side).
     /// An idle worker always takes the lookup, so the time per text is measured again after a
     /// burst however slow the burst made it look.

@@ -16,6 +16,7 @@ use std::path::PathBuf;
 
 use embedder::bert::{BertEmbedder, Embed, TextVectors};
 use embedder::cuda::{self, GpuEmbedder};
+use embedder::forward::Precision;
 use serde_json::{json, Value};
 
 fn vectors(got: &[TextVectors]) -> Value {
@@ -36,7 +37,8 @@ fn main() {
             .expect("the texts file is a JSON array of strings");
     let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
 
-    let cpu = BertEmbedder::load(dir).expect("the model loads on the CPU");
+    // The CPU's f32 pass: the GPU keeps the checkpoint's f32 weights, so the two compare alike.
+    let cpu = BertEmbedder::load_with(dir, Precision::F32).expect("the model loads on the CPU");
     let cpu_vectors = Embed::embed_with_tokens(&cpu, &refs).expect("CPU embedding");
     let (gpu, skipped, device, versions) = match cuda::available() {
         Ok(_) => {

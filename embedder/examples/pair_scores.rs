@@ -7,7 +7,10 @@
 //!   cargo run --release -p embedder --example pair_scores -- PAIRS [MODEL_DIR] > SCORES.jsonl
 //!
 //! With `STATIC_ONLY=1`: only the two texts' static sentence vectors (`static_a`, `static_b`),
-//! in seconds (no transformer), to join with the scores line by line.
+//! in seconds (no transformer), to join with the scores line by line. With `PRECISION=f32`: the
+//! transformer's matrices kept as the checkpoint's `f32` instead of the default `f16` (to
+//! compare the verifier's decisions both ways); the thresholds for precision 0.8, 0.9 and 0.95
+//! are printed on stderr.
 
 #![allow(
     clippy::unwrap_used,
@@ -20,6 +23,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 
 use embedder::bert::{cosine, BertEmbedder};
+use embedder::forward::Precision;
 use embedder::semantic::SHIPPED_VERIFIER;
 use embedder::static_embed::StaticEmbedder;
 use embedder::verifier::{Text, Verifier};
@@ -30,10 +34,20 @@ fn main() {
     let dir = args
         .get(2)
         .map_or_else(|| PathBuf::from("models/all-MiniLM-L6-v2"), PathBuf::from);
-    let bert = BertEmbedder::load(&dir).expect("model");
+    let precision = match std::env::var("PRECISION").as_deref() {
+        Ok("f32") => Precision::F32,
+        _ => Precision::F16,
+    };
+    let bert = BertEmbedder::load_with(&dir, precision).expect("model");
     let table =
         StaticEmbedder::load(&dir.join("static.bin"), &dir.join("tokenizer.json")).expect("table");
     let verifier = Verifier::from_json(SHIPPED_VERIFIER).expect("verifier");
+    for target in [0.8, 0.9, 0.95] {
+        eprintln!(
+            "threshold for precision {target}: {:?}",
+            verifier.threshold_for(target)
+        );
+    }
     let rows: Vec<serde_json::Value> = BufReader::new(std::fs::File::open(&pairs).unwrap())
         .lines()
         .map(Result::unwrap)

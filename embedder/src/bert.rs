@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use tokenizers::Tokenizer;
 
-use crate::forward::CpuBert;
+use crate::forward::{CpuBert, Precision};
 use crate::model::{self, ModelConfig, Weights};
 
 /// Why an embedder could not be loaded or run.
@@ -87,8 +87,14 @@ impl BertEmbedder {
             .all(|f| dir.join(f).is_file())
     }
 
-    /// Load the model from `dir` (as `scripts/fetch-model.sh` lays it out).
+    /// Load the model from `dir` (as `scripts/fetch-model.sh` lays it out), its matrices kept
+    /// as [`Precision::F16`].
     pub fn load(dir: &Path) -> Result<Self, EmbedError> {
+        Self::load_with(dir, Precision::default())
+    }
+
+    /// [`BertEmbedder::load`] with the matrices kept at `precision`.
+    pub fn load_with(dir: &Path, precision: Precision) -> Result<Self, EmbedError> {
         let config = ModelConfig::read(&dir.join("config.json"))?;
         if config.hidden_size != DIM {
             return Err(model::bad_file(
@@ -100,7 +106,7 @@ impl BertEmbedder {
         let weights_path = dir.join("model.safetensors");
         let weights = Weights::read(&model::read(&weights_path)?, &weights_path, &config)?;
         Ok(Self {
-            model: CpuBert::new(config, weights),
+            model: CpuBert::new(config, weights, precision),
             tokenizer,
             dir: dir.to_owned(),
         })

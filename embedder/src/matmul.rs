@@ -11,29 +11,89 @@
 //! two activation rows at a time into eight accumulators (AVX2 + FMA, checked at run time; a
 //! portable loop elsewhere) and reads each weight once per block of activation rows, with no
 //! copy of either operand.
+//!
+//! The weights may be `f32` or `f16` ([`Weight`]): a text of a few dozen tokens is bound by
+//! streaming the weights from memory (all-MiniLM-L6's layers are 42 MB as `f32`, more than this
+//! machine's 32 MB L3), so half the bytes is most of what a short text's pass costs; each `f16`
+//! is widened to `f32` as it is read (F16C) and every sum is in `f32`.
 
 use std::ops::Range;
 
+use half::f16;
 use rayon::prelude::*;
 
-use crate::index::dot;
+/// A weight matrix's element type.
+pub trait Weight: Copy + Send + Sync + std::fmt::Debug + 'static {
+    /// As an `f32`.
+    fn to_f32(self) -> f32;
 
-/// A matrix view: `rows` rows of `cols` floats, row `i` starting at `data[i * stride]`.
+    /// `Σ x[k]·w[k]` over rows of the same length.
+    fn dot(x: &[f32], w: &[Self]) -> f32;
+
+    /// Eight weights from `p`, as `f32` lanes.
+    ///
+    /// # Safety
+    /// Eight elements readable at `p`; AVX2 and F16C present (inlined only into code compiled
+    /// for them).
+    #[cfg(target_arch = "x86_64")]
+    #[allow(unsafe_code)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl Weight for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    fn dot(x: &[f32], w: &[f32]) -> f32 {
+        crate::index::dot(x, w)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    #[allow(unsafe_code)]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+}
+
+impl Weight for f16 {
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+
+    fn dot(x: &[f32], w: &[f16]) -> f32 {
+        x.iter().zip(w).map(|(a, b)| a * b.to_f32()).sum()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    #[allow(unsafe_code)]
+    unsafe fn load8(p: *const f16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::{_mm256_cvtph_ps, _mm_loadu_si128};
+        // SAFETY: the caller's contract (16 readable bytes; F16C present).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+}
+
+/// A matrix view: `rows` rows of `cols` elements (`f32` unless a weight matrix says otherwise),
+/// row `i` starting at `data[i * stride]`.
 #[derive(Debug, Clone, Copy)]
-pub struct Rows<'a> {
-    /// The floats, from row 0's first.
-    pub data: &'a [f32],
+pub struct Rows<'a, T = f32> {
+    /// The elements, from row 0's first.
+    pub data: &'a [T],
     /// How many rows.
     pub rows: usize,
-    /// Floats used per row.
+    /// Elements used per row.
     pub cols: usize,
-    /// Floats from one row's start to the next's.
+    /// Elements from one row's start to the next's.
     pub stride: usize,
 }
 
-impl<'a> Rows<'a> {
+impl<'a, T> Rows<'a, T> {
     /// `rows × cols`, stored contiguously.
-    pub fn dense(data: &'a [f32], rows: usize, cols: usize) -> Self {
+    pub fn dense(data: &'a [T], rows: usize, cols: usize) -> Self {
         Self {
             data,
             rows,
@@ -51,7 +111,7 @@ impl<'a> Rows<'a> {
         }
     }
 
-    fn row(&self, i: usize) -> &'a [f32] {
+    fn row(&self, i: usize) -> &'a [T] {
         &self.data[i * self.stride..i * self.stride + self.cols]
     }
 }
@@ -68,9 +128,9 @@ fn span(rows: usize, stride: usize, cols: usize) -> usize {
 
 /// A product's two operands and its output's row stride.
 #[derive(Debug, Clone, Copy)]
-struct Operands<'a> {
+struct Operands<'a, W> {
     x: Rows<'a>,
-    w: Rows<'a>,
+    w: Rows<'a, W>,
     y_stride: usize,
 }
 
@@ -88,7 +148,13 @@ fn block_rows(depth: usize) -> usize {
 ///
 /// Panics if `x` and `w` differ in `cols`, a view's rows run past its data, `bias` is not one
 /// float per row of `w`, or `y` is too short.
-pub fn product(x: Rows<'_>, w: Rows<'_>, bias: Option<&[f32]>, y: &mut [f32], y_stride: usize) {
+pub fn product<W: Weight>(
+    x: Rows<'_>,
+    w: Rows<'_, W>,
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+    y_stride: usize,
+) {
     x.check();
     w.check();
     assert_eq!(x.cols, w.cols, "x and w differ in depth");
@@ -164,8 +230,14 @@ pub fn product(x: Rows<'_>, w: Rows<'_>, bias: Option<&[f32]>, y: &mut [f32], y_
     }
 }
 
+/// Whether this CPU has AVX2 and FMA (checked once): the paths written for them run.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn avx2_available() -> bool {
+    avx2::available()
+}
+
 /// The product for `rows` of `x` and `outs` of `w` on this thread, in blocks of rows.
-fn serial(p: Operands<'_>, y: &mut [f32], rows: Range<usize>, outs: Range<usize>) {
+fn serial<W: Weight>(p: Operands<'_, W>, y: &mut [f32], rows: Range<usize>, outs: Range<usize>) {
     let step = block_rows(p.x.cols);
     let mut start = rows.start;
     while start < rows.end {
@@ -184,11 +256,11 @@ fn serial(p: Operands<'_>, y: &mut [f32], rows: Range<usize>, outs: Range<usize>
 /// The product without SIMD intrinsics (the compiler vectorises the 8-wide lanes as the target
 /// allows): every machine's path where AVX2 and FMA are missing, and the reference the tests
 /// hold the AVX2 path to.
-fn portable(p: Operands<'_>, y: &mut [f32], rows: Range<usize>, outs: Range<usize>) {
+fn portable<W: Weight>(p: Operands<'_, W>, y: &mut [f32], rows: Range<usize>, outs: Range<usize>) {
     for j in outs {
         let wr = p.w.row(j);
         for i in rows.clone() {
-            y[i * p.y_stride + j] = dot(p.x.row(i), wr);
+            y[i * p.y_stride + j] = W::dot(p.x.row(i), wr);
         }
     }
 }
@@ -196,7 +268,8 @@ fn portable(p: Operands<'_>, y: &mut [f32], rows: Range<usize>, outs: Range<usiz
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod avx2 {
-    //! The product with AVX2 and FMA: four weight rows by two activation rows per step.
+    //! The product with AVX2 and FMA (and F16C for `f16` weights): four weight rows by two
+    //! activation rows per step.
 
     use std::arch::x86_64::{
         __m128, __m256, _mm256_castps256_ps128, _mm256_extractf128_ps, _mm256_fmadd_ps,
@@ -205,19 +278,25 @@ mod avx2 {
     use std::ops::Range;
     use std::sync::OnceLock;
 
-    use super::Operands;
+    use super::{Operands, Weight};
 
-    /// Whether this CPU has AVX2 and FMA (checked once).
+    /// Whether this CPU has AVX2, FMA and F16C (checked once; every CPU with AVX2 has F16C).
     pub(super) fn available() -> bool {
         static AVAILABLE: OnceLock<bool> = OnceLock::new();
         *AVAILABLE.get_or_init(|| {
             std::arch::is_x86_feature_detected!("avx2")
                 && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
         })
     }
 
     /// As [`super::portable`]; only call where [`available`] said so.
-    pub(super) fn product(p: Operands<'_>, y: &mut [f32], rows: Range<usize>, outs: Range<usize>) {
+    pub(super) fn product<W: Weight>(
+        p: Operands<'_, W>,
+        y: &mut [f32],
+        rows: Range<usize>,
+        outs: Range<usize>,
+    ) {
         let Operands { x, w, y_stride } = p;
         assert!(available());
         // Every index below is within these bounds, the views' and the output's checked here.
@@ -247,16 +326,21 @@ mod avx2 {
         _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1))
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::similar_names, reason = "aRC: accumulator of row R, column C")]
-    unsafe fn kernel(p: Operands<'_>, y: &mut [f32], rows: Range<usize>, outs: Range<usize>) {
+    unsafe fn kernel<W: Weight>(
+        p: Operands<'_, W>,
+        y: &mut [f32],
+        rows: Range<usize>,
+        outs: Range<usize>,
+    ) {
         let Operands { x, w, y_stride } = p;
         let depth = x.cols;
         let vec_depth = depth - depth % 8;
         let (xp, wp, yp) = (x.data.as_ptr(), w.data.as_ptr(), y.as_mut_ptr());
         let tail = |i: usize, j: usize| -> f32 {
             let (xr, wr) = (x.row(i), w.row(j));
-            (vec_depth..depth).map(|k| xr[k] * wr[k]).sum()
+            (vec_depth..depth).map(|k| xr[k] * wr[k].to_f32()).sum()
         };
         let mut j = outs.start;
         while j + 4 <= outs.end {
@@ -278,16 +362,16 @@ mod avx2 {
                     let mut k = 0;
                     while k < vec_depth {
                         let (u, v) = (_mm256_loadu_ps(x0.add(k)), _mm256_loadu_ps(x1.add(k)));
-                        let c = _mm256_loadu_ps(w0.add(k));
+                        let c = W::load8(w0.add(k));
                         a00 = _mm256_fmadd_ps(u, c, a00);
                         a10 = _mm256_fmadd_ps(v, c, a10);
-                        let c = _mm256_loadu_ps(w1.add(k));
+                        let c = W::load8(w1.add(k));
                         a01 = _mm256_fmadd_ps(u, c, a01);
                         a11 = _mm256_fmadd_ps(v, c, a11);
-                        let c = _mm256_loadu_ps(w2.add(k));
+                        let c = W::load8(w2.add(k));
                         a02 = _mm256_fmadd_ps(u, c, a02);
                         a12 = _mm256_fmadd_ps(v, c, a12);
-                        let c = _mm256_loadu_ps(w3.add(k));
+                        let c = W::load8(w3.add(k));
                         a03 = _mm256_fmadd_ps(u, c, a03);
                         a13 = _mm256_fmadd_ps(v, c, a13);
                         k += 8;
@@ -313,10 +397,10 @@ mod avx2 {
                     let mut k = 0;
                     while k < vec_depth {
                         let u = _mm256_loadu_ps(x0.add(k));
-                        a0 = _mm256_fmadd_ps(u, _mm256_loadu_ps(w0.add(k)), a0);
-                        a1 = _mm256_fmadd_ps(u, _mm256_loadu_ps(w1.add(k)), a1);
-                        a2 = _mm256_fmadd_ps(u, _mm256_loadu_ps(w2.add(k)), a2);
-                        a3 = _mm256_fmadd_ps(u, _mm256_loadu_ps(w3.add(k)), a3);
+                        a0 = _mm256_fmadd_ps(u, W::load8(w0.add(k)), a0);
+                        a1 = _mm256_fmadd_ps(u, W::load8(w1.add(k)), a1);
+                        a2 = _mm256_fmadd_ps(u, W::load8(w2.add(k)), a2);
+                        a3 = _mm256_fmadd_ps(u, W::load8(w3.add(k)), a3);
                         k += 8;
                     }
                     _mm_storeu_ps(yp.add(i * y_stride + j), sum4(a0, a1, a2, a3));
@@ -332,7 +416,7 @@ mod avx2 {
         // The last outputs (fewer than four).
         for j in j..outs.end {
             for i in rows.clone() {
-                y[i * y_stride + j] = super::dot(x.row(i), w.row(j));
+                y[i * y_stride + j] = W::dot(x.row(i), w.row(j));
             }
         }
     }
@@ -358,12 +442,12 @@ mod tests {
     }
 
     /// The product in f64, one output at a time.
-    fn reference(x: Rows<'_>, w: Rows<'_>, bias: Option<&[f32]>) -> Vec<f64> {
+    fn reference<W: Weight>(x: Rows<'_>, w: Rows<'_, W>, bias: Option<&[f32]>) -> Vec<f64> {
         let mut out = Vec::new();
         for i in 0..x.rows {
             for j in 0..w.rows {
                 let s: f64 = (0..x.cols)
-                    .map(|k| f64::from(x.row(i)[k]) * f64::from(w.row(j)[k]))
+                    .map(|k| f64::from(x.row(i)[k]) * f64::from(w.row(j)[k].to_f32()))
                     .sum();
                 out.push(s + bias.map_or(0.0, |b| f64::from(b[j])));
             }
@@ -373,6 +457,17 @@ mod tests {
 
     #[test]
     fn every_shape_matches_the_product_in_f64_with_strides_tails_and_bias() {
+        every_shape::<f32>(|v| v);
+    }
+
+    #[test]
+    fn f16_weights_give_the_product_of_their_values() {
+        every_shape::<f16>(f16::from_f32);
+    }
+
+    /// `product` and the portable path against the f64 product of the weights' own values,
+    /// the weights stored as `W` (`from` converts).
+    fn every_shape<W: Weight>(from: impl Fn(f32) -> W) {
         // Odd rows and outputs (the one-row and fewer-than-four paths), depths that are not a
         // multiple of 8 (the tails), strided views (the attention's heads), and products large
         // enough to be split by rows and by outputs over threads.
@@ -388,7 +483,7 @@ mod tests {
         ] {
             let (xs, ws) = (depth + stride_pad, depth + stride_pad);
             let xd = floats(rows * xs, 1);
-            let wd = floats(outs * ws, 2);
+            let wd: Vec<W> = floats(outs * ws, 2).into_iter().map(&from).collect();
             let bias = floats(outs, 3);
             let x = Rows {
                 data: &xd,

@@ -76,15 +76,16 @@ impl ModelConfig {
     }
 }
 
-/// One encoder layer's weights (`T`: the host's `Vec<f32>`, or a device's buffer).
+/// One encoder layer's weights (`T`: the host's `Vec<f32>`, or a device's buffer; `M` the
+/// same for the four matrices, which a pass may keep in another precision).
 #[derive(Debug)]
-pub struct Layer<T> {
+pub struct Layer<T, M = T> {
     /// `[3h, h]`: query, key, value weights stacked.
-    pub qkv_w: T,
+    pub qkv_w: M,
     /// `[3h]`.
     pub qkv_b: T,
     /// `[h, h]`.
-    pub attn_out_w: T,
+    pub attn_out_w: M,
     /// `[h]`.
     pub attn_out_b: T,
     /// `[h]`.
@@ -92,11 +93,11 @@ pub struct Layer<T> {
     /// `[h]`.
     pub attn_ln_b: T,
     /// `[intermediate, h]`.
-    pub up_w: T,
+    pub up_w: M,
     /// `[intermediate]`.
     pub up_b: T,
     /// `[h, intermediate]`.
-    pub down_w: T,
+    pub down_w: M,
     /// `[h]`.
     pub down_b: T,
     /// `[h]`.
@@ -105,11 +106,12 @@ pub struct Layer<T> {
     pub out_ln_b: T,
 }
 
-/// Every weight the forward passes use (`T` as in [`Layer`]).
+/// Every weight the forward passes use (`T` and `M` as in [`Layer`]; the word embeddings are
+/// an `M`).
 #[derive(Debug)]
-pub struct Weights<T> {
+pub struct Weights<T, M = T> {
     /// `[vocab, h]`.
-    pub word: T,
+    pub word: M,
     /// `[positions, h]`.
     pub position: T,
     /// Row 0 of the token type embeddings (every token is type 0).
@@ -119,7 +121,7 @@ pub struct Weights<T> {
     /// See `ln_g`.
     pub ln_b: T,
     /// The encoder layers, in order.
-    pub layers: Vec<Layer<T>>,
+    pub layers: Vec<Layer<T, M>>,
 }
 
 impl Weights<Vec<f32>> {
@@ -195,6 +197,38 @@ impl Weights<Vec<f32>> {
             ln_b: get("embeddings.LayerNorm.bias", &[h])?,
             layers,
         })
+    }
+}
+
+impl<T, M> Weights<T, M> {
+    /// The same weights with the matrices (the layers' four and the word embeddings) each
+    /// converted by `f` (e.g. to a narrower float), the rest as they are.
+    pub fn map_matrices<N>(self, mut f: impl FnMut(M) -> N) -> Weights<T, N> {
+        Weights {
+            word: f(self.word),
+            position: self.position,
+            type0: self.type0,
+            ln_g: self.ln_g,
+            ln_b: self.ln_b,
+            layers: self
+                .layers
+                .into_iter()
+                .map(|l| Layer {
+                    qkv_w: f(l.qkv_w),
+                    qkv_b: l.qkv_b,
+                    attn_out_w: f(l.attn_out_w),
+                    attn_out_b: l.attn_out_b,
+                    attn_ln_g: l.attn_ln_g,
+                    attn_ln_b: l.attn_ln_b,
+                    up_w: f(l.up_w),
+                    up_b: l.up_b,
+                    down_w: f(l.down_w),
+                    down_b: l.down_b,
+                    out_ln_g: l.out_ln_g,
+                    out_ln_b: l.out_ln_b,
+                })
+                .collect(),
+        }
     }
 }
 

@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::bert::{BertModel, Config};
 use embedder::bert::{cosine, TextVectors, MAX_TOKENS};
+use embedder::forward::Precision;
 use tokenizers::{PaddingParams, Tokenizer, TruncationParams};
 
 /// Sentence and token vectors of `texts` as candle's `BertModel` computes them, in one padded
@@ -73,6 +74,10 @@ fn candle_vectors(texts: &[&str]) -> Vec<TextVectors> {
         .collect()
 }
 
+/// How far below 1 a sentence's and a token's cosine with f16 matrices may fall.
+const F16_SENTENCE: f32 = 1e-5;
+const F16_TOKEN: f32 = 1e-5;
+
 #[test]
 fn sentence_and_token_vectors_match_candles_bert_over_a_padded_batch() {
     let long = "price of the cheapest flight to lisbon in may ".repeat(40);
@@ -86,7 +91,8 @@ fn sentence_and_token_vectors_match_candles_bert_over_a_padded_batch() {
         "ok",
     ];
     let want = candle_vectors(&texts);
-    let model = common::load();
+    // The pass itself, with the checkpoint's f32 weights: the same floats to rounding.
+    let model = common::load_with(Precision::F32);
     let batched = model.embed_with_tokens(&texts).unwrap();
     let mut worst = (1.0f32, 0.0f32);
     for (i, text) in texts.iter().enumerate() {
@@ -113,8 +119,27 @@ fn sentence_and_token_vectors_match_candles_bert_over_a_padded_batch() {
         }
     }
     eprintln!(
-        "worst sentence cosine {}, largest difference {}",
+        "f32: worst sentence cosine {}, largest difference {}",
         worst.0, worst.1
+    );
+    // With f16 matrices (the default), every vector stays far inside what a threshold tells.
+    let half = common::load();
+    let mut worst = (1.0f32, 1.0f32);
+    for (got, (want_sentence, want_tokens)) in
+        half.embed_with_tokens(&texts).unwrap().iter().zip(&want)
+    {
+        worst.0 = worst.0.min(cosine(&got.0, want_sentence));
+        for (a, b) in got.1.iter().zip(want_tokens) {
+            worst.1 = worst.1.min(cosine(a, b));
+        }
+    }
+    eprintln!(
+        "f16: worst sentence cosine {}, worst token cosine {}",
+        worst.0, worst.1
+    );
+    assert!(
+        worst.0 >= 1.0 - F16_SENTENCE && worst.1 >= 1.0 - F16_TOKEN,
+        "f16: {worst:?}"
     );
     // Rows of ids with a mask (how the static table is distilled) are the same vectors.
     let tok = model.tokenizer();

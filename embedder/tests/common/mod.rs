@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use embedder::bert::BertEmbedder;
+use embedder::forward::Precision;
 
 /// The model directory: `MODEL_DIR`, or the workspace's `models/all-MiniLM-L6-v2`.
 pub fn model_dir() -> PathBuf {
@@ -17,14 +18,20 @@ pub fn model_dir() -> PathBuf {
     )
 }
 
-/// The transformer, or a failure telling how to get the model.
+/// The transformer as the gateway runs it, or a failure telling how to get the model.
 #[allow(dead_code, reason = "not every test binary needs the transformer")]
 pub fn load() -> BertEmbedder {
+    load_with(Precision::default())
+}
+
+/// The transformer with its matrices at `precision`.
+#[allow(dead_code, reason = "not every test binary needs the transformer")]
+pub fn load_with(precision: Precision) -> BertEmbedder {
     let dir = model_dir();
     assert!(
         BertEmbedder::present(&dir),
         "no model in {}: run scripts/fetch-model.sh",
         dir.display()
     );
-    BertEmbedder::load(&dir).expect("the model loads")
+    BertEmbedder::load_with(&dir, precision).expect("the model loads")
 }

@@ -104,9 +104,18 @@ impl BertEmbedder {
         }
         let tokenizer = model::load_tokenizer(&dir.join("tokenizer.json"))?;
         let weights_path = dir.join("model.safetensors");
-        let weights = Weights::read(&model::read(&weights_path)?, &weights_path, &config)?;
+        let model = match precision {
+            Precision::F16 => {
+                let weights = Weights::<Vec<f32>, Vec<half::f16>>::read(&weights_path, &config)?;
+                CpuBert::new(config, weights)
+            }
+            Precision::F32 => {
+                let weights = Weights::<Vec<f32>>::read(&weights_path, &config)?;
+                CpuBert::new(config, weights)
+            }
+        };
         Ok(Self {
-            model: CpuBert::new(config, weights, precision),
+            model,
             tokenizer,
             dir: dir.to_owned(),
         })

@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use safetensors::{Dtype, SafeTensors};
+use safetensors::Dtype;
 use tokenizers::{Tokenizer, TruncationParams};
 
 use crate::bert::{EmbedError, MAX_TOKENS};
@@ -124,79 +124,216 @@ pub struct Weights<T, M = T> {
     pub layers: Vec<Layer<T, M>>,
 }
 
-impl Weights<Vec<f32>> {
-    /// Read every weight from the safetensors file `bytes` (read from `path`), as f32.
-    pub fn read(bytes: &[u8], path: &Path, c: &ModelConfig) -> Result<Self, EmbedError> {
-        let tensors = SafeTensors::deserialize(bytes)
-            .map_err(|e| bad_file(path, format!("not a safetensors file: {e}")))?;
-        let prefix = if tensors
-            .tensor("bert.embeddings.word_embeddings.weight")
-            .is_ok()
-        {
+impl<M: Element> Weights<Vec<f32>, Vec<M>> {
+    /// Read every weight from the safetensors file at `path`: the matrices (the layers' four
+    /// and the word embeddings) as `M`, the rest as `f32`. The file is read tensor by tensor in
+    /// small pieces, each converted as it arrives, so loading holds the weights and ~64 KiB
+    /// more, never the file's bytes or an `f32` copy of a narrower matrix.
+    pub fn read(path: &Path, c: &ModelConfig) -> Result<Self, EmbedError> {
+        let mut file = TensorFile::open(path)?;
+        let prefix = if file.has("bert.embeddings.word_embeddings.weight") {
             "bert."
         } else {
             ""
         };
-        // Each tensor converted straight from the file's bytes (no intermediate copy, so
-        // loading holds the file and the weights, not a third copy).
-        let get = |name: &str, shape: &[usize]| -> Result<Vec<f32>, EmbedError> {
-            let full = format!("{prefix}{name}");
-            let tensor = tensors
-                .tensor(&full)
-                .map_err(|_| bad_file(path, format!("no tensor {full}")))?;
-            if tensor.shape() != shape {
-                return Err(bad_file(
-                    path,
-                    format!("{full}: shape {:?}, expected {shape:?}", tensor.shape()),
-                ));
-            }
-            floats(tensor.dtype(), tensor.data())
-                .ok_or_else(|| bad_file(path, format!("{full}: {:?} values", tensor.dtype())))
-        };
         let (h, inter) = (c.hidden_size, c.intermediate_size);
-        let mut types = get(
-            "embeddings.token_type_embeddings.weight",
+        let embeddings = |n: &str| format!("{prefix}embeddings.{n}");
+        let mut types: Vec<f32> = file.read(
+            &embeddings("token_type_embeddings.weight"),
             &[c.type_vocab_size, h],
         )?;
         types.truncate(h);
+        let position = file.read(
+            &embeddings("position_embeddings.weight"),
+            &[c.max_position_embeddings, h],
+        )?;
+        let ln_g = file.read(&embeddings("LayerNorm.weight"), &[h])?;
+        let ln_b = file.read(&embeddings("LayerNorm.bias"), &[h])?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
-            let name = |n: &str| format!("encoder.layer.{i}.{n}");
+            let name = |n: &str| format!("{prefix}encoder.layer.{i}.{n}");
             let mut qkv_w = Vec::with_capacity(3 * h * h);
             let mut qkv_b = Vec::with_capacity(3 * h);
             for part in ["query", "key", "value"] {
-                qkv_w.extend(get(
-                    &name(&format!("attention.self.{part}.weight")),
-                    &[h, h],
-                )?);
-                qkv_b.extend(get(&name(&format!("attention.self.{part}.bias")), &[h])?);
+                qkv_w.extend(
+                    file.read::<M>(&name(&format!("attention.self.{part}.weight")), &[h, h])?,
+                );
+                qkv_b
+                    .extend(file.read::<f32>(&name(&format!("attention.self.{part}.bias")), &[h])?);
             }
             layers.push(Layer {
                 qkv_w,
                 qkv_b,
-                attn_out_w: get(&name("attention.output.dense.weight"), &[h, h])?,
-                attn_out_b: get(&name("attention.output.dense.bias"), &[h])?,
-                attn_ln_g: get(&name("attention.output.LayerNorm.weight"), &[h])?,
-                attn_ln_b: get(&name("attention.output.LayerNorm.bias"), &[h])?,
-                up_w: get(&name("intermediate.dense.weight"), &[inter, h])?,
-                up_b: get(&name("intermediate.dense.bias"), &[inter])?,
-                down_w: get(&name("output.dense.weight"), &[h, inter])?,
-                down_b: get(&name("output.dense.bias"), &[h])?,
-                out_ln_g: get(&name("output.LayerNorm.weight"), &[h])?,
-                out_ln_b: get(&name("output.LayerNorm.bias"), &[h])?,
+                attn_out_w: file.read(&name("attention.output.dense.weight"), &[h, h])?,
+                attn_out_b: file.read(&name("attention.output.dense.bias"), &[h])?,
+                attn_ln_g: file.read(&name("attention.output.LayerNorm.weight"), &[h])?,
+                attn_ln_b: file.read(&name("attention.output.LayerNorm.bias"), &[h])?,
+                up_w: file.read(&name("intermediate.dense.weight"), &[inter, h])?,
+                up_b: file.read(&name("intermediate.dense.bias"), &[inter])?,
+                down_w: file.read(&name("output.dense.weight"), &[h, inter])?,
+                down_b: file.read(&name("output.dense.bias"), &[h])?,
+                out_ln_g: file.read(&name("output.LayerNorm.weight"), &[h])?,
+                out_ln_b: file.read(&name("output.LayerNorm.bias"), &[h])?,
             });
         }
         Ok(Weights {
-            word: get("embeddings.word_embeddings.weight", &[c.vocab_size, h])?,
-            position: get(
-                "embeddings.position_embeddings.weight",
-                &[c.max_position_embeddings, h],
-            )?,
+            word: file.read(&embeddings("word_embeddings.weight"), &[c.vocab_size, h])?,
+            position,
             type0: types,
-            ln_g: get("embeddings.LayerNorm.weight", &[h])?,
-            ln_b: get("embeddings.LayerNorm.bias", &[h])?,
+            ln_g,
+            ln_b,
             layers,
         })
+    }
+}
+
+/// A float type weights are kept in, converted from whatever a checkpoint stores.
+pub trait Element: Copy + Sized {
+    /// Append `bytes`, little-endian values of `dtype` (whole values), converted; `false`
+    /// for a type a BERT checkpoint does not store weights in.
+    fn extend_from(out: &mut Vec<Self>, dtype: Dtype, bytes: &[u8]) -> bool;
+}
+
+impl Element for f32 {
+    fn extend_from(out: &mut Vec<f32>, dtype: Dtype, bytes: &[u8]) -> bool {
+        match dtype {
+            Dtype::F32 => out.extend(
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            ),
+            Dtype::F16 => out.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+            ),
+            Dtype::BF16 => out.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+            ),
+            #[allow(clippy::cast_possible_truncation, reason = "f64 weights kept as f32")]
+            Dtype::F64 => out.extend(bytes.chunks_exact(8).map(|b| {
+                f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32
+            })),
+            _ => return false,
+        }
+        true
+    }
+}
+
+impl Element for half::f16 {
+    fn extend_from(out: &mut Vec<half::f16>, dtype: Dtype, bytes: &[u8]) -> bool {
+        use half::slice::HalfFloatSliceExt;
+        if dtype == Dtype::F16 {
+            out.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| half::f16::from_le_bytes([b[0], b[1]])),
+            );
+            return true;
+        }
+        let mut wide = Vec::new();
+        if !f32::extend_from(&mut wide, dtype, bytes) {
+            return false;
+        }
+        let at = out.len();
+        out.resize(at + wide.len(), half::f16::ZERO);
+        out[at..].convert_from_f32_slice(&wide);
+        true
+    }
+}
+
+/// A safetensors file read one tensor at a time (only its header kept in memory).
+struct TensorFile<'p> {
+    path: &'p Path,
+    file: std::fs::File,
+    /// Where the tensors' data starts in the file.
+    data_start: u64,
+    /// The data's length in bytes.
+    data_len: u64,
+    header: safetensors::tensor::Metadata,
+}
+
+/// Bytes read from the file at a time.
+const READ_CHUNK: usize = 64 << 10;
+
+impl<'p> TensorFile<'p> {
+    fn open(path: &'p Path) -> Result<Self, EmbedError> {
+        use std::io::Read;
+        let io = |e: std::io::Error| bad_file(path, e.to_string());
+        let mut file = std::fs::File::open(path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        let mut n = [0u8; 8];
+        file.read_exact(&mut n)
+            .map_err(|_| bad_file(path, "not a safetensors file: no header".into()))?;
+        let n = u64::from_le_bytes(n);
+        // The format's own limit on a header (100 MB).
+        if n > 100_000_000 || 8 + n > len {
+            return Err(bad_file(
+                path,
+                "not a safetensors file: bad header size".into(),
+            ));
+        }
+        let mut header = vec![0u8; usize::try_from(n).unwrap_or(0)];
+        file.read_exact(&mut header).map_err(io)?;
+        let header = serde_json::from_slice(&header)
+            .map_err(|e| bad_file(path, format!("not a safetensors file: {e}")))?;
+        Ok(Self {
+            path,
+            file,
+            data_start: 8 + n,
+            data_len: len - 8 - n,
+            header,
+        })
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.header.info(name).is_some()
+    }
+
+    /// The tensor `name`, which must have `shape`, as `T`s.
+    fn read<T: Element>(&mut self, name: &str, shape: &[usize]) -> Result<Vec<T>, EmbedError> {
+        use std::io::{Read, Seek, SeekFrom};
+        let path = self.path;
+        let info = self
+            .header
+            .info(name)
+            .ok_or_else(|| bad_file(path, format!("no tensor {name}")))?;
+        if info.shape != shape {
+            return Err(bad_file(
+                path,
+                format!("{name}: shape {:?}, expected {shape:?}", info.shape),
+            ));
+        }
+        let (dtype, (start, end)) = (info.dtype, info.data_offsets);
+        let size = dtype.bitsize() / 8;
+        let count: usize = shape.iter().product();
+        if size == 0
+            || end.checked_sub(start) != count.checked_mul(size)
+            || end as u64 > self.data_len
+        {
+            return Err(bad_file(
+                path,
+                format!("{name}: its bytes do not match its shape"),
+            ));
+        }
+        let io = |e: std::io::Error| bad_file(path, format!("{name}: {e}"));
+        self.file
+            .seek(SeekFrom::Start(self.data_start + start as u64))
+            .map_err(io)?;
+        let mut out = Vec::with_capacity(count);
+        let mut chunk = vec![0u8; READ_CHUNK - READ_CHUNK % size];
+        let mut left = end - start;
+        while left > 0 {
+            let piece = &mut chunk[..left.min(READ_CHUNK - READ_CHUNK % size)];
+            self.file.read_exact(piece).map_err(io)?;
+            if !T::extend_from(&mut out, dtype, piece) {
+                return Err(bad_file(path, format!("{name}: {dtype:?} values")));
+            }
+            left -= piece.len();
+        }
+        Ok(out)
     }
 }
 
@@ -263,31 +400,6 @@ impl<T> Weights<T> {
     }
 }
 
-/// A tensor's little-endian `data` of `dtype` as f32 (`None` for a type a BERT checkpoint does
-/// not store weights in).
-fn floats(dtype: Dtype, data: &[u8]) -> Option<Vec<f32>> {
-    Some(match dtype {
-        Dtype::F32 => data
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::F16 => data
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::BF16 => data
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        #[allow(clippy::cast_possible_truncation, reason = "f64 weights kept as f32")]
-        Dtype::F64 => data
-            .chunks_exact(8)
-            .map(|b| f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32)
-            .collect(),
-        _ => return None,
-    })
-}
-
 /// The model's tokenizer, truncating at [`MAX_TOKENS`], without padding.
 pub fn load_tokenizer(path: &Path) -> Result<Tokenizer, EmbedError> {
     let mut tokenizer =
@@ -335,5 +447,131 @@ pub fn bad_file(path: &Path, message: String) -> EmbedError {
     EmbedError::File {
         path: path.to_owned(),
         message,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+
+    use safetensors::tensor::TensorView;
+
+    use super::*;
+
+    /// A one-layer model of width 8 (4 heads, feed-forward 16, 10 words).
+    fn config() -> ModelConfig {
+        serde_json::from_value(serde_json::json!({
+            "hidden_size": 8, "num_attention_heads": 4, "num_hidden_layers": 1,
+            "intermediate_size": 16, "layer_norm_eps": 1e-12, "vocab_size": 10,
+            "max_position_embeddings": 256, "hidden_act": "gelu"
+        }))
+        .unwrap()
+    }
+
+    /// Every tensor of [`config`]'s model as f32, each value its index × 0.001 plus a
+    /// tensor's own offset (so a tensor read in place of another shows).
+    fn tensors(prefix: &str) -> Vec<(String, Vec<usize>, Vec<u8>)> {
+        let (h, i) = (8, 16);
+        let mut shapes: Vec<(String, Vec<usize>)> = vec![
+            ("embeddings.word_embeddings.weight".into(), vec![10, h]),
+            ("embeddings.position_embeddings.weight".into(), vec![256, h]),
+            ("embeddings.token_type_embeddings.weight".into(), vec![2, h]),
+            ("embeddings.LayerNorm.weight".into(), vec![h]),
+            ("embeddings.LayerNorm.bias".into(), vec![h]),
+        ];
+        for (n, s) in [
+            ("attention.self.query.weight", vec![h, h]),
+            ("attention.self.query.bias", vec![h]),
+            ("attention.self.key.weight", vec![h, h]),
+            ("attention.self.key.bias", vec![h]),
+            ("attention.self.value.weight", vec![h, h]),
+            ("attention.self.value.bias", vec![h]),
+            ("attention.output.dense.weight", vec![h, h]),
+            ("attention.output.dense.bias", vec![h]),
+            ("attention.output.LayerNorm.weight", vec![h]),
+            ("attention.output.LayerNorm.bias", vec![h]),
+            ("intermediate.dense.weight", vec![i, h]),
+            ("intermediate.dense.bias", vec![i]),
+            ("output.dense.weight", vec![h, i]),
+            ("output.dense.bias", vec![h]),
+            ("output.LayerNorm.weight", vec![h]),
+            ("output.LayerNorm.bias", vec![h]),
+        ] {
+            shapes.push((format!("encoder.layer.0.{n}"), s));
+        }
+        shapes
+            .into_iter()
+            .enumerate()
+            .map(|(t, (name, shape))| {
+                let n: usize = shape.iter().product();
+                #[allow(clippy::cast_precision_loss, reason = "small test values")]
+                let bytes = (0..n)
+                    .flat_map(|k| (t as f32 + k as f32 * 0.001).to_le_bytes())
+                    .collect();
+                (format!("{prefix}{name}"), shape, bytes)
+            })
+            .collect()
+    }
+
+    fn file(tensors: &[(String, Vec<usize>, Vec<u8>)]) -> Vec<u8> {
+        let views = tensors.iter().map(|(n, s, b)| {
+            (
+                n.clone(),
+                TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
+            )
+        });
+        safetensors::serialize(views, None).unwrap()
+    }
+
+    #[test]
+    fn weights_read_piece_by_piece_are_the_files_values_in_either_precision() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = config();
+        for prefix in ["", "bert."] {
+            let path = dir.path().join("model.safetensors");
+            std::fs::write(&path, file(&tensors(prefix))).unwrap();
+            let wide = Weights::<Vec<f32>>::read(&path, &c).unwrap();
+            let narrow = Weights::<Vec<f32>, Vec<half::f16>>::read(&path, &c).unwrap();
+            // Tensor 0 is the word embeddings, 1 the positions, 5.. the layer's, in file order.
+            assert_eq!(wide.word.len(), 80);
+            assert!((wide.word[79] - 0.079).abs() < 1e-6);
+            assert!((wide.position[3] - 1.003).abs() < 1e-6);
+            assert_eq!(wide.type0.len(), 8);
+            assert!((wide.type0[7] - 2.007).abs() < 1e-6);
+            let l = &wide.layers[0];
+            assert_eq!(l.qkv_w.len(), 3 * 64);
+            assert!((l.qkv_w[64] - 7.0).abs() < 1e-6, "key after query");
+            assert!((l.qkv_b[8] - 8.0).abs() < 1e-6);
+            assert!((l.down_w[127] - 17.127).abs() < 1e-5);
+            for (a, b) in wide.layers[0].up_w.iter().zip(&narrow.layers[0].up_w) {
+                assert_eq!(half::f16::from_f32(*a), *b);
+            }
+            assert_eq!(
+                narrow.layers[0].up_b, wide.layers[0].up_b,
+                "biases stay f32"
+            );
+        }
+    }
+
+    #[test]
+    fn a_damaged_weights_file_is_refused_with_what_is_wrong() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        let c = config();
+        let err = |bytes: Vec<u8>| {
+            std::fs::write(&path, bytes).unwrap();
+            Weights::<Vec<f32>, Vec<half::f16>>::read(&path, &c)
+                .unwrap_err()
+                .to_string()
+        };
+        let whole = file(&tensors(""));
+        assert!(err(whole[..whole.len() - 4].to_vec()).contains("bytes do not match"));
+        assert!(err(b"nonsense".to_vec()).contains("not a safetensors file"));
+        let mut missing = tensors("");
+        missing.retain(|(n, _, _)| n != "encoder.layer.0.output.dense.bias");
+        assert!(err(file(&missing)).contains("no tensor encoder.layer.0.output.dense.bias"));
+        let mut wrong = tensors("");
+        wrong[3].1 = vec![4, 2];
+        assert!(err(file(&wrong)).contains("shape [4, 2], expected [8]"));
     }
 }

@@ -188,27 +188,37 @@ impl StaticEmbedder {
     }
 }
 
-/// Read a table file written by [`StaticEmbedder::save`]: (`vocab × dim` rows, `dim`).
+/// Read a table file written by [`StaticEmbedder::save`]: (`vocab × dim` rows, `dim`). Read
+/// in pieces converted as they arrive, so loading holds the table, not also the file's bytes.
 pub fn read_table(path: &Path) -> Result<(Vec<f32>, usize), EmbedError> {
-    let mut bytes = Vec::new();
-    std::fs::File::open(path)
-        .and_then(|mut f| f.read_to_end(&mut bytes))
-        .map_err(|e| io(path, e))?;
     let bad = |m: String| EmbedError::File {
         path: path.to_owned(),
         message: m,
     };
-    let (version, vocab, dim, body) =
-        header(&bytes, MAGIC).ok_or_else(|| bad("not a static embedding table".into()))?;
+    let mut file = std::fs::File::open(path).map_err(|e| io(path, e))?;
+    let len = file.metadata().map_err(|e| io(path, e))?.len();
+    let mut head = [0u8; 20];
+    file.read_exact(&mut head)
+        .map_err(|_| bad("not a static embedding table".into()))?;
+    let (version, vocab, dim, _) =
+        header(&head, MAGIC).ok_or_else(|| bad("not a static embedding table".into()))?;
     if version != VERSION {
         return Err(bad(format!(
             "static table version {version}, this build needs {VERSION}: run `gateway embed distill`"
         )));
     }
-    if dim == 0 || body.len() != vocab * dim * 4 {
+    let floats = vocab.checked_mul(dim);
+    if dim == 0 || floats.and_then(|n| n.checked_mul(4)).map(|n| n as u64 + 20) != Some(len) {
         return Err(bad("truncated table".into()));
     }
-    let table = f32s(body);
+    let floats = floats.unwrap_or(0);
+    let mut table = Vec::with_capacity(floats);
+    let mut chunk = vec![0u8; 64 << 10];
+    while table.len() < floats {
+        let piece = &mut chunk[..(4 * (floats - table.len())).min(64 << 10)];
+        file.read_exact(piece).map_err(|e| io(path, e))?;
+        table.extend(f32s(piece));
+    }
     Ok((table, dim))
 }
 

@@ -150,7 +150,7 @@ impl GpuEmbedder {
         let config = ModelConfig::read(&dir.join("config.json"))?;
         let tokenizer = model::load_tokenizer(&dir.join("tokenizer.json"))?;
         let weights_path = dir.join("model.safetensors");
-        let host = model::Weights::read(&model::read(&weights_path)?, &weights_path, &config)?;
+        let host = model::Weights::<Vec<f32>>::read(&weights_path, &config)?;
         let gpu = Gpu::open(ordinal)?;
         let (weights, kernels, blas, workspace) = guard("loading the model onto the GPU", || {
             let weights = host.try_map(|v| {

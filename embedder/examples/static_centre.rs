@@ -179,6 +179,7 @@ fn main() {
 
 /// Rows of the table file (its header's vocabulary size).
 fn vocab_of(model: &Path) -> usize {
-    let (table, dim) = embedder::static_embed::read_table(&model.join("static.bin")).unwrap();
+    let (table, dim) =
+        embedder::static_embed::read_table::<f32>(&model.join("static.bin")).unwrap();
     table.len() / dim
 }

@@ -10,20 +10,26 @@
 use std::io::{Read, Write};
 use std::path::Path;
 
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+use safetensors::Dtype;
 use tokenizers::Tokenizer;
 
 use crate::bert::{BertEmbedder, EmbedError, DIM};
 use crate::index::normalise;
+use crate::model::Element;
 
 const MAGIC: &[u8; 8] = b"GWSTATIC";
 const VERSION: u32 = 1;
 /// Tokens per forward pass while distilling.
 const BATCH: usize = 512;
 
-/// A distilled static embedding table with its tokenizer.
+/// A distilled static embedding table with its tokenizer. The rows are kept as f16 (half the
+/// memory: 23 MB for this model's 30,522 × 384 instead of 47; a sentence vector, a normalised
+/// mean of rows, moves by ~1e-7 in cosine) and written to a file as f32.
 pub struct StaticEmbedder {
     dim: usize,
-    table: Vec<f32>,
+    table: Vec<f16>,
     tokenizer: Tokenizer,
 }
 
@@ -67,7 +73,7 @@ impl StaticEmbedder {
             let ids: Vec<u32> = (start..end).flat_map(|t| [cls, t, sep]).collect();
             let rows = bert.embed_ids(ids, vec![1; n * 3], (n, 3))?;
             for row in rows {
-                table.extend_from_slice(&row);
+                table.extend(row.iter().map(|&x| f16::from_f32(x)));
             }
             start = end;
             progress(start as usize, vocab as usize);
@@ -81,7 +87,7 @@ impl StaticEmbedder {
 
     /// Whether `path` holds a table this build can load (present, current version).
     pub fn is_current(path: &Path) -> bool {
-        read_table(path).is_ok()
+        read_table::<f16>(path).is_ok()
     }
 
     /// Write the table (the tokenizer stays in the model directory).
@@ -96,7 +102,8 @@ impl StaticEmbedder {
         }
         f.write_all(&header).map_err(|e| io(&tmp, e))?;
         for x in &self.table {
-            f.write_all(&x.to_le_bytes()).map_err(|e| io(&tmp, e))?;
+            f.write_all(&x.to_f32().to_le_bytes())
+                .map_err(|e| io(&tmp, e))?;
         }
         f.into_inner()
             .map_err(|e| io(&tmp, e.into_error()))?
@@ -107,7 +114,7 @@ impl StaticEmbedder {
 
     /// Load a table written by [`StaticEmbedder::save`], with the model's `tokenizer.json`.
     pub fn load(table: &Path, tokenizer: &Path) -> Result<Self, EmbedError> {
-        let (table, dim) = read_table(table)?;
+        let (table, dim) = read_table::<f16>(table)?;
         let tok =
             Tokenizer::from_file(tokenizer).map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
         Ok(Self {
@@ -131,13 +138,16 @@ impl StaticEmbedder {
     /// linear projection, say: then a text's vector is the projection of its vector, computed
     /// at the cost of `dim`-sized rows).
     pub fn map_rows(&self, dim: usize, f: impl Fn(&[f32], &mut [f32])) -> Self {
-        let mut table = vec![0.0f32; self.table.len() / self.dim.max(1) * dim];
+        let mut table = vec![f16::ZERO; self.table.len() / self.dim.max(1) * dim];
+        let (mut wide, mut mapped) = (vec![0.0f32; self.dim], vec![0.0f32; dim]);
         for (row, out) in self
             .table
             .chunks_exact(self.dim.max(1))
             .zip(table.chunks_exact_mut(dim.max(1)))
         {
-            f(row, out);
+            row.convert_to_f32_slice(&mut wide);
+            f(&wide, &mut mapped);
+            out.convert_from_f32_slice(&mapped);
         }
         Self {
             dim,
@@ -179,7 +189,7 @@ impl StaticEmbedder {
             if let Some(row) = self.table.get(at..at + self.dim) {
                 let w = weight(id);
                 for (o, x) in out.iter_mut().zip(row) {
-                    *o += w * x;
+                    *o += w * x.to_f32();
                 }
             }
         }
@@ -188,9 +198,10 @@ impl StaticEmbedder {
     }
 }
 
-/// Read a table file written by [`StaticEmbedder::save`]: (`vocab × dim` rows, `dim`). Read
-/// in pieces converted as they arrive, so loading holds the table, not also the file's bytes.
-pub fn read_table(path: &Path) -> Result<(Vec<f32>, usize), EmbedError> {
+/// Read a table file written by [`StaticEmbedder::save`]: (`vocab × dim` rows, `dim`), as
+/// `T`. Read in pieces converted as they arrive, so loading holds the table, not also the
+/// file's bytes or an f32 copy of an f16 table.
+pub fn read_table<T: Element>(path: &Path) -> Result<(Vec<T>, usize), EmbedError> {
     let bad = |m: String| EmbedError::File {
         path: path.to_owned(),
         message: m,
@@ -217,7 +228,7 @@ pub fn read_table(path: &Path) -> Result<(Vec<f32>, usize), EmbedError> {
     while table.len() < floats {
         let piece = &mut chunk[..(4 * (floats - table.len())).min(64 << 10)];
         file.read_exact(piece).map_err(|e| io(path, e))?;
-        table.extend(f32s(piece));
+        T::extend_from(&mut table, Dtype::F32, piece);
     }
     Ok((table, dim))
 }

@@ -77,7 +77,7 @@ impl GpuStatic {
     /// [`StaticEmbedder::save`](crate::static_embed::StaticEmbedder::save) onto device
     /// `ordinal`.
     pub fn load(path: &Path, ordinal: usize) -> Result<Self, EmbedError> {
-        let (table, dim) = crate::static_embed::read_table(path)?;
+        let (table, dim) = crate::static_embed::read_table::<f32>(path)?;
         Self::new(&table, dim, ordinal)
     }
 

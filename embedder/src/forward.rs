@@ -28,9 +28,10 @@ const PARALLEL_ATTENTION: usize = 1 << 18;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Precision {
     /// Half the bytes: a short text's pass is bound by reading the weights from memory, so
-    /// this is most of what it costs. The vectors stay within a cosine of 1 − 1e-6 of `F32`'s
-    /// (`tests/forward_reference.rs`); the verifier's decisions on 5,000 dev pairs changed
-    /// for one pair at each precision target.
+    /// this is most of what it costs. The vectors stay within a cosine of 1 − 1e-6 of an f32
+    /// pass's (`tests/forward_reference.rs` holds both to candle's f32 BERT); the verifier's
+    /// decisions on 5,000 dev pairs changed for one pair at each precision target. A
+    /// checkpoint with a weight beyond f16's range is kept as `F32`.
     #[default]
     F16,
     /// The checkpoint's own floats.

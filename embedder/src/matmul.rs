@@ -20,10 +20,14 @@
 use std::ops::Range;
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 /// A weight matrix's element type.
 pub trait Weight: Copy + Send + Sync + std::fmt::Debug + 'static {
+    /// Narrower than `f32` (widened as read, with F16C on x86).
+    const NARROW: bool;
+
     /// As an `f32`.
     fn to_f32(self) -> f32;
 
@@ -41,6 +45,8 @@ pub trait Weight: Copy + Send + Sync + std::fmt::Debug + 'static {
 }
 
 impl Weight for f32 {
+    const NARROW: bool = false;
+
     fn to_f32(self) -> f32 {
         self
     }
@@ -59,12 +65,28 @@ impl Weight for f32 {
 }
 
 impl Weight for f16 {
+    const NARROW: bool = true;
+
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
     }
 
     fn dot(x: &[f32], w: &[f16]) -> f32 {
-        x.iter().zip(w).map(|(a, b)| a * b.to_f32()).sum()
+        // Eight lanes, as `index::dot`, widened eight at a time.
+        let mut wide = [0.0f32; 8];
+        let mut acc = [0.0f32; 8];
+        let whole = x.len().min(w.len()) / 8 * 8;
+        for (xs, ws) in x[..whole].chunks_exact(8).zip(w[..whole].chunks_exact(8)) {
+            ws.convert_to_f32_slice(&mut wide);
+            for ((a, x), w) in acc.iter_mut().zip(xs).zip(&wide) {
+                *a += x * w;
+            }
+        }
+        let mut sum: f32 = acc.iter().sum();
+        for (x, w) in x[whole..].iter().zip(&w[whole..]) {
+            sum += x * w.to_f32();
+        }
+        sum
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -243,7 +265,7 @@ fn serial<W: Weight>(p: Operands<'_, W>, y: &mut [f32], rows: Range<usize>, outs
     while start < rows.end {
         let block = start..(start + step).min(rows.end);
         #[cfg(target_arch = "x86_64")]
-        if avx2::available() {
+        if avx2::available() && (!W::NARROW || avx2::f16c()) {
             avx2::product(p, y, block, outs.clone());
             start += step;
             continue;
@@ -280,17 +302,24 @@ mod avx2 {
 
     use super::{Operands, Weight};
 
-    /// Whether this CPU has AVX2, FMA and F16C (checked once; every CPU with AVX2 has F16C).
+    /// Whether this CPU has AVX2 and FMA (checked once).
     pub(super) fn available() -> bool {
         static AVAILABLE: OnceLock<bool> = OnceLock::new();
         *AVAILABLE.get_or_init(|| {
             std::arch::is_x86_feature_detected!("avx2")
                 && std::arch::is_x86_feature_detected!("fma")
-                && std::arch::is_x86_feature_detected!("f16c")
         })
     }
 
-    /// As [`super::portable`]; only call where [`available`] said so.
+    /// Whether it also has F16C, which narrow weights need (every CPU with AVX2 has it; a
+    /// virtual machine may hide it).
+    pub(super) fn f16c() -> bool {
+        static AVAILABLE: OnceLock<bool> = OnceLock::new();
+        *AVAILABLE.get_or_init(|| std::arch::is_x86_feature_detected!("f16c"))
+    }
+
+    /// As [`super::portable`]; only call where [`available`] said so (and [`f16c`], for
+    /// narrow weights).
     pub(super) fn product<W: Weight>(
         p: Operands<'_, W>,
         y: &mut [f32],
@@ -298,7 +327,7 @@ mod avx2 {
         outs: Range<usize>,
     ) {
         let Operands { x, w, y_stride } = p;
-        assert!(available());
+        assert!(available() && (!W::NARROW || f16c()));
         // Every index below is within these bounds, the views' and the output's checked here.
         x.check();
         w.check();
@@ -307,11 +336,18 @@ mod avx2 {
         if !rows.is_empty() {
             assert!(super::span(rows.end, y_stride, outs.end) <= y.len());
         }
-        // SAFETY: AVX2 and FMA are present (asserted above), and `kernel` reads only rows
+        // SAFETY: AVX2 and FMA (and F16C for narrow weights) are present (asserted above), and
+        // the kernel reads only rows
         // `rows` of `x` and `outs` of `w`, `cols` floats each from its start (within the
         // data by `Rows::check`, overflow included), and writes only `y[i · y_stride + j]` for
         // those `i` and `j` (within `y` by the assertion above).
-        unsafe { kernel(p, y, rows, outs) }
+        unsafe {
+            if W::NARROW {
+                kernel_f16c(p, y, rows, outs);
+            } else {
+                kernel(p, y, rows, outs);
+            }
+        }
     }
 
     /// The four sums of `a`, `b`, `c` and `d`'s lanes.
@@ -326,9 +362,46 @@ mod avx2 {
         _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1))
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::similar_names, reason = "aRC: accumulator of row R, column C")]
+    /// [`body`] compiled for AVX2 and FMA (`f32` weights).
+    ///
+    /// # Safety
+    /// As `body`'s, with AVX2 and FMA present.
+    #[target_feature(enable = "avx2,fma")]
     unsafe fn kernel<W: Weight>(
+        p: Operands<'_, W>,
+        y: &mut [f32],
+        rows: Range<usize>,
+        outs: Range<usize>,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { body(p, y, rows, outs) }
+    }
+
+    /// [`body`] compiled for AVX2, FMA and F16C (narrow weights).
+    ///
+    /// # Safety
+    /// As `body`'s, with AVX2, FMA and F16C present.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn kernel_f16c<W: Weight>(
+        p: Operands<'_, W>,
+        y: &mut [f32],
+        rows: Range<usize>,
+        outs: Range<usize>,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { body(p, y, rows, outs) }
+    }
+
+    /// The product for `rows` and `outs`, four weight rows by two activation rows per step
+    /// into eight accumulators; inlined into a function compiled for the CPU features its
+    /// weights need.
+    ///
+    /// # Safety
+    /// The views and output checked as in [`product`]; only called from [`kernel`] or
+    /// [`kernel_f16c`].
+    #[inline(always)]
+    #[allow(clippy::similar_names, reason = "aRC: accumulator of row R, column C")]
+    unsafe fn body<W: Weight>(
         p: Operands<'_, W>,
         y: &mut [f32],
         rows: Range<usize>,

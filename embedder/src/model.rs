@@ -338,6 +338,15 @@ impl<'p> TensorFile<'p> {
 }
 
 impl<T, M> Weights<T, M> {
+    /// The matrices (the word embeddings, then each layer's four).
+    pub fn matrices(&self) -> impl Iterator<Item = &M> {
+        std::iter::once(&self.word).chain(
+            self.layers
+                .iter()
+                .flat_map(|l| [&l.qkv_w, &l.attn_out_w, &l.up_w, &l.down_w]),
+        )
+    }
+
     /// The same weights with the matrices (the layers' four and the word embeddings) each
     /// converted by `f` (e.g. to a narrower float), the rest as they are.
     pub fn map_matrices<N>(self, mut f: impl FnMut(M) -> N) -> Weights<T, N> {
@@ -551,6 +560,56 @@ mod tests {
                 "biases stay f32"
             );
         }
+    }
+
+    #[test]
+    fn a_tensor_longer_than_a_read_and_other_float_types_are_read_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.safetensors");
+        // 40,000 values (160 KB as f32: three reads, the last partial), and the same values
+        // stored as f16, bf16 and f64.
+        #[allow(clippy::cast_precision_loss, reason = "small test values")]
+        let values: Vec<f32> = (0..40_000)
+            .map(|k| (k % 1000) as f32 * 0.25 - 100.0)
+            .collect();
+        let f32s: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let f16s: Vec<u8> = values
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect();
+        let bf16s: Vec<u8> = values
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect();
+        let f64s: Vec<u8> = values
+            .iter()
+            .flat_map(|v| f64::from(*v).to_le_bytes())
+            .collect();
+        let views = [
+            ("a", Dtype::F32, &f32s),
+            ("b", Dtype::F16, &f16s),
+            ("c", Dtype::BF16, &bf16s),
+            ("d", Dtype::F64, &f64s),
+        ]
+        .map(|(n, t, b)| (n, TensorView::new(t, vec![200, 200], b).unwrap()));
+        std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+        let mut file = TensorFile::open(&path).unwrap();
+        for name in ["a", "b", "d"] {
+            let wide: Vec<f32> = file.read(name, &[200, 200]).unwrap();
+            assert_eq!(wide, values, "{name} as f32");
+            let narrow: Vec<half::f16> = file.read(name, &[200, 200]).unwrap();
+            assert!(
+                narrow.iter().zip(&values).all(|(n, v)| n.to_f32() == *v),
+                "{name} as f16"
+            );
+        }
+        // bf16 keeps 8 bits of mantissa: these values are within its rounding.
+        let c: Vec<f32> = file.read("c", &[200, 200]).unwrap();
+        assert!(c
+            .iter()
+            .zip(&values)
+            .all(|(c, v)| (c - v).abs() <= v.abs() / 128.0));
+        assert!(file.read::<f32>("a", &[40_000]).is_err(), "another shape");
     }
 
     #[test]

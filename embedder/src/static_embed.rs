@@ -136,7 +136,8 @@ impl StaticEmbedder {
 
     /// The same tokenizer over a table whose every row is mapped by `f` into `dim` values (a
     /// linear projection, say: then a text's vector is the projection of its vector, computed
-    /// at the cost of `dim`-sized rows).
+    /// at the cost of `dim`-sized rows). `f` gets each row widened to f32 and `dim` zeros to
+    /// fill (or add into).
     pub fn map_rows(&self, dim: usize, f: impl Fn(&[f32], &mut [f32])) -> Self {
         let mut table = vec![f16::ZERO; self.table.len() / self.dim.max(1) * dim];
         let (mut wide, mut mapped) = (vec![0.0f32; self.dim], vec![0.0f32; dim]);
@@ -146,6 +147,7 @@ impl StaticEmbedder {
             .zip(table.chunks_exact_mut(dim.max(1)))
         {
             row.convert_to_f32_slice(&mut wide);
+            mapped.fill(0.0);
             f(&wide, &mut mapped);
             out.convert_from_f32_slice(&mapped);
         }
@@ -219,7 +221,10 @@ pub fn read_table<T: Element>(path: &Path) -> Result<(Vec<T>, usize), EmbedError
         )));
     }
     let floats = vocab.checked_mul(dim);
-    if dim == 0 || floats.and_then(|n| n.checked_mul(4)).map(|n| n as u64 + 20) != Some(len) {
+    let bytes = floats
+        .and_then(|n| n.checked_mul(4))
+        .and_then(|n| u64::try_from(n).ok()?.checked_add(20));
+    if dim == 0 || bytes != Some(len) {
         return Err(bad("truncated table".into()));
     }
     let floats = floats.unwrap_or(0);

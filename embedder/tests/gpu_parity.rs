@@ -41,7 +41,8 @@ fn transformer_matches_the_cpu_embedder() {
         return;
     }
     let dir = common::model_dir();
-    let cpu = common::load();
+    // The CPU's f32 pass: the GPU keeps the checkpoint's f32 weights.
+    let cpu = common::load_with(embedder::forward::Precision::F32);
     let gpu = GpuEmbedder::load(&dir, 0).unwrap();
     assert_eq!(gpu.device(), "cuda");
     assert_eq!(gpu.dim(), DIM);

@@ -44,3 +44,25 @@ fn distilled_table_round_trips_and_ranks_paraphrases_first() {
     assert_eq!(table.embed("").unwrap(), vec![0.0; DIM]);
     assert!(StaticEmbedder::load(&dir.join("config.json"), &dir.join("tokenizer.json")).is_err());
 }
+
+#[test]
+fn a_mapped_row_is_its_own_rows_image_even_when_the_map_adds_into_its_output() {
+    let dir = common::model_dir();
+    let table = StaticEmbedder::load(&dir.join("static.bin"), &dir.join("tokenizer.json"))
+        .expect("static table: run `gateway embed distill` (scripts/test.sh does)");
+    // A map that adds into its output (as the loop detector's projection does): each row
+    // must start from zeros, not from the row before it.
+    let mapped = table.map_rows(2, |row, out| {
+        out[0] += row[0];
+        out[1] += row[1];
+    });
+    for id in [0u32, 1, 2, 1000, 2023, 30_000] {
+        let (whole, image) = (table.embed_ids(&[id]), mapped.embed_ids(&[id]));
+        let norm = whole[0].hypot(whole[1]);
+        assert!(
+            (image[0] - whole[0] / norm).abs() < 1e-3 && (image[1] - whole[1] / norm).abs() < 1e-3,
+            "token {id}: {image:?} against {:?}",
+            [whole[0] / norm, whole[1] / norm]
+        );
+    }
+}

@@ -85,9 +85,10 @@ impl StaticEmbedder {
         })
     }
 
-    /// Whether `path` holds a table this build can load (present, current version).
+    /// Whether `path` holds a table this build can load (present, current version, whole):
+    /// its header and length, not its rows.
     pub fn is_current(path: &Path) -> bool {
-        read_table::<f16>(path).is_ok()
+        open_table(path).is_ok()
     }
 
     /// Write the table (the tokenizer stays in the model directory).
@@ -204,6 +205,21 @@ impl StaticEmbedder {
 /// `T`. Read in pieces converted as they arrive, so loading holds the table, not also the
 /// file's bytes or an f32 copy of an f16 table.
 pub fn read_table<T: Element>(path: &Path) -> Result<(Vec<T>, usize), EmbedError> {
+    let (mut file, vocab, dim) = open_table(path)?;
+    let floats = vocab * dim;
+    let mut table = Vec::with_capacity(floats);
+    let mut chunk = vec![0u8; 64 << 10];
+    while table.len() < floats {
+        let piece = &mut chunk[..(4 * (floats - table.len())).min(64 << 10)];
+        file.read_exact(piece).map_err(|e| io(path, e))?;
+        T::extend_from(&mut table, Dtype::F32, piece);
+    }
+    Ok((table, dim))
+}
+
+/// A table file opened past its header, which is checked (magic, version, and a length that
+/// matches its rows and columns): the file, rows, columns.
+fn open_table(path: &Path) -> Result<(std::fs::File, usize, usize), EmbedError> {
     let bad = |m: String| EmbedError::File {
         path: path.to_owned(),
         message: m,
@@ -220,22 +236,14 @@ pub fn read_table<T: Element>(path: &Path) -> Result<(Vec<T>, usize), EmbedError
             "static table version {version}, this build needs {VERSION}: run `gateway embed distill`"
         )));
     }
-    let floats = vocab.checked_mul(dim);
-    let bytes = floats
+    let bytes = vocab
+        .checked_mul(dim)
         .and_then(|n| n.checked_mul(4))
         .and_then(|n| u64::try_from(n).ok()?.checked_add(20));
     if dim == 0 || bytes != Some(len) {
         return Err(bad("truncated table".into()));
     }
-    let floats = floats.unwrap_or(0);
-    let mut table = Vec::with_capacity(floats);
-    let mut chunk = vec![0u8; 64 << 10];
-    while table.len() < floats {
-        let piece = &mut chunk[..(4 * (floats - table.len())).min(64 << 10)];
-        file.read_exact(piece).map_err(|e| io(path, e))?;
-        T::extend_from(&mut table, Dtype::F32, piece);
-    }
-    Ok((table, dim))
+    Ok((file, vocab, dim))
 }
 
 /// The header our matrix files share (`magic`, then version, rows and columns as little-endian

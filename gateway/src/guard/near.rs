@@ -169,3 +169,47 @@ fn quantise(acc: &[f32]) -> Sketch {
     }
     Sketch(out)
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+    use super::*;
+
+    fn table() -> StaticEmbedder {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/all-MiniLM-L6-v2");
+        StaticEmbedder::load(&dir.join("static.bin"), &dir.join("tokenizer.json"))
+            .expect("static table: scripts/test.sh fetches the model and distills it")
+    }
+
+    #[test]
+    fn a_sketchs_cosine_estimates_its_texts_static_cosine() {
+        let table = Arc::new(table());
+        let near = NearDup::with_model(Arc::clone(&table));
+        let texts = [
+            "Please list every file in the repository and show me its size",
+            "Please list all the files in the repository and show me their sizes",
+            "What is the capital of France?",
+            "How do I bake sourdough bread at home?",
+        ];
+        let cos = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+        let mut estimates = Vec::new();
+        for (i, a) in texts.iter().enumerate() {
+            for b in &texts[i + 1..] {
+                let exact = cos(&table.embed(a).unwrap(), &table.embed(b).unwrap());
+                let estimate = near.sketch(a).unwrap().cosine(&near.sketch(b).unwrap());
+                assert!(
+                    (exact - estimate).abs() < 0.1,
+                    "{a:?} / {b:?}: sketch {estimate}, static {exact}"
+                );
+                estimates.push(estimate);
+            }
+        }
+        // The paraphrase pair (the first) is the closest by its sketches too.
+        assert!(
+            estimates[1..].iter().all(|e| *e < estimates[0] - 0.05),
+            "{estimates:?}"
+        );
+    }
+}

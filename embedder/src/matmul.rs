@@ -138,7 +138,7 @@ impl<'a, T> Rows<'a, T> {
     }
 }
 
-/// Floats from the start of row 0 to the end of row `rows - 1` (`rows > 0`), `stride` apart
+/// Elements from the start of row 0 to the end of row `rows - 1` (`rows > 0`), `stride` apart
 /// and `cols` long; panics on overflow.
 fn span(rows: usize, stride: usize, cols: usize) -> usize {
     let end = (rows - 1)
@@ -337,10 +337,9 @@ mod avx2 {
             assert!(super::span(rows.end, y_stride, outs.end) <= y.len());
         }
         // SAFETY: AVX2 and FMA (and F16C for narrow weights) are present (asserted above), and
-        // the kernel reads only rows
-        // `rows` of `x` and `outs` of `w`, `cols` floats each from its start (within the
-        // data by `Rows::check`, overflow included), and writes only `y[i · y_stride + j]` for
-        // those `i` and `j` (within `y` by the assertion above).
+        // the kernel reads only rows `rows` of `x` and `outs` of `w`, `cols` elements each from
+        // its start (within the data by `Rows::check`, overflow included), and writes only
+        // `y[i · y_stride + j]` for those `i` and `j` (within `y` by the assertion above).
         unsafe {
             if W::NARROW {
                 kernel_f16c(p, y, rows, outs);

@@ -255,8 +255,32 @@ struct TensorFile<'p> {
     header: safetensors::tensor::Metadata,
 }
 
-/// Bytes read from the file at a time.
+/// Bytes read from a file at a time.
 const READ_CHUNK: usize = 64 << 10;
+
+/// `count` values of `dtype` (whole bytes each) read from `file` in pieces of at most
+/// [`READ_CHUNK`] bytes, each converted to `T` as it arrives, so only the result and one piece
+/// are held; `None` for a type `T` is not made from.
+pub(crate) fn read_values<T: Element>(
+    file: &mut impl std::io::Read,
+    dtype: Dtype,
+    count: usize,
+) -> std::io::Result<Option<Vec<T>>> {
+    let size = (dtype.bitsize() / 8).max(1);
+    let piece_len = READ_CHUNK - READ_CHUNK % size;
+    let mut out = Vec::with_capacity(count);
+    let mut chunk = vec![0u8; piece_len];
+    let mut left = count * size;
+    while left > 0 {
+        let piece = &mut chunk[..left.min(piece_len)];
+        file.read_exact(piece)?;
+        if !T::extend_from(&mut out, dtype, piece) {
+            return Ok(None);
+        }
+        left -= piece.len();
+    }
+    Ok(Some(out))
+}
 
 impl<'p> TensorFile<'p> {
     fn open(path: &'p Path) -> Result<Self, EmbedError> {
@@ -294,7 +318,7 @@ impl<'p> TensorFile<'p> {
 
     /// The tensor `name`, which must have `shape`, as `T`s.
     fn read<T: Element>(&mut self, name: &str, shape: &[usize]) -> Result<Vec<T>, EmbedError> {
-        use std::io::{Read, Seek, SeekFrom};
+        use std::io::{Seek, SeekFrom};
         let path = self.path;
         let info = self
             .header
@@ -322,18 +346,9 @@ impl<'p> TensorFile<'p> {
         self.file
             .seek(SeekFrom::Start(self.data_start + start as u64))
             .map_err(io)?;
-        let mut out = Vec::with_capacity(count);
-        let mut chunk = vec![0u8; READ_CHUNK - READ_CHUNK % size];
-        let mut left = end - start;
-        while left > 0 {
-            let piece = &mut chunk[..left.min(READ_CHUNK - READ_CHUNK % size)];
-            self.file.read_exact(piece).map_err(io)?;
-            if !T::extend_from(&mut out, dtype, piece) {
-                return Err(bad_file(path, format!("{name}: {dtype:?} values")));
-            }
-            left -= piece.len();
-        }
-        Ok(out)
+        read_values(&mut self.file, dtype, count)
+            .map_err(io)?
+            .ok_or_else(|| bad_file(path, format!("{name}: {dtype:?} values")))
     }
 }
 

@@ -17,7 +17,7 @@ use tokenizers::Tokenizer;
 
 use crate::bert::{BertEmbedder, EmbedError, DIM};
 use crate::index::normalise;
-use crate::model::Element;
+use crate::model::{read_values, Element};
 
 const MAGIC: &[u8; 8] = b"GWSTATIC";
 const VERSION: u32 = 1;
@@ -206,14 +206,12 @@ impl StaticEmbedder {
 /// file's bytes or an f32 copy of an f16 table.
 pub fn read_table<T: Element>(path: &Path) -> Result<(Vec<T>, usize), EmbedError> {
     let (mut file, vocab, dim) = open_table(path)?;
-    let floats = vocab * dim;
-    let mut table = Vec::with_capacity(floats);
-    let mut chunk = vec![0u8; 64 << 10];
-    while table.len() < floats {
-        let piece = &mut chunk[..(4 * (floats - table.len())).min(64 << 10)];
-        file.read_exact(piece).map_err(|e| io(path, e))?;
-        T::extend_from(&mut table, Dtype::F32, piece);
-    }
+    let table = read_values(&mut file, Dtype::F32, vocab * dim)
+        .map_err(|e| io(path, e))?
+        .ok_or_else(|| EmbedError::File {
+            path: path.to_owned(),
+            message: "f32 values this build cannot keep".into(),
+        })?;
     Ok((table, dim))
 }
 
@@ -261,9 +259,9 @@ pub(crate) fn header<'a>(
 
 /// Little-endian f32 values, four bytes each.
 pub(crate) fn f32s(body: &[u8]) -> Vec<f32> {
-    body.chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
+    let mut out = Vec::with_capacity(body.len() / 4);
+    f32::extend_from(&mut out, Dtype::F32, body);
+    out
 }
 
 /// Static embeddings read whole texts: no truncation, no padding.

@@ -13,6 +13,7 @@ use rayon::prelude::*;
 
 use crate::bert::TextVectors;
 use crate::index::normalise;
+use crate::matmul::panels::{self, Panels};
 use crate::matmul::{self, Rows, Weight};
 use crate::model::{ModelConfig, Weights};
 
@@ -38,13 +39,18 @@ pub enum Precision {
     F32,
 }
 
-/// One weight matrix as the pass keeps it.
+/// One weight matrix as the pass keeps it: as read (`[rows, width]`, the word embeddings), or
+/// a layer's packed into [`Panels`] for its products.
 #[derive(Debug)]
 pub enum Matrix {
     /// See [`Precision::F16`].
     F16(Vec<f16>),
     /// See [`Precision::F32`].
     F32(Vec<f32>),
+    /// A layer's matrix, [`Precision::F16`].
+    PanelsF16(Panels<f16>),
+    /// A layer's matrix, [`Precision::F32`].
+    PanelsF32(Panels<f32>),
 }
 
 impl From<Vec<f16>> for Matrix {
@@ -60,14 +66,30 @@ impl From<Vec<f32>> for Matrix {
 }
 
 impl Matrix {
-    /// `y = x·selfᵀ + bias` with this matrix as `[outs, depth]` (see [`matmul::product`]).
+    /// This matrix, `[rows, width]`, packed into panels (already packed: as it is).
+    fn packed(self, width: usize) -> Self {
+        match self {
+            Self::F16(w) => Self::PanelsF16(Panels::pack(&w, w.len() / width, width)),
+            Self::F32(w) => Self::PanelsF32(Panels::pack(&w, w.len() / width, width)),
+            packed => packed,
+        }
+    }
+
+    /// `y = x·selfᵀ + bias` with this matrix as `[outs, depth]` (see [`matmul::product`] and
+    /// [`panels::product`]).
     fn product(&self, x: Rows<'_>, outs: usize, bias: &[f32], y: &mut [f32]) {
         fn run<W: Weight>(x: Rows<'_>, w: &[W], outs: usize, bias: &[f32], y: &mut [f32]) {
             matmul::product(x, Rows::dense(w, outs, x.cols), Some(bias), y, outs);
         }
+        fn packed<W: Weight>(x: Rows<'_>, w: &Panels<W>, outs: usize, bias: &[f32], y: &mut [f32]) {
+            assert_eq!(w.outs(), outs, "a packed matrix of another shape");
+            panels::product(x, w, Some(bias), y, outs);
+        }
         match self {
             Self::F16(w) => run(x, w, outs, bias, y),
             Self::F32(w) => run(x, w, outs, bias, y),
+            Self::PanelsF16(w) => packed(x, w, outs, bias, y),
+            Self::PanelsF32(w) => packed(x, w, outs, bias, y),
         }
     }
 
@@ -79,9 +101,17 @@ impl Matrix {
                 *o += v.to_f32();
             }
         }
+        fn packed<W: Weight>(w: &Panels<W>, i: usize, out: &mut [f32]) {
+            assert_eq!(w.depth(), out.len(), "a row of another width");
+            for (k, o) in out.iter_mut().enumerate() {
+                *o += w.get(i, k).to_f32();
+            }
+        }
         match self {
             Self::F16(w) => run(w, i, out),
             Self::F32(w) => run(w, i, out),
+            Self::PanelsF16(w) => packed(w, i, out),
+            Self::PanelsF32(w) => packed(w, i, out),
         }
     }
 }
@@ -95,9 +125,22 @@ pub struct CpuBert {
 
 impl CpuBert {
     /// The forward pass for a model described by `config` with `weights` (its matrices `f16`
-    /// or `f32`, as read: [`Weights::read`]).
+    /// or `f32`, as read: [`Weights::read`]); the layers' matrices are packed into panels here,
+    /// one at a time.
     pub fn new<M: Into<Matrix>>(config: ModelConfig, weights: Weights<Vec<f32>, M>) -> Self {
-        let weights = weights.map_matrices(Into::into);
+        let (h, inter) = (config.hidden_size, config.intermediate_size);
+        let mut weights = weights.map_matrices(Into::into);
+        for l in &mut weights.layers {
+            for (m, width) in [
+                (&mut l.qkv_w, h),
+                (&mut l.attn_out_w, h),
+                (&mut l.up_w, h),
+                (&mut l.down_w, inter),
+            ] {
+                let as_read = std::mem::replace(m, Matrix::F32(Vec::new()));
+                *m = as_read.packed(width);
+            }
+        }
         Self { config, weights }
     }
 

@@ -17,6 +17,8 @@
 //! machine's 32 MB L3), so half the bytes is most of what a short text's pass costs; each `f16`
 //! is widened to `f32` as it is read (F16C) and every sum is in `f32`.
 
+pub mod panels;
+
 use std::ops::Range;
 
 use half::f16;
@@ -27,6 +29,9 @@ use rayon::prelude::*;
 pub trait Weight: Copy + Send + Sync + std::fmt::Debug + 'static {
     /// Narrower than `f32` (widened as read, with F16C on x86).
     const NARROW: bool;
+
+    /// Zero (a panel's padding).
+    const ZERO: Self;
 
     /// As an `f32`.
     fn to_f32(self) -> f32;
@@ -42,10 +47,20 @@ pub trait Weight: Copy + Send + Sync + std::fmt::Debug + 'static {
     #[cfg(target_arch = "x86_64")]
     #[allow(unsafe_code)]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+
+    /// Sixteen weights from `p`, as `f32` lanes.
+    ///
+    /// # Safety
+    /// Sixteen elements readable at `p`; AVX-512 (F) present (inlined only into code compiled
+    /// for it).
+    #[cfg(target_arch = "x86_64")]
+    #[allow(unsafe_code)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
 }
 
 impl Weight for f32 {
     const NARROW: bool = false;
+    const ZERO: Self = 0.0;
 
     fn to_f32(self) -> f32 {
         self
@@ -62,10 +77,19 @@ impl Weight for f32 {
         // SAFETY: the caller's contract.
         unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
     }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    #[allow(unsafe_code)]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
+    }
 }
 
 impl Weight for f16 {
     const NARROW: bool = true;
+    const ZERO: Self = f16::ZERO;
 
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
@@ -96,6 +120,15 @@ impl Weight for f16 {
         use std::arch::x86_64::{_mm256_cvtph_ps, _mm_loadu_si128};
         // SAFETY: the caller's contract (16 readable bytes; F16C present).
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    #[allow(unsafe_code)]
+    unsafe fn load16(p: *const f16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::{_mm256_loadu_si256, _mm512_cvtph_ps};
+        // SAFETY: the caller's contract (32 readable bytes; AVX-512 present).
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
     }
 }
 
@@ -501,7 +534,7 @@ mod tests {
     use super::*;
 
     /// Deterministic floats in [-1, 1).
-    fn floats(n: usize, seed: u64) -> Vec<f32> {
+    pub(super) fn floats(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         (0..n)
             .map(|_| {
@@ -514,7 +547,11 @@ mod tests {
     }
 
     /// The product in f64, one output at a time.
-    fn reference<W: Weight>(x: Rows<'_>, w: Rows<'_, W>, bias: Option<&[f32]>) -> Vec<f64> {
+    pub(super) fn reference<W: Weight>(
+        x: Rows<'_>,
+        w: Rows<'_, W>,
+        bias: Option<&[f32]>,
+    ) -> Vec<f64> {
         let mut out = Vec::new();
         for i in 0..x.rows {
             for j in 0..w.rows {

@@ -9,8 +9,9 @@
 //! layout is the one general matrix-product libraries copy the weights into on every call, paid
 //! once per model instead: with a text of a few dozen tokens the products are bound by the
 //! kernel's instructions per multiply-add once the weights sit in cache. AVX-512 where present
-//! (eight rows by thirty-two outputs per step), else AVX2 + FMA (six rows by sixteen), else a
-//! portable loop; the paths differ only in the order their sums round.
+//! (twelve rows by thirty-two outputs per step: 24 of its 32 registers hold sums), else AVX2 +
+//! FMA + F16C (six rows by sixteen), else a portable loop; the paths differ only in the order
+//! their sums round.
 
 use std::ops::Range;
 
@@ -274,7 +275,7 @@ mod x86 {
         }
     }
 
-    /// Eight rows by two panels per block, with AVX-512; only call where [`avx512`] said so.
+    /// Twelve rows by two panels per block, with AVX-512; only call where [`avx512`] said so.
     pub(super) fn product512<W: Weight>(
         x: Rows<'_>,
         w: &Panels<W>,
@@ -458,7 +459,7 @@ mod tests {
     /// values.
     fn every_shape<W: Weight>(from: impl Fn(f32) -> W) {
         // Fewer outputs than a panel, a last panel part full, an odd count of panels (the
-        // one-panel blocks), every row count up to two blocks and past, strided activations,
+        // one-panel blocks), blocks of rows with tails of one to five, strided activations,
         // and products large enough to be split by rows and by panels over threads.
         for (rows, outs, depth, stride_pad) in [
             (1, 1, 1, 0),

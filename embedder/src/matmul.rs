@@ -1,6 +1,7 @@
-//! `y = x·wᵀ (+ b)` on the CPU, for the transformer's products: a few to a few hundred rows of
-//! activations `x` against a weight matrix `w` stored as PyTorch stores a linear layer's
-//! (`[out, in]`, each output's weights contiguous).
+//! `y = x·wᵀ (+ b)` on the CPU: a few to a few hundred rows of activations `x` against a matrix
+//! `w` stored as PyTorch stores a linear layer's (`[out, in]`, each output's weights
+//! contiguous). The attention's products (activations against activations) run here; the
+//! layers' weight matrices are packed once into [`panels`] for a faster kernel.
 //!
 //! General matrix-product libraries (candle's `gemm`, `matrixmultiply`) copy ("pack") both
 //! operands into blocks on every call, which pays off for large products. Here a text is a few

@@ -10,8 +10,9 @@
 //! once per model instead: with a text of a few dozen tokens the products are bound by the
 //! kernel's instructions per multiply-add once the weights sit in cache. AVX-512 where present
 //! (twelve rows by thirty-two outputs per step: 24 of its 32 registers hold sums), else AVX2 +
-//! FMA + F16C (six rows by sixteen), else a portable loop; the paths differ only in the order
-//! their sums round.
+//! FMA + F16C (six rows by sixteen), else a portable loop. The two SIMD paths compute the same
+//! floats (one fused multiply-add per weight, in order of depth); the portable loop rounds each
+//! product before adding it.
 
 use std::ops::Range;
 
@@ -471,6 +472,7 @@ mod tests {
             (17, 384, 1536, 0),
             (300, 384, 384, 5),
             (64, 80, 250, 0),
+            (5, 408, 600, 0),
         ] {
             let xs = depth + stride_pad;
             let xd = floats(rows * xs, 1);
@@ -534,6 +536,35 @@ mod tests {
             first: 0,
             bias: Some(bias),
             outs,
+        }
+    }
+
+    #[test]
+    fn every_split_over_threads_gives_the_serial_product() {
+        // Rows enough to split by rows, and few rows against many panels (split by panels,
+        // each thread writing its share of outputs from a buffer; the last share ends in a
+        // partial panel), over pools of several sizes, without a bias and with outputs
+        // packed row after row (`y_stride == outs`, as the forward pass calls it).
+        for (rows, outs, depth) in [(5usize, 408usize, 600usize), (7, 1160, 384), (64, 72, 400)] {
+            let xd = floats(rows * depth, 4);
+            let wd = floats(outs * depth, 5);
+            let x = Rows::dense(&xd, rows, depth);
+            let packed = Panels::pack(&wd, outs, depth);
+            let mut alone = vec![0.0; rows * outs];
+            serial(x, &packed, None, 0..packed.panels(), &mut alone, outs);
+            let want = reference(x, Rows::dense(&wd, outs, depth), None);
+            for (got, want) in alone.iter().zip(&want) {
+                assert!((f64::from(*got) - want).abs() <= 1e-5 * depth as f64);
+            }
+            for threads in [2, 3, 4] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let mut y = vec![f32::NAN; rows * outs];
+                pool.install(|| product(x, &packed, None, &mut y, outs));
+                assert_eq!(y, alone, "{rows}×{outs}×{depth} on {threads} threads");
+            }
         }
     }
 

@@ -603,8 +603,8 @@ impl Worker {
             if lookups.is_empty() && unembedded.is_empty() {
                 continue;
             }
-            // One batch for both: questions to index first (a lookup sent after them must see
-            // them), then the lookups.
+            // One batch for both: the question to index first (a lookup sent right after its
+            // answer must see it), then the lookups.
             let texts: Vec<&str> = unembedded
                 .iter()
                 .map(|(_, _, t, _, _)| t.as_str())
@@ -702,13 +702,19 @@ impl WorkQueue {
         }
     }
 
-    /// What to embed next: up to `batch` lookups with the oldest waiting insert (an answer a
-    /// lookup sent right after it may match), or one insert alone.
+    /// What to embed next: up to `batch` lookups with the newest waiting insert (the answer a
+    /// lookup sent right after it, a paraphrase, would match: when the first stage decides
+    /// lookups faster than their answers can be embedded, the oldest waiting answer is seldom
+    /// that one), or, with no lookup waiting, the oldest insert alone.
     fn next_batch(&mut self, batch: usize) -> (Vec<LookupJob>, Vec<InsertJob>) {
         let take = self.lookups.len().min(batch.max(1));
         let lookups: Vec<LookupJob> = self.lookups.drain(..take).collect();
-        let inserts = self.inserts.pop_front().into_iter().collect();
-        (lookups, inserts)
+        let insert = if lookups.is_empty() {
+            self.inserts.pop_front()
+        } else {
+            self.inserts.pop_back()
+        };
+        (lookups, insert.into_iter().collect())
     }
 
     /// Every insert id below this one is done (indexed, or failed to embed): the oldest still
@@ -813,7 +819,7 @@ mod tests {
     }
 
     #[test]
-    fn lookups_go_first_with_at_most_the_oldest_insert() {
+    fn lookups_go_first_with_at_most_the_newest_insert() {
         let mut q = WorkQueue::default();
         assert_eq!(q.done_below(), 1);
         for job in [
@@ -823,25 +829,29 @@ mod tests {
             insert(3),
             lookup("b"),
             lookup("c"),
+            insert(4),
         ] {
             q.push(job);
         }
         let (lookups, inserts) = q.next_batch(2);
         let texts: Vec<&str> = lookups.iter().map(|l| l.1.as_str()).collect();
         assert_eq!(texts, ["a", "b"]);
-        assert_eq!(inserts.iter().map(|i| i.1).collect::<Vec<_>>(), [1]);
-        assert_eq!(q.done_below(), 2, "insert 2 still waits");
+        assert_eq!(inserts.iter().map(|i| i.1).collect::<Vec<_>>(), [4]);
+        assert_eq!(q.done_below(), 1, "insert 1 still waits");
         let (lookups, inserts) = q.next_batch(2);
         assert_eq!(lookups.len(), 1);
-        assert_eq!(inserts[0].1, 2);
-        // No lookup waiting: one insert at a time.
+        assert_eq!(inserts[0].1, 3);
+        // No lookup waiting: one insert at a time, the oldest first.
         let (lookups, inserts) = q.next_batch(2);
         assert!(lookups.is_empty());
-        assert_eq!(inserts[0].1, 3);
+        assert_eq!(inserts[0].1, 1);
+        assert_eq!(q.done_below(), 2, "insert 2 still waits");
+        let (_, inserts) = q.next_batch(2);
+        assert_eq!(inserts[0].1, 2);
         assert!(q.is_empty());
         assert_eq!(
             q.done_below(),
-            4,
+            5,
             "everything taken off the channel is done"
         );
     }

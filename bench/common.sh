@@ -191,6 +191,25 @@ start_gateway() {
   bench_key "$GATEWAY_URL" >"$WORK/$1.key"
 }
 
+# start_semantic NAME P_UP P_GW STAGE: the minimal upstream on P_UP and gateway NAME on P_GW in
+# front of it with the semantic cache on and its model preloaded (STAGE: more [cache.semantic]
+# lines), returning once the semantic layer is ready (or after two minutes).
+start_semantic() {
+  "$(min_upstream)" --port "$2" --threads 1 >"$WORK/up-$1.log" 2>&1 &
+  PIDS+=($!)
+  wait_port "$2"
+  start_gateway "$1" "$3" "$2" "[cache]
+mode = \"semantic\"
+[cache.semantic]
+preload = true
+model_dir = \"$(pwd)/models/all-MiniLM-L6-v2\"
+$4"
+  for _ in $(seq 1 240); do
+    http_get "http://127.0.0.1:$3/metrics" | grep -q '^gateway_cache_semantic_ready 1' && return 0
+    sleep 0.5
+  done
+}
+
 # wrk_post KEY BODY [SESSIONS]: a wrk script on stdout that POSTs JSON BODY with bearer KEY and,
 # when done, prints one line "WRK <requests> <seconds> <errors>" and one line
 # "LAT <p50 ms> <p99 ms> <requests> <errors>". With SESSIONS, each request

@@ -16,19 +16,7 @@ P_GW=${P_GW:-19602}
 BEFORE=${BEFORE:-12}
 TRIALS=${TRIALS:-60}
 . bench/common.sh
-"$(min_upstream)" --port "$P_UP" --threads 1 >"$WORK/up.log" 2>&1 &
-PIDS+=($!)
-wait_port "$P_UP"
-start_gateway bl "$P_GW" "$P_UP" "[cache]
-mode = \"semantic\"
-[cache.semantic]
-preload = true
-model_dir = \"$(pwd)/models/all-MiniLM-L6-v2\"
-gate_student = 0.45"
-for _ in $(seq 1 240); do
-  http_get "http://127.0.0.1:$P_GW/metrics" | grep -q '^gateway_cache_semantic_ready 1' && break
-  sleep 0.5
-done
+start_semantic bl "$P_UP" "$P_GW" "gate_student = 0.45"
 KEY=$(cat "$WORK/bl.key") python3 - "$P_GW" "$BEFORE" "$TRIALS" <<'PY'
 import http.client, json, os, sys, random
 port, before, trials = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])

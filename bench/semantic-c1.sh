@@ -19,19 +19,7 @@ P_UP=${P_UP:-19401}
 P_GW=${P_GW:-19402}
 . bench/common.sh
 
-"$(min_upstream)" --port "$P_UP" --threads 1 >"$WORK/up.log" 2>&1 &
-PIDS+=($!)
-wait_port "$P_UP"
-start_gateway c1 "$P_GW" "$P_UP" "[cache]
-mode = \"semantic\"
-[cache.semantic]
-preload = true
-model_dir = \"$(pwd)/models/all-MiniLM-L6-v2\"
-$STAGE"
-for _ in $(seq 1 240); do
-  http_get "http://127.0.0.1:$P_GW/metrics" | grep -q '^gateway_cache_semantic_ready 1' && break
-  sleep 0.5
-done
+start_semantic c1 "$P_UP" "$P_GW" "$STAGE"
 KEY=$(cat "$WORK/c1.key") python3 - "$P_GW" "$QUESTIONS" "$N" <<'PY'
 import http.client, json, os, re, sys, time
 port, path, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])

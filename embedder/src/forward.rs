@@ -39,18 +39,14 @@ pub enum Precision {
     F32,
 }
 
-/// One weight matrix as the pass keeps it: as read (`[rows, width]`, the word embeddings), or
-/// a layer's packed into [`Panels`] for its products.
+/// A matrix as read (`[rows, width]`): the word embeddings, and each layer's matrices until
+/// [`Matrix::packed`].
 #[derive(Debug)]
 pub enum Matrix {
     /// See [`Precision::F16`].
     F16(Vec<f16>),
     /// See [`Precision::F32`].
     F32(Vec<f32>),
-    /// A layer's matrix, [`Precision::F16`].
-    PanelsF16(Panels<f16>),
-    /// A layer's matrix, [`Precision::F32`].
-    PanelsF32(Panels<f32>),
 }
 
 impl From<Vec<f16>> for Matrix {
@@ -66,30 +62,11 @@ impl From<Vec<f32>> for Matrix {
 }
 
 impl Matrix {
-    /// This matrix, `[rows, width]`, packed into panels (already packed: as it is).
-    fn packed(self, width: usize) -> Self {
+    /// This matrix, `outs` rows, packed into panels for [`Packed::product`].
+    fn packed(self, outs: usize) -> Packed {
         match self {
-            Self::F16(w) => Self::PanelsF16(Panels::pack(&w, w.len() / width, width)),
-            Self::F32(w) => Self::PanelsF32(Panels::pack(&w, w.len() / width, width)),
-            packed => packed,
-        }
-    }
-
-    /// `y = x·selfᵀ + bias` with this matrix as `[outs, depth]` (see [`matmul::product`] and
-    /// [`panels::product`]).
-    fn product(&self, x: Rows<'_>, outs: usize, bias: &[f32], y: &mut [f32]) {
-        fn run<W: Weight>(x: Rows<'_>, w: &[W], outs: usize, bias: &[f32], y: &mut [f32]) {
-            matmul::product(x, Rows::dense(w, outs, x.cols), Some(bias), y, outs);
-        }
-        fn packed<W: Weight>(x: Rows<'_>, w: &Panels<W>, outs: usize, bias: &[f32], y: &mut [f32]) {
-            assert_eq!(w.outs(), outs, "a packed matrix of another shape");
-            panels::product(x, w, Some(bias), y, outs);
-        }
-        match self {
-            Self::F16(w) => run(x, w, outs, bias, y),
-            Self::F32(w) => run(x, w, outs, bias, y),
-            Self::PanelsF16(w) => packed(x, w, outs, bias, y),
-            Self::PanelsF32(w) => packed(x, w, outs, bias, y),
+            Self::F16(w) => Packed::F16(Panels::pack(&w, outs, w.len() / outs)),
+            Self::F32(w) => Packed::F32(Panels::pack(&w, outs, w.len() / outs)),
         }
     }
 
@@ -101,17 +78,28 @@ impl Matrix {
                 *o += v.to_f32();
             }
         }
-        fn packed<W: Weight>(w: &Panels<W>, i: usize, out: &mut [f32]) {
-            assert_eq!(w.depth(), out.len(), "a row of another width");
-            for (k, o) in out.iter_mut().enumerate() {
-                *o += w.get(i, k).to_f32();
-            }
-        }
         match self {
             Self::F16(w) => run(w, i, out),
             Self::F32(w) => run(w, i, out),
-            Self::PanelsF16(w) => packed(w, i, out),
-            Self::PanelsF32(w) => packed(w, i, out),
+        }
+    }
+}
+
+/// A layer's weight matrix as the pass keeps it: packed into [`Panels`] for its products.
+#[derive(Debug)]
+pub enum Packed {
+    /// See [`Precision::F16`].
+    F16(Panels<f16>),
+    /// See [`Precision::F32`].
+    F32(Panels<f32>),
+}
+
+impl Packed {
+    /// `y = x·selfᵀ + bias` (see [`panels::product`]), output rows `bias.len()` apart.
+    fn product(&self, x: Rows<'_>, bias: &[f32], y: &mut [f32]) {
+        match self {
+            Self::F16(w) => panels::product(x, w, Some(bias), y, bias.len()),
+            Self::F32(w) => panels::product(x, w, Some(bias), y, bias.len()),
         }
     }
 }
@@ -120,7 +108,7 @@ impl Matrix {
 #[derive(Debug)]
 pub struct CpuBert {
     config: ModelConfig,
-    weights: Weights<Vec<f32>, Matrix>,
+    weights: Weights<Vec<f32>, Packed, Matrix>,
 }
 
 impl CpuBert {
@@ -128,19 +116,10 @@ impl CpuBert {
     /// or `f32`, as read: [`Weights::read`]); the layers' matrices are packed into panels here,
     /// one at a time.
     pub fn new<M: Into<Matrix>>(config: ModelConfig, weights: Weights<Vec<f32>, M>) -> Self {
-        let (h, inter) = (config.hidden_size, config.intermediate_size);
-        let mut weights = weights.map_matrices(Into::into);
-        for l in &mut weights.layers {
-            for (m, width) in [
-                (&mut l.qkv_w, h),
-                (&mut l.attn_out_w, h),
-                (&mut l.up_w, h),
-                (&mut l.down_w, inter),
-            ] {
-                let as_read = std::mem::replace(m, Matrix::F32(Vec::new()));
-                *m = as_read.packed(width);
-            }
-        }
+        // Each matrix has one bias per output row.
+        let weights = weights
+            .map_matrices(Into::into)
+            .map_layers(|m, bias| m.packed(bias.len()));
         Self { config, weights }
     }
 
@@ -205,17 +184,15 @@ impl CpuBert {
         let mut mid = vec![0.0f32; t * inter];
         let mut out = vec![0.0f32; t * h];
         for l in &w.layers {
-            l.qkv_w
-                .product(Rows::dense(&x, t, h), 3 * h, &l.qkv_b, &mut qkv);
+            l.qkv_w.product(Rows::dense(&x, t, h), &l.qkv_b, &mut qkv);
             self.attention(&qkv, &spans, &mut ctx);
             l.attn_out_w
-                .product(Rows::dense(&ctx, t, h), h, &l.attn_out_b, &mut out);
+                .product(Rows::dense(&ctx, t, h), &l.attn_out_b, &mut out);
             residual_layer_norm(&mut x, &out, h, &l.attn_ln_g, &l.attn_ln_b, eps);
-            l.up_w
-                .product(Rows::dense(&x, t, h), inter, &l.up_b, &mut mid);
+            l.up_w.product(Rows::dense(&x, t, h), &l.up_b, &mut mid);
             gelu(&mut mid);
             l.down_w
-                .product(Rows::dense(&mid, t, inter), h, &l.down_b, &mut out);
+                .product(Rows::dense(&mid, t, inter), &l.down_b, &mut out);
             residual_layer_norm(&mut x, &out, h, &l.out_ln_g, &l.out_ln_b, eps);
         }
         spans

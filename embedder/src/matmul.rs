@@ -13,32 +13,27 @@
 //! portable loop elsewhere) and reads each weight once per block of activation rows, with no
 //! copy of either operand.
 //!
-//! The weights may be `f32` or `f16` ([`Weight`]): a text of a few dozen tokens is bound by
-//! streaming the weights from memory (all-MiniLM-L6's layers are 42 MB as `f32`, more than this
-//! machine's 32 MB L3), so half the bytes is most of what a short text's pass costs; each `f16`
-//! is widened to `f32` as it is read (F16C) and every sum is in `f32`.
+//! A weight matrix may be `f32` or `f16` ([`Weight`], for [`panels`]): a text of a few dozen
+//! tokens is bound by streaming the weights from memory (all-MiniLM-L6's layers are 42 MB as
+//! `f32`, more than a 32 MB L3), so half the bytes is most of what a short text's pass costs;
+//! each `f16` is widened to `f32` as it is read (F16C) and every sum is in `f32`.
 
 pub mod panels;
 
 use std::ops::Range;
 
 use half::f16;
-use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
+
+use crate::index::dot;
 
 /// A weight matrix's element type.
 pub trait Weight: Copy + Send + Sync + std::fmt::Debug + 'static {
-    /// Narrower than `f32` (widened as read, with F16C on x86).
-    const NARROW: bool;
-
     /// Zero (a panel's padding).
     const ZERO: Self;
 
     /// As an `f32`.
     fn to_f32(self) -> f32;
-
-    /// `Σ x[k]·w[k]` over rows of the same length.
-    fn dot(x: &[f32], w: &[Self]) -> f32;
 
     /// Eight weights from `p`, as `f32` lanes.
     ///
@@ -60,15 +55,10 @@ pub trait Weight: Copy + Send + Sync + std::fmt::Debug + 'static {
 }
 
 impl Weight for f32 {
-    const NARROW: bool = false;
     const ZERO: Self = 0.0;
 
     fn to_f32(self) -> f32 {
         self
-    }
-
-    fn dot(x: &[f32], w: &[f32]) -> f32 {
-        crate::index::dot(x, w)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -89,29 +79,10 @@ impl Weight for f32 {
 }
 
 impl Weight for f16 {
-    const NARROW: bool = true;
     const ZERO: Self = f16::ZERO;
 
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
-    }
-
-    fn dot(x: &[f32], w: &[f16]) -> f32 {
-        // Eight lanes, as `index::dot`, widened eight at a time.
-        let mut wide = [0.0f32; 8];
-        let mut acc = [0.0f32; 8];
-        let whole = x.len().min(w.len()) / 8 * 8;
-        for (xs, ws) in x[..whole].chunks_exact(8).zip(w[..whole].chunks_exact(8)) {
-            ws.convert_to_f32_slice(&mut wide);
-            for ((a, x), w) in acc.iter_mut().zip(xs).zip(&wide) {
-                *a += x * w;
-            }
-        }
-        let mut sum: f32 = acc.iter().sum();
-        for (x, w) in x[whole..].iter().zip(&w[whole..]) {
-            sum += x * w.to_f32();
-        }
-        sum
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -184,9 +155,9 @@ fn span(rows: usize, stride: usize, cols: usize) -> usize {
 
 /// A product's two operands and its output's row stride.
 #[derive(Debug, Clone, Copy)]
-struct Operands<'a, W> {
+struct Operands<'a> {
     x: Rows<'a>,
-    w: Rows<'a, W>,
+    w: Rows<'a>,
     y_stride: usize,
 }
 
@@ -204,13 +175,7 @@ fn block_rows(depth: usize) -> usize {
 ///
 /// Panics if `x` and `w` differ in `cols`, a view's rows run past its data, `bias` is not one
 /// float per row of `w`, or `y` is too short.
-pub fn product<W: Weight>(
-    x: Rows<'_>,
-    w: Rows<'_, W>,
-    bias: Option<&[f32]>,
-    y: &mut [f32],
-    y_stride: usize,
-) {
+pub fn product(x: Rows<'_>, w: Rows<'_>, bias: Option<&[f32]>, y: &mut [f32], y_stride: usize) {
     x.check();
     w.check();
     assert_eq!(x.cols, w.cols, "x and w differ in depth");
@@ -293,13 +258,13 @@ pub(crate) fn avx2_available() -> bool {
 }
 
 /// The product for `rows` of `x` and `outs` of `w` on this thread, in blocks of rows.
-fn serial<W: Weight>(p: Operands<'_, W>, y: &mut [f32], rows: Range<usize>, outs: Range<usize>) {
+fn serial(p: Operands<'_>, y: &mut [f32], rows: Range<usize>, outs: Range<usize>) {
     let step = block_rows(p.x.cols);
     let mut start = rows.start;
     while start < rows.end {
         let block = start..(start + step).min(rows.end);
         #[cfg(target_arch = "x86_64")]
-        if avx2::available() && (!W::NARROW || avx2::f16c()) {
+        if avx2::available() {
             avx2::product(p, y, block, outs.clone());
             start += step;
             continue;
@@ -312,11 +277,11 @@ fn serial<W: Weight>(p: Operands<'_, W>, y: &mut [f32], rows: Range<usize>, outs
 /// The product without SIMD intrinsics (the compiler vectorises the 8-wide lanes as the target
 /// allows): every machine's path where AVX2 and FMA are missing, and the reference the tests
 /// hold the AVX2 path to.
-fn portable<W: Weight>(p: Operands<'_, W>, y: &mut [f32], rows: Range<usize>, outs: Range<usize>) {
+fn portable(p: Operands<'_>, y: &mut [f32], rows: Range<usize>, outs: Range<usize>) {
     for j in outs {
         let wr = p.w.row(j);
         for i in rows.clone() {
-            y[i * p.y_stride + j] = W::dot(p.x.row(i), wr);
+            y[i * p.y_stride + j] = dot(p.x.row(i), wr);
         }
     }
 }
@@ -324,8 +289,7 @@ fn portable<W: Weight>(p: Operands<'_, W>, y: &mut [f32], rows: Range<usize>, ou
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod avx2 {
-    //! The product with AVX2 and FMA (and F16C for `f16` weights): four weight rows by two
-    //! activation rows per step.
+    //! The product with AVX2 and FMA: four weight rows by two activation rows per step.
 
     use std::arch::x86_64::{
         __m128, __m256, _mm256_castps256_ps128, _mm256_extractf128_ps, _mm256_fmadd_ps,
@@ -334,7 +298,7 @@ mod avx2 {
     use std::ops::Range;
     use std::sync::OnceLock;
 
-    use super::{Operands, Weight};
+    use super::Operands;
 
     /// Whether this CPU has AVX2 and FMA (checked once).
     pub(super) fn available() -> bool {
@@ -345,23 +309,17 @@ mod avx2 {
         })
     }
 
-    /// Whether it also has F16C, which narrow weights need (every CPU with AVX2 has it; a
-    /// virtual machine may hide it).
+    /// Whether it also has F16C, which `f16` weights need ([`super::panels`]; every CPU with
+    /// AVX2 has it; a virtual machine may hide it).
     pub(super) fn f16c() -> bool {
         static AVAILABLE: OnceLock<bool> = OnceLock::new();
         *AVAILABLE.get_or_init(|| std::arch::is_x86_feature_detected!("f16c"))
     }
 
-    /// As [`super::portable`]; only call where [`available`] said so (and [`f16c`], for
-    /// narrow weights).
-    pub(super) fn product<W: Weight>(
-        p: Operands<'_, W>,
-        y: &mut [f32],
-        rows: Range<usize>,
-        outs: Range<usize>,
-    ) {
+    /// As [`super::portable`]; only call where [`available`] said so.
+    pub(super) fn product(p: Operands<'_>, y: &mut [f32], rows: Range<usize>, outs: Range<usize>) {
         let Operands { x, w, y_stride } = p;
-        assert!(available() && (!W::NARROW || f16c()));
+        assert!(available());
         // Every index below is within these bounds, the views' and the output's checked here.
         x.check();
         w.check();
@@ -370,17 +328,11 @@ mod avx2 {
         if !rows.is_empty() {
             assert!(super::span(rows.end, y_stride, outs.end) <= y.len());
         }
-        // SAFETY: AVX2 and FMA (and F16C for narrow weights) are present (asserted above), and
-        // the kernel reads only rows `rows` of `x` and `outs` of `w`, `cols` elements each from
-        // its start (within the data by `Rows::check`, overflow included), and writes only
-        // `y[i · y_stride + j]` for those `i` and `j` (within `y` by the assertion above).
-        unsafe {
-            if W::NARROW {
-                kernel_f16c(p, y, rows, outs);
-            } else {
-                kernel(p, y, rows, outs);
-            }
-        }
+        // SAFETY: AVX2 and FMA are present (asserted above), and `kernel` reads only rows
+        // `rows` of `x` and `outs` of `w`, `cols` floats each from its start (within the
+        // data by `Rows::check`, overflow included), and writes only `y[i · y_stride + j]` for
+        // those `i` and `j` (within `y` by the assertion above).
+        unsafe { kernel(p, y, rows, outs) }
     }
 
     /// The four sums of `a`, `b`, `c` and `d`'s lanes.
@@ -395,58 +347,16 @@ mod avx2 {
         _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1))
     }
 
-    /// [`body`] compiled for AVX2 and FMA (`f32` weights).
-    ///
-    /// # Safety
-    /// As `body`'s, with AVX2 and FMA present.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn kernel<W: Weight>(
-        p: Operands<'_, W>,
-        y: &mut [f32],
-        rows: Range<usize>,
-        outs: Range<usize>,
-    ) {
-        // SAFETY: the caller's contract.
-        unsafe { body(p, y, rows, outs) }
-    }
-
-    /// [`body`] compiled for AVX2, FMA and F16C (narrow weights).
-    ///
-    /// # Safety
-    /// As `body`'s, with AVX2, FMA and F16C present.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn kernel_f16c<W: Weight>(
-        p: Operands<'_, W>,
-        y: &mut [f32],
-        rows: Range<usize>,
-        outs: Range<usize>,
-    ) {
-        // SAFETY: the caller's contract.
-        unsafe { body(p, y, rows, outs) }
-    }
-
-    /// The product for `rows` and `outs`, four weight rows by two activation rows per step
-    /// into eight accumulators; inlined into a function compiled for the CPU features its
-    /// weights need.
-    ///
-    /// # Safety
-    /// The views and output checked as in [`product`]; only called from [`kernel`] or
-    /// [`kernel_f16c`].
-    #[inline(always)]
     #[allow(clippy::similar_names, reason = "aRC: accumulator of row R, column C")]
-    unsafe fn body<W: Weight>(
-        p: Operands<'_, W>,
-        y: &mut [f32],
-        rows: Range<usize>,
-        outs: Range<usize>,
-    ) {
+    unsafe fn kernel(p: Operands<'_>, y: &mut [f32], rows: Range<usize>, outs: Range<usize>) {
         let Operands { x, w, y_stride } = p;
         let depth = x.cols;
         let vec_depth = depth - depth % 8;
         let (xp, wp, yp) = (x.data.as_ptr(), w.data.as_ptr(), y.as_mut_ptr());
         let tail = |i: usize, j: usize| -> f32 {
             let (xr, wr) = (x.row(i), w.row(j));
-            (vec_depth..depth).map(|k| xr[k] * wr[k].to_f32()).sum()
+            (vec_depth..depth).map(|k| xr[k] * wr[k]).sum()
         };
         let mut j = outs.start;
         while j + 4 <= outs.end {
@@ -468,16 +378,16 @@ mod avx2 {
                     let mut k = 0;
                     while k < vec_depth {
                         let (u, v) = (_mm256_loadu_ps(x0.add(k)), _mm256_loadu_ps(x1.add(k)));
-                        let c = W::load8(w0.add(k));
+                        let c = _mm256_loadu_ps(w0.add(k));
                         a00 = _mm256_fmadd_ps(u, c, a00);
                         a10 = _mm256_fmadd_ps(v, c, a10);
-                        let c = W::load8(w1.add(k));
+                        let c = _mm256_loadu_ps(w1.add(k));
                         a01 = _mm256_fmadd_ps(u, c, a01);
                         a11 = _mm256_fmadd_ps(v, c, a11);
-                        let c = W::load8(w2.add(k));
+                        let c = _mm256_loadu_ps(w2.add(k));
                         a02 = _mm256_fmadd_ps(u, c, a02);
                         a12 = _mm256_fmadd_ps(v, c, a12);
-                        let c = W::load8(w3.add(k));
+                        let c = _mm256_loadu_ps(w3.add(k));
                         a03 = _mm256_fmadd_ps(u, c, a03);
                         a13 = _mm256_fmadd_ps(v, c, a13);
                         k += 8;
@@ -503,10 +413,10 @@ mod avx2 {
                     let mut k = 0;
                     while k < vec_depth {
                         let u = _mm256_loadu_ps(x0.add(k));
-                        a0 = _mm256_fmadd_ps(u, W::load8(w0.add(k)), a0);
-                        a1 = _mm256_fmadd_ps(u, W::load8(w1.add(k)), a1);
-                        a2 = _mm256_fmadd_ps(u, W::load8(w2.add(k)), a2);
-                        a3 = _mm256_fmadd_ps(u, W::load8(w3.add(k)), a3);
+                        a0 = _mm256_fmadd_ps(u, _mm256_loadu_ps(w0.add(k)), a0);
+                        a1 = _mm256_fmadd_ps(u, _mm256_loadu_ps(w1.add(k)), a1);
+                        a2 = _mm256_fmadd_ps(u, _mm256_loadu_ps(w2.add(k)), a2);
+                        a3 = _mm256_fmadd_ps(u, _mm256_loadu_ps(w3.add(k)), a3);
                         k += 8;
                     }
                     _mm_storeu_ps(yp.add(i * y_stride + j), sum4(a0, a1, a2, a3));
@@ -522,7 +432,7 @@ mod avx2 {
         // The last outputs (fewer than four).
         for j in j..outs.end {
             for i in rows.clone() {
-                y[i * y_stride + j] = W::dot(x.row(i), w.row(j));
+                y[i * y_stride + j] = super::dot(x.row(i), w.row(j));
             }
         }
     }
@@ -565,19 +475,9 @@ mod tests {
         out
     }
 
+    /// `product` and the portable path against the f64 product.
     #[test]
     fn every_shape_matches_the_product_in_f64_with_strides_tails_and_bias() {
-        every_shape::<f32>(|v| v);
-    }
-
-    #[test]
-    fn f16_weights_give_the_product_of_their_values() {
-        every_shape::<f16>(f16::from_f32);
-    }
-
-    /// `product` and the portable path against the f64 product of the weights' own values,
-    /// the weights stored as `W` (`from` converts).
-    fn every_shape<W: Weight>(from: impl Fn(f32) -> W) {
         // Odd rows and outputs (the one-row and fewer-than-four paths), depths that are not a
         // multiple of 8 (the tails), strided views (the attention's heads), and products large
         // enough to be split by rows and by outputs over threads.
@@ -593,7 +493,7 @@ mod tests {
         ] {
             let (xs, ws) = (depth + stride_pad, depth + stride_pad);
             let xd = floats(rows * xs, 1);
-            let wd: Vec<W> = floats(outs * ws, 2).into_iter().map(&from).collect();
+            let wd = floats(outs * ws, 2);
             let bias = floats(outs, 3);
             let x = Rows {
                 data: &xd,

@@ -107,11 +107,11 @@ pub struct Layer<T, M = T> {
 }
 
 /// Every weight the forward passes use (`T` and `M` as in [`Layer`]; the word embeddings are
-/// an `M`).
+/// an `E`, an `M` unless a pass keeps them otherwise).
 #[derive(Debug)]
-pub struct Weights<T, M = T> {
+pub struct Weights<T, M = T, E = M> {
     /// `[vocab, h]`.
-    pub word: M,
+    pub word: E,
     /// `[positions, h]`.
     pub position: T,
     /// Row 0 of the token type embeddings (every token is type 0).
@@ -352,6 +352,27 @@ impl<'p> TensorFile<'p> {
     }
 }
 
+impl<T, M> Layer<T, M> {
+    /// The same layer with each of its four matrices converted by `f`, which gets the matrix
+    /// and its bias (one per output row), the rest as they are.
+    pub fn map_matrices<N>(self, mut f: impl FnMut(M, &T) -> N) -> Layer<T, N> {
+        Layer {
+            qkv_w: f(self.qkv_w, &self.qkv_b),
+            qkv_b: self.qkv_b,
+            attn_out_w: f(self.attn_out_w, &self.attn_out_b),
+            attn_out_b: self.attn_out_b,
+            attn_ln_g: self.attn_ln_g,
+            attn_ln_b: self.attn_ln_b,
+            up_w: f(self.up_w, &self.up_b),
+            up_b: self.up_b,
+            down_w: f(self.down_w, &self.down_b),
+            down_b: self.down_b,
+            out_ln_g: self.out_ln_g,
+            out_ln_b: self.out_ln_b,
+        }
+    }
+}
+
 impl<T, M> Weights<T, M> {
     /// The matrices (the word embeddings, then each layer's four).
     pub fn matrices(&self) -> impl Iterator<Item = &M> {
@@ -365,8 +386,31 @@ impl<T, M> Weights<T, M> {
     /// The same weights with the matrices (the layers' four and the word embeddings) each
     /// converted by `f` (e.g. to a narrower float), the rest as they are.
     pub fn map_matrices<N>(self, mut f: impl FnMut(M) -> N) -> Weights<T, N> {
+        let Weights {
+            word,
+            position,
+            type0,
+            ln_g,
+            ln_b,
+            layers,
+        } = self.map_layers(|m, _| f(m));
         Weights {
-            word: f(self.word),
+            word: f(word),
+            position,
+            type0,
+            ln_g,
+            ln_b,
+            layers,
+        }
+    }
+}
+
+impl<T, M, E> Weights<T, M, E> {
+    /// The same weights with the layers' four matrices each converted by `f` (see
+    /// [`Layer::map_matrices`]), the word embeddings as they are.
+    pub fn map_layers<N>(self, mut f: impl FnMut(M, &T) -> N) -> Weights<T, N, E> {
+        Weights {
+            word: self.word,
             position: self.position,
             type0: self.type0,
             ln_g: self.ln_g,
@@ -374,20 +418,7 @@ impl<T, M> Weights<T, M> {
             layers: self
                 .layers
                 .into_iter()
-                .map(|l| Layer {
-                    qkv_w: f(l.qkv_w),
-                    qkv_b: l.qkv_b,
-                    attn_out_w: f(l.attn_out_w),
-                    attn_out_b: l.attn_out_b,
-                    attn_ln_g: l.attn_ln_g,
-                    attn_ln_b: l.attn_ln_b,
-                    up_w: f(l.up_w),
-                    up_b: l.up_b,
-                    down_w: f(l.down_w),
-                    down_b: l.down_b,
-                    out_ln_g: l.out_ln_g,
-                    out_ln_b: l.out_ln_b,
-                })
+                .map(|l| l.map_matrices(&mut f))
                 .collect(),
         }
     }

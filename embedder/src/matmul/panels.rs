@@ -63,8 +63,9 @@ impl<W: Weight> Panels<W> {
         self.depth
     }
 
-    /// Weight `k` of row `j`.
-    pub fn get(&self, j: usize, k: usize) -> W {
+    /// Weight `k` of row `j` (the tests' view of the layout).
+    #[cfg(test)]
+    fn get(&self, j: usize, k: usize) -> W {
         assert!(j < self.outs && k < self.depth, "past the matrix");
         self.data[j / WIDTH * self.depth * WIDTH + k * WIDTH + j % WIDTH]
     }

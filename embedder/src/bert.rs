@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use tokenizers::Tokenizer;
 
-use crate::forward::{CpuBert, Precision};
+use crate::forward::{CpuBert, Paused, Precision, Progress};
 use crate::model::{self, ModelConfig, Weights};
 
 /// Why an embedder could not be loaded or run.
@@ -44,6 +44,25 @@ pub trait Embed: Send {
     /// Each text's L2-normalised sentence vector and its L2-normalised contextual token vectors
     /// (real tokens only, without `[CLS]`/`[SEP]`), as [`BertEmbedder::embed_with_tokens`].
     fn embed_with_tokens(&self, texts: &[&str]) -> Result<Vec<TextVectors>, EmbedError>;
+    /// [`Embed::embed_with_tokens`], paused once `stop` says so where the implementation can
+    /// stop part way (the CPU pass asks before each layer; by default the whole batch is
+    /// embedded and nothing pauses).
+    fn embed_with_tokens_until(
+        &self,
+        texts: &[&str],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Progress, EmbedError> {
+        let _ = stop;
+        self.embed_with_tokens(texts).map(Progress::Done)
+    }
+    /// Go on with an embedding [`Embed::embed_with_tokens_until`] paused.
+    fn resume(&self, paused: Paused, stop: &dyn Fn() -> bool) -> Result<Progress, EmbedError> {
+        let _ = (paused, stop);
+        Err(EmbedError::Invalid(format!(
+            "the {} embedder pauses nothing to resume",
+            self.device()
+        )))
+    }
 }
 
 impl Embed for BertEmbedder {
@@ -53,6 +72,18 @@ impl Embed for BertEmbedder {
 
     fn embed_with_tokens(&self, texts: &[&str]) -> Result<Vec<TextVectors>, EmbedError> {
         BertEmbedder::embed_with_tokens(self, texts)
+    }
+
+    fn embed_with_tokens_until(
+        &self,
+        texts: &[&str],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Progress, EmbedError> {
+        BertEmbedder::embed_with_tokens_until(self, texts, stop)
+    }
+
+    fn resume(&self, paused: Paused, stop: &dyn Fn() -> bool) -> Result<Progress, EmbedError> {
+        Ok(self.model.resume(paused, stop))
     }
 }
 
@@ -165,6 +196,21 @@ impl BertEmbedder {
     /// token-level alignment of two texts.
     pub fn embed_with_tokens(&self, texts: &[&str]) -> Result<Vec<TextVectors>, EmbedError> {
         self.run(texts, true)
+    }
+
+    /// [`BertEmbedder::embed_with_tokens`], paused as soon as `stop` says so (it is asked
+    /// before each layer, [`CpuBert::forward_until`]); [`Embed::resume`] goes on with it.
+    pub fn embed_with_tokens_until(
+        &self,
+        texts: &[&str],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Progress, EmbedError> {
+        if texts.is_empty() {
+            return Ok(Progress::Done(Vec::new()));
+        }
+        let ids = model::token_ids(&self.tokenizer, texts, self.model.vocab())?;
+        let sequences: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
+        Ok(self.model.forward_until(&sequences, true, stop))
     }
 
     fn run(&self, texts: &[&str], with_tokens: bool) -> Result<Vec<TextVectors>, EmbedError> {

@@ -7,6 +7,10 @@
 //! computes for its real tokens (a padding key weighs exactly 0 after the softmax). Then the
 //! mean over each text's tokens, L2-normalised (the sentence vector), and its token rows but
 //! `[CLS]` and `[SEP]`, each L2-normalised.
+//!
+//! A pass can pause before any layer and go on later from there ([`CpuBert::forward_until`],
+//! [`CpuBert::resume`]): the semantic cache's worker pauses an answer being indexed when a
+//! lookup, which a request waits for, should go first.
 
 use half::f16;
 use rayon::prelude::*;
@@ -23,6 +27,44 @@ const PASS_TOKENS: usize = 4096;
 
 /// Below this many attention multiply-adds a pass's heads run on the calling thread alone.
 const PARALLEL_ATTENTION: usize = 1 << 18;
+
+/// Where a pass stands: its texts' vectors, or paused between two layers.
+#[derive(Debug)]
+pub enum Progress {
+    /// Every text's vectors, in order.
+    Done(Vec<TextVectors>),
+    /// Stopped before a layer: [`CpuBert::resume`] goes on from there.
+    Paused(Box<Paused>),
+}
+
+impl Progress {
+    /// The vectors, when the pass is done.
+    pub fn done(self) -> Option<Vec<TextVectors>> {
+        match self {
+            Self::Done(vectors) => Some(vectors),
+            Self::Paused(_) => None,
+        }
+    }
+}
+
+/// A pass stopped between two layers: the texts already done, the hidden states of those under
+/// way and the next layer to run, and the texts after them.
+#[derive(Debug)]
+pub struct Paused {
+    done: Vec<TextVectors>,
+    pass: Pass,
+    rest: Vec<Vec<u32>>,
+    with_tokens: bool,
+}
+
+/// A pass under way: each text's first row among its token rows and its length, the hidden
+/// states, and the next layer to run.
+#[derive(Debug)]
+struct Pass {
+    spans: Vec<(usize, usize)>,
+    x: Vec<f32>,
+    layer: usize,
+}
 
 /// How the pass keeps the model's matrices (the layers' four and the word embeddings; the
 /// biases and layer norms stay `f32`).
@@ -134,28 +176,85 @@ impl CpuBert {
     ///
     /// Panics on an id past the vocabulary or a sequence longer than the position embeddings.
     pub fn forward(&self, sequences: &[&[u32]], with_tokens: bool) -> Vec<TextVectors> {
-        let mut out = Vec::with_capacity(sequences.len());
-        let mut start = 0;
-        while start < sequences.len() {
-            let mut end = start;
-            let mut tokens = 0;
-            while end < sequences.len()
-                && (end == start || tokens + sequences[end].len() <= PASS_TOKENS)
-            {
-                tokens += sequences[end].len();
-                end += 1;
-            }
-            out.extend(self.pass(&sequences[start..end], with_tokens));
-            start = end;
+        match self.forward_until(sequences, with_tokens, &|| false) {
+            Progress::Done(vectors) => vectors,
+            // Never asked to stop: the pass cannot have paused.
+            Progress::Paused(paused) => self.resume(*paused, &|| false).done().unwrap_or_default(),
         }
-        out
     }
 
-    fn pass(&self, sequences: &[&[u32]], with_tokens: bool) -> Vec<TextVectors> {
+    /// [`CpuBert::forward`], paused as soon as `stop` says so: it is asked before each layer,
+    /// so a pass another one should go before gives way within one layer's work, and
+    /// [`CpuBert::resume`] later finishes it from where it stopped.
+    pub fn forward_until(
+        &self,
+        sequences: &[&[u32]],
+        with_tokens: bool,
+        stop: &dyn Fn() -> bool,
+    ) -> Progress {
+        self.advance(Vec::new(), None, sequences, with_tokens, stop)
+    }
+
+    /// Go on with a pass [`CpuBert::forward_until`] paused (it may pause again).
+    pub fn resume(&self, paused: Paused, stop: &dyn Fn() -> bool) -> Progress {
+        let rest: Vec<&[u32]> = paused.rest.iter().map(Vec::as_slice).collect();
+        self.advance(
+            paused.done,
+            Some(paused.pass),
+            &rest,
+            paused.with_tokens,
+            stop,
+        )
+    }
+
+    /// Finish `current`, then embed `rest` a pass at a time, each at most [`PASS_TOKENS`] tokens
+    /// (or one text), after the texts `done`.
+    fn advance(
+        &self,
+        mut done: Vec<TextVectors>,
+        mut current: Option<Pass>,
+        rest: &[&[u32]],
+        with_tokens: bool,
+        stop: &dyn Fn() -> bool,
+    ) -> Progress {
+        let mut start = 0;
+        loop {
+            let mut pass = match current.take() {
+                Some(pass) => pass,
+                None if start == rest.len() => return Progress::Done(done),
+                None => {
+                    let mut end = start;
+                    let mut tokens = 0;
+                    while end < rest.len()
+                        && (end == start || tokens + rest[end].len() <= PASS_TOKENS)
+                    {
+                        tokens += rest[end].len();
+                        end += 1;
+                    }
+                    let pass = self.embeddings(&rest[start..end]);
+                    start = end;
+                    pass
+                }
+            };
+            if self.layers(&mut pass, stop) {
+                done.extend(self.pooled(&pass, with_tokens));
+            } else {
+                return Progress::Paused(Box::new(Paused {
+                    done,
+                    pass,
+                    rest: rest[start..].iter().map(|s| s.to_vec()).collect(),
+                    with_tokens,
+                }));
+            }
+        }
+    }
+
+    /// A pass over `sequences` before its first layer: word + position + token type 0, layer
+    /// norm.
+    fn embeddings(&self, sequences: &[&[u32]]) -> Pass {
         let c = &self.config;
-        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let h = c.hidden_size;
         let eps = c.layer_norm_eps;
-        // Each text's first row among the pass's token rows, and its length.
         let mut spans = Vec::with_capacity(sequences.len());
         let mut t = 0;
         for s in sequences {
@@ -164,7 +263,6 @@ impl CpuBert {
             t += s.len();
         }
         let w = &self.weights;
-        // Embeddings: word + position + token type 0, layer norm.
         let mut x = vec![0.0f32; t * h];
         for (s, &(first, _)) in sequences.iter().zip(&spans) {
             for (p, &id) in s.iter().enumerate() {
@@ -179,23 +277,46 @@ impl CpuBert {
                 layer_norm(row, &w.ln_g, &w.ln_b, eps);
             }
         }
+        Pass { spans, x, layer: 0 }
+    }
+
+    /// Run the pass's layers from its next one: `true` once every layer ran, `false` when
+    /// `stop` said so before one (the pass then says which).
+    fn layers(&self, pass: &mut Pass, stop: &dyn Fn() -> bool) -> bool {
+        let Pass { spans, x, layer } = pass;
+        let c = &self.config;
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let eps = c.layer_norm_eps;
+        let t = x.len() / h;
+        let w = &self.weights;
         let mut qkv = vec![0.0f32; t * 3 * h];
         let mut ctx = vec![0.0f32; t * h];
         let mut mid = vec![0.0f32; t * inter];
         let mut out = vec![0.0f32; t * h];
-        for l in &w.layers {
-            l.qkv_w.product(Rows::dense(&x, t, h), &l.qkv_b, &mut qkv);
-            self.attention(&qkv, &spans, &mut ctx);
+        while let Some(l) = w.layers.get(*layer) {
+            if stop() {
+                return false;
+            }
+            l.qkv_w.product(Rows::dense(x, t, h), &l.qkv_b, &mut qkv);
+            self.attention(&qkv, spans, &mut ctx);
             l.attn_out_w
                 .product(Rows::dense(&ctx, t, h), &l.attn_out_b, &mut out);
-            residual_layer_norm(&mut x, &out, h, &l.attn_ln_g, &l.attn_ln_b, eps);
-            l.up_w.product(Rows::dense(&x, t, h), &l.up_b, &mut mid);
+            residual_layer_norm(x, &out, h, &l.attn_ln_g, &l.attn_ln_b, eps);
+            l.up_w.product(Rows::dense(x, t, h), &l.up_b, &mut mid);
             gelu(&mut mid);
             l.down_w
                 .product(Rows::dense(&mid, t, inter), &l.down_b, &mut out);
-            residual_layer_norm(&mut x, &out, h, &l.out_ln_g, &l.out_ln_b, eps);
+            residual_layer_norm(x, &out, h, &l.out_ln_g, &l.out_ln_b, eps);
+            *layer += 1;
         }
-        spans
+        true
+    }
+
+    /// Each text's sentence vector (and token vectors) from a finished pass's hidden states.
+    fn pooled(&self, pass: &Pass, with_tokens: bool) -> Vec<TextVectors> {
+        let h = self.config.hidden_size;
+        let x = &pass.x;
+        pass.spans
             .iter()
             .map(|&(first, len)| {
                 let rows = &x[first * h..(first + len) * h];

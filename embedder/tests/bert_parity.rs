@@ -95,3 +95,47 @@ fn token_vectors_come_with_the_same_sentence_vector() {
     let mean = best.iter().sum::<f32>() / best.len() as f32;
     assert!(best.iter().copied().fold(1.0, f32::min) < mean);
 }
+
+#[test]
+fn a_pass_paused_between_layers_and_resumed_gives_the_same_vectors() {
+    use embedder::bert::Embed;
+    use embedder::forward::Progress;
+    use std::cell::Cell;
+
+    let model = common::load();
+    let texts = ["How do I learn Rust?", "What is the capital of France?"];
+    let whole = model.embed_with_tokens(&texts).unwrap();
+    // Never told to stop: asked once before each of the six layers, the same vectors.
+    let asked = Cell::new(0);
+    let count = || {
+        asked.set(asked.get() + 1);
+        false
+    };
+    let kept = model.embed_with_tokens_until(&texts, &count).unwrap();
+    assert_eq!(asked.get(), 6);
+    assert_eq!(kept.done().expect("not paused"), whole);
+    // Told to stop before the fourth layer, then before the sixth once resumed: paused twice,
+    // each layer run once, and the vectors of the pass that never stopped.
+    let asked = Cell::new(0);
+    let stop_at = |n: usize| {
+        let asked = &asked;
+        move || {
+            asked.set(asked.get() + 1);
+            asked.get() == n
+        }
+    };
+    let Progress::Paused(paused) = model.embed_with_tokens_until(&texts, &stop_at(4)).unwrap()
+    else {
+        panic!("not paused before the fourth layer");
+    };
+    assert_eq!(asked.get(), 4);
+    let Progress::Paused(paused) = Embed::resume(&model, *paused, &stop_at(6)).unwrap() else {
+        panic!("not paused before the sixth layer");
+    };
+    assert_eq!(asked.get(), 6);
+    let done = Embed::resume(&model, *paused, &|| false).unwrap();
+    assert_eq!(done.done().expect("finished"), whole);
+    // Nothing to embed: nothing to pause.
+    let empty = model.embed_with_tokens_until(&[], &|| true).unwrap();
+    assert_eq!(empty.done(), Some(Vec::new()));
+}

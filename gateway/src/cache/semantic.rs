@@ -24,6 +24,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use embedder::bert::{BertEmbedder, Embed, TextVectors};
+use embedder::forward::{Paused, Progress};
 use embedder::gate::{FirstStage, Gate, TokenGate};
 use embedder::index::{CpuIndex, VectorIndex};
 use embedder::semantic::{Search, SemanticIndex, Verdict, SHIPPED_VERIFIER};
@@ -234,7 +235,8 @@ impl Semantic {
     /// full, a wait already too long, too slow).
     pub async fn lookup(&self, ns: u64, model: u64, text: &str, threshold: f32) -> Option<Looked> {
         let lookups = self.queued.lookups.load(Ordering::Relaxed);
-        // The worker takes lookups before inserts, so at most one insert is ahead of this one.
+        // The worker takes lookups before inserts, and an insert being embedded gives way
+        // within a layer unless it is the newest: at most one is ahead of this one.
         let ahead = lookups + usize::from(self.queued.inserts.load(Ordering::Relaxed) > 0);
         if !self.ready() || lookups >= self.max_queue || self.wait_too_long(ahead, lookups, model) {
             return None;
@@ -554,6 +556,13 @@ impl Worker {
         }
         let epoch = Instant::now();
         let now_ms = |at: Instant| i64::try_from(at.duration_since(epoch).as_millis()).unwrap_or(0);
+        // Answers' questions indexed with their vectors.
+        let index_answers =
+            |index: &mut SemanticIndex, answers: Vec<InsertJob>, vectors: Vec<TextVectors>| {
+                for ((ns, id, text, key, at), vectors) in answers.into_iter().zip(vectors) {
+                    index.insert(ns, id, text, vectors, key, now_ms(at));
+                }
+            };
         if let Some(gate) = &gate {
             let _ = self.gate.set(Arc::clone(gate));
         }
@@ -565,8 +574,18 @@ impl Worker {
             "semantic cache ready"
         );
         let mut queue = WorkQueue::default();
+        // Answers whose pass gave way to a lookup, and where that pass stands.
+        let mut paused: Option<(Paused, Vec<InsertJob>)> = None;
+        // Whether an answer's pass should stop at its next layer: a lookup waits, and a newer
+        // answer too, which the lookup takes along. With no newer answer the one under way is
+        // the newest, the one a paraphrase sent right after it would match: it is finished
+        // first, as the lookup would have it.
+        let lookup_waits = || {
+            self.queued.lookups.load(Ordering::Relaxed) > 0
+                && self.queued.inserts.load(Ordering::Relaxed) > 0
+        };
         loop {
-            if queue.is_empty() {
+            if queue.is_empty() && paused.is_none() {
                 match rx.recv() {
                     Ok(job) => queue.push(job),
                     Err(_) => return,
@@ -584,8 +603,23 @@ impl Worker {
                 // Entries the index no longer holds (evicted, or never embedded) leave the gate
                 // from time to time; those still on their way to the index stay.
                 if gate.len() > 2 * index.len() + 64 {
-                    let done = queue.done_below();
+                    let done = paused
+                        .as_ref()
+                        .and_then(|(_, answers)| answers.first())
+                        .map_or(queue.done_below(), |a| a.1.min(queue.done_below()));
                     gate.retain(|id| id >= done || index.contains(id));
+                }
+            }
+            if queue.lookups.is_empty() {
+                if let Some((pass, answers)) = paused.take() {
+                    match bert.resume(pass, &lookup_waits) {
+                        Ok(Progress::Done(vectors)) => index_answers(&mut index, answers, vectors),
+                        Ok(Progress::Paused(pass)) => paused = Some((*pass, answers)),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "semantic cache: embedding failed; answers not indexed");
+                        }
+                    }
+                    continue;
                 }
             }
             let (lookups, unembedded) = queue.next_batch(self.config.batch);
@@ -610,9 +644,17 @@ impl Worker {
                 .map(|(_, _, t, _, _)| t.as_str())
                 .chain(lookups.iter().map(|(_, t, _, _)| t.as_str()))
                 .collect();
+            // An answer embedded alone gives way to a lookup; lookups never pause.
+            let yields = lookups.is_empty();
             let embedding = Instant::now();
-            let mut embedded = match bert.embed_with_tokens(&texts) {
-                Ok(v) => {
+            let mut embedded = match bert
+                .embed_with_tokens_until(&texts, &|| yields && lookup_waits())
+            {
+                Ok(Progress::Paused(pass)) => {
+                    paused = Some((*pass, unembedded));
+                    continue;
+                }
+                Ok(Progress::Done(v)) => {
                     let per_text = embedding.elapsed().as_micros() / texts.len() as u128;
                     let per_text = u64::try_from(per_text).unwrap_or(u64::MAX);
                     let average = self.per_text_us.load(Ordering::Relaxed);
@@ -625,10 +667,8 @@ impl Worker {
                     continue;
                 }
             };
-            for ((ns, id, text, key, at), vectors) in unembedded.into_iter().zip(embedded.by_ref())
-            {
-                index.insert(ns, id, text, vectors, key, now_ms(at));
-            }
+            let answers = embedded.by_ref().take(unembedded.len()).collect();
+            index_answers(&mut index, unembedded, answers);
             let now = now_ms(Instant::now());
             for ((ns, text, threshold, reply), vectors) in lookups.into_iter().zip(embedded) {
                 let search = Search {
@@ -653,7 +693,9 @@ type LookupJob = (u64, String, f32, oneshot::Sender<Looked>);
 type InsertJob = (u64, u64, String, u128, Instant);
 
 /// The worker's own queue: it takes every job waiting on the channel, then embeds the lookups
-/// first, so answers waiting to be indexed never make a request wait for more than one of them.
+/// first, so answers waiting to be indexed never make a request wait for more than one of them:
+/// the newest (an older answer's pass pauses for a lookup at its next layer and goes on after
+/// it).
 #[derive(Default)]
 struct WorkQueue {
     lookups: VecDeque<LookupJob>,

@@ -4,9 +4,12 @@
 # connection. Each of TRIALS trials sends BEFORE new questions (most decided by the first stage,
 # so their answers queue to be embedded), then one question of a QQP duplicate pair and, right
 # after its answer, the pair's other question; prints how many of those hit. BEFORE=0 is the
-# ceiling (no answers waiting).
+# ceiling (no answers waiting). BETWEEN=N sends N more new questions between the question and
+# its paraphrase (as other clients' answers would land in between at more than one connection),
+# so the answer the paraphrase matches is no longer the newest waiting.
 #
 #   BIN=DIR BEFORE=12 TRIALS=60 bench/semantic-backlog.sh
+#   BIN=DIR BEFORE=12 BETWEEN=2 TRIALS=60 bench/semantic-backlog.sh
 #
 # Needs python3, the model (scripts/fetch-model.sh).
 set -euo pipefail
@@ -15,11 +18,12 @@ P_UP=${P_UP:-19601}
 P_GW=${P_GW:-19602}
 BEFORE=${BEFORE:-12}
 TRIALS=${TRIALS:-60}
+BETWEEN=${BETWEEN:-0}
 . bench/common.sh
 start_semantic bl "$P_UP" "$P_GW" "gate_student = 0.45"
-KEY=$(cat "$WORK/bl.key") python3 - "$P_GW" "$BEFORE" "$TRIALS" <<'PY'
+KEY=$(cat "$WORK/bl.key") python3 - "$P_GW" "$BEFORE" "$TRIALS" "$BETWEEN" <<'PY'
 import http.client, json, os, sys, random
-port, before, trials = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+port, before, trials, between = (int(a) for a in sys.argv[1:5])
 key = os.environ["KEY"]
 rows = [json.loads(l) for l in open("../shared/data/qqp-dev.jsonl")]
 dups = [r for r in rows if r["duplicate"]]
@@ -39,7 +43,9 @@ for t in range(trials):
         ask(others[k]); k += 1
     d = dups[t]
     ask(d["a"])
+    for _ in range(between):
+        ask(others[k]); k += 1
     if ask(d["b"]) == "hit-semantic":
         hits += 1
-print(f"paraphrase right after its answer, behind {before} new questions: {hits}/{trials} hit")
+print(f"paraphrase {between} questions after its answer, behind {before} new questions: {hits}/{trials} hit")
 PY

@@ -284,17 +284,22 @@ impl CpuBert {
     /// `stop` said so before one (the pass then says which).
     fn layers(&self, pass: &mut Pass, stop: &dyn Fn() -> bool) -> bool {
         let Pass { spans, x, layer } = pass;
+        let from = *layer;
         let c = &self.config;
         let (h, inter) = (c.hidden_size, c.intermediate_size);
         let eps = c.layer_norm_eps;
         let t = x.len() / h;
         let w = &self.weights;
+        if *layer < w.layers.len() && stop() {
+            return false;
+        }
         let mut qkv = vec![0.0f32; t * 3 * h];
         let mut ctx = vec![0.0f32; t * h];
         let mut mid = vec![0.0f32; t * inter];
         let mut out = vec![0.0f32; t * h];
         while let Some(l) = w.layers.get(*layer) {
-            if stop() {
+            // Asked before the buffers above for the pass's next layer, then before each.
+            if *layer > from && stop() {
                 return false;
             }
             l.qkv_w.product(Rows::dense(x, t, h), &l.qkv_b, &mut qkv);

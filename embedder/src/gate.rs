@@ -75,6 +75,28 @@ pub enum Gate {
     Miss,
 }
 
+/// What the first stage knows of the stored questions a lookup may match.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Near {
+    /// None can: the lookup is a miss.
+    Nothing,
+    /// Only these may (none of the others can).
+    Only(Vec<EntryId>),
+    /// Some may, or it could not tell which (not asked, a namespace too large to scan,
+    /// entries being pruned).
+    Unknown,
+}
+
+impl Near {
+    /// The decision alone.
+    pub fn gate(&self) -> Gate {
+        match self {
+            Self::Nothing => Gate::Miss,
+            Self::Only(_) | Self::Unknown => Gate::Through,
+        }
+    }
+}
+
 /// The first stage a semantic cache runs: rarity-weighted token overlap ([`TokenGate`]) or the
 /// learned student vector ([`StudentGate`]). Both decide from a question's token ids, computed
 /// once per request ([`FirstStage::tokens`]) for its check and its insert.
@@ -102,6 +124,18 @@ impl FirstStage {
     /// Whether a lookup of the question whose [`FirstStage::tokens`] are `tokens` may hit in `ns`.
     pub fn check_tokens(&self, ns: u64, tokens: &[u32]) -> Gate {
         self.stage().check_tokens(ns, tokens)
+    }
+
+    /// [`FirstStage::check_tokens`], with the stored questions that passed when the stage
+    /// can say which (the learned stage; the overlap stage stops at the first).
+    pub fn near(&self, ns: u64, tokens: &[u32]) -> Near {
+        match self {
+            Self::Overlap(g) => match g.check_tokens(ns, tokens) {
+                Gate::Miss => Near::Nothing,
+                Gate::Through => Near::Unknown,
+            },
+            Self::Student(g) => g.near(ns, tokens),
+        }
     }
 
     /// Record stored question `id` of `ns` by its [`FirstStage::tokens`].

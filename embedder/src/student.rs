@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
 use crate::bert::EmbedError;
-use crate::gate::{Gate, Stage};
+use crate::gate::{Gate, Near, Stage};
 use crate::index::{dot, normalise, EntryId};
 use crate::static_embed::{f32s, header, StaticEmbedder};
 
@@ -220,27 +220,37 @@ impl StudentGate {
 
     /// Whether a lookup of the question whose [`StudentGate::tokens`] are `tokens` may hit.
     pub fn check_tokens(&self, ns: u64, tokens: &[u32]) -> Gate {
+        self.near(ns, tokens).gate()
+    }
+
+    /// The stored questions of `ns` whose student cosine with the question reaches the
+    /// threshold: the only ones a lookup of it may match.
+    pub fn near(&self, ns: u64, tokens: &[u32]) -> Near {
         if self.threshold <= 0.0 {
-            return Gate::Through;
+            return Near::Unknown;
         }
         // Never wait on a request's thread: while the vectors are being pruned, let it through.
         let Ok(rows) = self.rows.try_read() else {
-            return Gate::Through;
+            return Near::Unknown;
         };
         let Some(n) = rows.get(&ns) else {
-            return Gate::Miss;
+            return Near::Nothing;
         };
         if n.ids.len() > MAX_SCAN {
-            return Gate::Through;
+            return Near::Unknown;
         }
         let query = self.vector(tokens);
-        if n.vectors
+        let near: Vec<EntryId> = n
+            .vectors
             .chunks_exact(self.projection.cols)
-            .any(|stored| dot(&query, stored) >= self.threshold)
-        {
-            Gate::Through
+            .zip(&n.ids)
+            .filter(|(stored, _)| dot(&query, stored) >= self.threshold)
+            .map(|(_, &id)| id)
+            .collect();
+        if near.is_empty() {
+            Near::Nothing
         } else {
-            Gate::Miss
+            Near::Only(near)
         }
     }
 }

@@ -135,6 +135,25 @@ fn a_pass_paused_between_layers_and_resumed_gives_the_same_vectors() {
     assert_eq!(asked.get(), 6);
     let done = Embed::resume(&model, *paused, &|| false).unwrap();
     assert_eq!(done.done().expect("finished"), whole);
+    // Texts past one pass's 4,096 tokens: paused in the second pass, the first's vectors kept.
+    let long: Vec<String> = (0..20)
+        .map(|i| {
+            format!(
+                "{i} {}",
+                "the cache answers a question it has seen before ".repeat(30)
+            )
+        })
+        .collect();
+    let long: Vec<&str> = long.iter().map(String::as_str).collect();
+    let whole = model.embed_with_tokens(&long).unwrap();
+    asked.set(0);
+    let Progress::Paused(paused) = model.embed_with_tokens_until(&long, &stop_at(9)).unwrap()
+    else {
+        panic!("not paused in the second pass");
+    };
+    let done = Embed::resume(&model, *paused, &|| false).unwrap();
+    assert_eq!(asked.get(), 9);
+    assert_eq!(done.done().expect("finished"), whole);
     // Nothing to embed: nothing to pause.
     let empty = model.embed_with_tokens_until(&[], &|| true).unwrap();
     assert_eq!(empty.done(), Some(Vec::new()));

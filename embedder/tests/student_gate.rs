@@ -120,3 +120,30 @@ fn forgotten_questions_no_longer_let_lookups_through_and_a_huge_namespace_is_not
     g.retain(|id| id < 10);
     assert_eq!(g.check(1, "What is the capital of Australia?"), Gate::Miss);
 }
+
+#[test]
+fn a_lookup_learns_which_stored_questions_it_may_match() {
+    use embedder::gate::Near;
+
+    let g = gate(0.45);
+    let near = |text: &str| g.near(1, &g.tokens(text).unwrap());
+    assert_eq!(near(COOK), Near::Nothing, "an empty namespace");
+    store(&g, 1, 1, COOK);
+    store(&g, 1, 2, DROUGHT);
+    store(
+        &g,
+        1,
+        3,
+        "Can you recommend books for learning Italian cooking at home?",
+    );
+    let Near::Only(ids) = near("What's the best way to learn Italian cooking at home?") else {
+        panic!("a paraphrase of a stored question goes through");
+    };
+    assert!(ids.contains(&1) && !ids.contains(&2), "{ids:?}");
+    assert_eq!(
+        near("How are harvests usually affected when an area faces extended drought?"),
+        Near::Only(vec![2])
+    );
+    assert_eq!(near("Write a haiku about the sea."), Near::Nothing);
+    assert_eq!(gate(0.0).near(1, &g.tokens(COOK).unwrap()), Near::Unknown);
+}

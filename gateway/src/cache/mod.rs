@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use embedder::gate::Near;
 use serde_json::{Map, Value};
 
 use crate::config::CacheConfig;
@@ -535,14 +536,21 @@ impl Cache {
             return None;
         }
         q.tokens = s.gate_tokens(&q.text);
-        if q.tokens.as_deref().is_some_and(|t| s.gate_miss(q.ns, t)) {
-            // No stored question shares enough of its rare words to be a hit.
+        let near = q
+            .tokens
+            .as_deref()
+            .map_or(Near::Unknown, |t| s.gate_near(q.ns, t));
+        if near == Near::Nothing {
+            // No stored question is close enough to its student vector (or shares enough of
+            // its rare words) to be a hit.
             lookups.with_label_values(&["semantic", "gated"]).inc();
             self.calibration.record(&lookup.tenant_id, None);
             return None;
         }
         let started = Instant::now();
-        let looked = s.lookup(q.ns, q.model_key, &q.text, q.threshold).await;
+        let looked = s
+            .lookup(q.ns, q.model_key, &q.text, q.threshold, near)
+            .await;
         q.waited = started.elapsed();
         let Some(result) = looked else {
             lookups.with_label_values(&["semantic", "skipped"]).inc();

@@ -13,7 +13,7 @@
 //! cannot hit, so it is not embedded on the request's path: [`Semantic::maybe_populated`] says
 //! so without asking the thread, and the answer's question is embedded afterwards, off the
 //! request path, when it is indexed. Nor is one that shares too few of its rare words with every
-//! stored question of its namespace ([`Semantic::gate_miss`], the first stage:
+//! stored question of its namespace ([`Semantic::gate_near`], the first stage:
 //! [`embedder::gate`]), decided on the request's own thread in microseconds.
 
 use std::collections::VecDeque;
@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use embedder::bert::{BertEmbedder, Embed, TextVectors};
 use embedder::forward::{Paused, Progress};
-use embedder::gate::{FirstStage, Gate, TokenGate};
+use embedder::gate::{FirstStage, Near, TokenGate};
 use embedder::index::{CpuIndex, VectorIndex};
 use embedder::semantic::{Search, SemanticIndex, Verdict, SHIPPED_VERIFIER};
 use embedder::static_embed::StaticEmbedder;
@@ -53,6 +53,8 @@ enum Job {
         ns: u64,
         text: String,
         threshold: f32,
+        /// The stored questions it may match, when the first stage could say.
+        near: Option<Vec<u64>>,
         reply: oneshot::Sender<Looked>,
     },
     Insert {
@@ -231,12 +233,21 @@ impl Semantic {
     }
 
     /// Embed `text` and find its best verified match in `ns` (whose answers come from
-    /// `model`, a [`super::SemanticQuery::model_key`]); `None` when skipped (not ready, queue
-    /// full, a wait already too long, too slow).
-    pub async fn lookup(&self, ns: u64, model: u64, text: &str, threshold: f32) -> Option<Looked> {
+    /// `model`, a [`super::SemanticQuery::model_key`]; `near`: what the first stage found,
+    /// [`Semantic::gate_near`]); `None` when skipped (not ready, queue full, a wait already too
+    /// long, too slow).
+    pub async fn lookup(
+        &self,
+        ns: u64,
+        model: u64,
+        text: &str,
+        threshold: f32,
+        near: Near,
+    ) -> Option<Looked> {
         let lookups = self.queued.lookups.load(Ordering::Relaxed);
-        // The worker takes lookups before inserts, and an insert being embedded gives way
-        // within a layer unless it is the newest: at most one is ahead of this one.
+        // The worker takes lookups before inserts, and on the CPU an insert being embedded
+        // gives way within a layer unless it is the newest: at most one is ahead of this one
+        // (on a GPU the one under way and the newest).
         let ahead = lookups + usize::from(self.queued.inserts.load(Ordering::Relaxed) > 0);
         if !self.ready() || lookups >= self.max_queue || self.wait_too_long(ahead, lookups, model) {
             return None;
@@ -247,6 +258,10 @@ impl Semantic {
             ns,
             text: text.to_owned(),
             threshold,
+            near: match near {
+                Near::Only(ids) => Some(ids),
+                Near::Nothing | Near::Unknown => None,
+            },
             reply,
         };
         if self.tx.send(job).is_err() {
@@ -287,12 +302,13 @@ impl Semantic {
         self.gate.get()?.tokens(text)
     }
 
-    /// Whether the first stage finds that the question (its [`Semantic::gate_tokens`]) shares
-    /// too little with every question stored in `ns` for any to be a hit.
-    pub fn gate_miss(&self, ns: u64, tokens: &[u32]) -> bool {
+    /// What the first stage finds for the question (its [`Semantic::gate_tokens`]) in `ns`:
+    /// that no stored question is close enough to be a hit ([`Near::Nothing`]), or which may
+    /// be (the lookup then takes those of them still waiting to be indexed into its batch).
+    pub fn gate_near(&self, ns: u64, tokens: &[u32]) -> Near {
         self.gate
             .get()
-            .is_some_and(|gate| gate.check_tokens(ns, tokens) == Gate::Miss)
+            .map_or(Near::Unknown, |gate| gate.near(ns, tokens))
     }
 
     /// Index a fresh answer's question (embedded by the worker when `vectors` is `None`; its
@@ -345,7 +361,7 @@ impl Semantic {
     }
 }
 
-/// Jobs sent to the worker and not yet done, by kind.
+/// Jobs sent to the worker and not yet taken into a batch, by kind.
 #[derive(Debug, Default)]
 struct Queued {
     lookups: AtomicUsize,
@@ -576,16 +592,17 @@ impl Worker {
         let mut queue = WorkQueue::default();
         // Answers whose pass gave way to a lookup, and where that pass stands.
         let mut paused: Option<(Paused, Vec<InsertJob>)> = None;
-        // Whether an answer's pass should stop at its next layer: a lookup waits, and a newer
-        // answer too, which the lookup takes along. With no newer answer the one under way is
-        // the newest, the one a paraphrase sent right after it would match: it is finished
-        // first, as the lookup would have it.
+        // Whether an answer's pass should stop at its next layer (on the CPU): a lookup waits,
+        // and a newer answer too (one the lookup may take along, or one that came with its
+        // vectors). With no newer answer the one under way is the newest, the one a paraphrase
+        // sent right after it would match: it is finished first, as the lookup would have it.
         let lookup_waits = || {
             self.queued.lookups.load(Ordering::Relaxed) > 0
                 && self.queued.inserts.load(Ordering::Relaxed) > 0
         };
         loop {
-            if queue.is_empty() && paused.is_none() {
+            // Nothing to do but a paused answer, whose lookup is on its way: wait for it.
+            if queue.is_empty() && (paused.is_none() || lookup_waits()) {
                 match rx.recv() {
                     Ok(job) => queue.push(job),
                     Err(_) => return,
@@ -603,16 +620,23 @@ impl Worker {
                 // Entries the index no longer holds (evicted, or never embedded) leave the gate
                 // from time to time; those still on their way to the index stay.
                 if gate.len() > 2 * index.len() + 64 {
-                    let done = paused
-                        .as_ref()
-                        .and_then(|(_, answers)| answers.first())
-                        .map_or(queue.done_below(), |a| a.1.min(queue.done_below()));
+                    let paused_ids = paused.iter().flat_map(|(_, answers)| answers.iter());
+                    let done = paused_ids.map(|a| a.1).fold(queue.done_below(), u64::min);
                     gate.retain(|id| id >= done || index.contains(id));
                 }
             }
-            if queue.lookups.is_empty() {
-                if let Some((pass, answers)) = paused.take() {
-                    match bert.resume(pass, &lookup_waits) {
+            // A paused answer goes on once no lookup waits, or at once, to the end, when a
+            // waiting lookup may match it (the first stage says so): that lookup must see it.
+            if let Some((pass, answers)) = paused.take() {
+                let wanted = queue.lookups.iter().any(|l| {
+                    l.near
+                        .as_ref()
+                        .is_some_and(|near| answers.iter().any(|a| near.contains(&a.1)))
+                });
+                if queue.lookups.is_empty() || wanted {
+                    let never = || false;
+                    let stop: &dyn Fn() -> bool = if wanted { &never } else { &lookup_waits };
+                    match bert.resume(pass, stop) {
                         Ok(Progress::Done(vectors)) => index_answers(&mut index, answers, vectors),
                         Ok(Progress::Paused(pass)) => paused = Some((*pass, answers)),
                         Err(e) => {
@@ -621,6 +645,7 @@ impl Worker {
                     }
                     continue;
                 }
+                paused = Some((pass, answers));
             }
             let (lookups, unembedded) = queue.next_batch(self.config.batch);
             self.queued
@@ -632,7 +657,7 @@ impl Worker {
             // The caller gave up waiting: skip the work.
             let lookups: Vec<_> = lookups
                 .into_iter()
-                .filter(|(_, _, _, reply)| !reply.is_closed())
+                .filter(|l| !l.reply.is_closed())
                 .collect();
             if lookups.is_empty() && unembedded.is_empty() {
                 continue;
@@ -642,10 +667,11 @@ impl Worker {
             let texts: Vec<&str> = unembedded
                 .iter()
                 .map(|(_, _, t, _, _)| t.as_str())
-                .chain(lookups.iter().map(|(_, t, _, _)| t.as_str()))
+                .chain(lookups.iter().map(|l| l.text.as_str()))
                 .collect();
-            // An answer embedded alone gives way to a lookup; lookups never pause.
-            let yields = lookups.is_empty();
+            // An answer embedded alone gives way to a lookup; lookups never pause, nor does an
+            // answer while another is paused (one paused pass at a time).
+            let yields = lookups.is_empty() && paused.is_none();
             let embedding = Instant::now();
             let mut embedded = match bert
                 .embed_with_tokens_until(&texts, &|| yields && lookup_waits())
@@ -670,7 +696,17 @@ impl Worker {
             let answers = embedded.by_ref().take(unembedded.len()).collect();
             index_answers(&mut index, unembedded, answers);
             let now = now_ms(Instant::now());
-            for ((ns, text, threshold, reply), vectors) in lookups.into_iter().zip(embedded) {
+            for (
+                LookupJob {
+                    ns,
+                    text,
+                    threshold,
+                    reply,
+                    ..
+                },
+                vectors,
+            ) in lookups.into_iter().zip(embedded)
+            {
                 let search = Search {
                     k: self.config.candidates,
                     min_cosine: self.config.min_cosine,
@@ -687,15 +723,22 @@ impl Worker {
     }
 }
 
-/// A lookup taken off the channel: namespace, question, threshold, where to answer.
-type LookupJob = (u64, String, f32, oneshot::Sender<Looked>);
+/// A lookup taken off the channel.
+struct LookupJob {
+    ns: u64,
+    text: String,
+    threshold: f32,
+    /// The stored questions it may match (`None`: the first stage could not say).
+    near: Option<Vec<u64>>,
+    reply: oneshot::Sender<Looked>,
+}
 /// An insert to embed: namespace, entry id, question, answer key, when it was answered.
 type InsertJob = (u64, u64, String, u128, Instant);
 
 /// The worker's own queue: it takes every job waiting on the channel, then embeds the lookups
 /// first, so answers waiting to be indexed never make a request wait for more than one of them:
-/// the newest (an older answer's pass pauses for a lookup at its next layer and goes on after
-/// it).
+/// on the CPU the newest (an older answer's pass pauses for a lookup at its next layer and goes
+/// on after it), on a GPU the one under way.
 #[derive(Default)]
 struct WorkQueue {
     lookups: VecDeque<LookupJob>,
@@ -721,8 +764,15 @@ impl WorkQueue {
                 ns,
                 text,
                 threshold,
+                near,
                 reply,
-            } => self.lookups.push_back((ns, text, threshold, reply)),
+            } => self.lookups.push_back(LookupJob {
+                ns,
+                text,
+                threshold,
+                near,
+                reply,
+            }),
             Job::Insert {
                 ns,
                 id,
@@ -744,23 +794,38 @@ impl WorkQueue {
         }
     }
 
-    /// What to embed next: up to `batch` lookups with the newest waiting insert (the answer a
-    /// lookup sent right after it, a paraphrase, would match: when the first stage decides
-    /// lookups faster than their answers can be embedded, the oldest waiting answer is seldom
-    /// that one), or, with no lookup waiting, the oldest insert alone.
+    /// What to embed next: up to `batch` lookups with the newest waiting answer and the older
+    /// ones the first stage found they may match (at most `batch` answers), or, with no lookup
+    /// waiting, the oldest answer alone. The newest is the one a paraphrase sent right after it
+    /// would match (when the first stage decides lookups faster than their answers can be
+    /// embedded, the oldest waiting answer is seldom that one), and it rides along whatever
+    /// the lookups may match: indexed in a pass that runs anyway, while answers wait.
     fn next_batch(&mut self, batch: usize) -> (Vec<LookupJob>, Vec<InsertJob>) {
-        let take = self.lookups.len().min(batch.max(1));
+        let batch = batch.max(1);
+        let take = self.lookups.len().min(batch);
         let lookups: Vec<LookupJob> = self.lookups.drain(..take).collect();
-        let insert = if lookups.is_empty() {
-            self.inserts.pop_front()
-        } else {
-            self.inserts.pop_back()
+        if lookups.is_empty() {
+            return (lookups, self.inserts.pop_front().into_iter().collect());
+        }
+        let mut answers: Vec<InsertJob> = self.inserts.pop_back().into_iter().collect();
+        let wanted = |id: u64| {
+            lookups
+                .iter()
+                .any(|l| l.near.as_ref().is_some_and(|near| near.contains(&id)))
         };
-        (lookups, insert.into_iter().collect())
+        let mut i = self.inserts.len();
+        while i > 0 && answers.len() < batch {
+            i -= 1;
+            if wanted(self.inserts[i].1) {
+                answers.extend(self.inserts.remove(i));
+            }
+        }
+        (lookups, answers)
     }
 
-    /// Every insert id below this one is done (indexed, or failed to embed): the oldest still
-    /// to embed, or the next one the channel can bring. Only right after the last batch.
+    /// Every insert id below this one is done (indexed, or failed to embed) but those of a
+    /// paused pass, which the worker holds: the oldest still to embed, or the next one the
+    /// channel can bring. Only right after the last batch.
     fn done_below(&self) -> u64 {
         self.inserts
             .front()
@@ -852,10 +917,15 @@ mod tests {
     }
 
     fn lookup(text: &str) -> Job {
+        near_lookup(text, None)
+    }
+
+    fn near_lookup(text: &str, near: Option<Vec<u64>>) -> Job {
         Job::Lookup {
             ns: 1,
             text: text.into(),
             threshold: 0.5,
+            near,
             reply: oneshot::channel().0,
         }
     }
@@ -876,7 +946,7 @@ mod tests {
             q.push(job);
         }
         let (lookups, inserts) = q.next_batch(2);
-        let texts: Vec<&str> = lookups.iter().map(|l| l.1.as_str()).collect();
+        let texts: Vec<&str> = lookups.iter().map(|l| l.text.as_str()).collect();
         assert_eq!(texts, ["a", "b"]);
         assert_eq!(inserts.iter().map(|i| i.1).collect::<Vec<_>>(), [4]);
         assert_eq!(q.done_below(), 1, "insert 1 still waits");
@@ -896,6 +966,43 @@ mod tests {
             5,
             "everything taken off the channel is done"
         );
+    }
+
+    #[test]
+    fn lookups_take_the_waiting_answers_the_first_stage_found_near_them() {
+        let mut q = WorkQueue::default();
+        for job in [
+            insert(1),
+            insert(2),
+            insert(3),
+            insert(4),
+            near_lookup("a", Some(vec![2, 9])),
+            near_lookup("b", Some(vec![1])),
+        ] {
+            q.push(job);
+        }
+        // The newest (4), and 1 and 2, older, which the lookups may match; not 3.
+        let (lookups, answers) = q.next_batch(8);
+        assert_eq!(lookups.len(), 2);
+        let mut ids: Vec<u64> = answers.iter().map(|a| a.1).collect();
+        ids.sort_unstable();
+        assert_eq!(ids, [1, 2, 4]);
+        assert_eq!(q.done_below(), 3);
+        // Nothing waiting that it may match: the newest alone rides along.
+        q.push(near_lookup("c", Some(vec![1, 2])));
+        q.push(insert(5));
+        let (lookups, answers) = q.next_batch(8);
+        assert_eq!(lookups.len(), 1);
+        assert_eq!(answers.iter().map(|a| a.1).collect::<Vec<_>>(), [5]);
+        // At most `batch` answers.
+        for id in 6..10 {
+            q.push(insert(id));
+        }
+        q.push(near_lookup("d", Some(vec![3, 6, 7, 8])));
+        let (_, answers) = q.next_batch(2);
+        assert_eq!(answers.iter().map(|a| a.1).collect::<Vec<_>>(), [9, 8]);
+        let (_, answers) = q.next_batch(2);
+        assert_eq!(answers.iter().map(|a| a.1).collect::<Vec<_>>(), [3]);
     }
 
     #[test]

@@ -80,7 +80,8 @@ pub enum Gate {
 pub enum Near {
     /// None can: the lookup is a miss.
     Nothing,
-    /// Only these may (none of the others can).
+    /// Only these may, as far as the stage can tell (it errs like [`Gate::Miss`]: a reworded
+    /// paraphrase may fall below its threshold), among those stored when it looked.
     Only(Vec<EntryId>),
     /// Some may, or it could not tell which (not asked, a namespace too large to scan,
     /// entries being pruned).

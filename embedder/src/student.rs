@@ -32,6 +32,10 @@ const MAGIC: &[u8; 8] = b"GWSTUDNT";
 /// (~1 M multiply-adds; beyond a few thousand varied questions most lookups go on anyway).
 pub const MAX_SCAN: usize = 8192;
 
+/// Most stored questions [`StudentGate::near`] names for one lookup; past it, it says it cannot
+/// tell which.
+pub const MAX_NEAR: usize = 256;
+
 /// A question, a paraphrase of it and an unrelated one: the map's check at load.
 const PROBE: [&str; 3] = [
     "How can I learn to cook Italian food at home?",
@@ -247,10 +251,11 @@ impl StudentGate {
             .filter(|(stored, _)| dot(&query, stored) >= self.threshold)
             .map(|(_, &id)| id)
             .collect();
-        if near.is_empty() {
-            Near::Nothing
-        } else {
-            Near::Only(near)
+        match near.len() {
+            0 => Near::Nothing,
+            // So many near ones say little about which: none is singled out.
+            n if n > MAX_NEAR => Near::Unknown,
+            _ => Near::Only(near),
         }
     }
 }

@@ -12,8 +12,8 @@
 //! A question whose namespace holds nothing yet (a new system prompt, new sampling parameters)
 //! cannot hit, so it is not embedded on the request's path: [`Semantic::maybe_populated`] says
 //! so without asking the thread, and the answer's question is embedded afterwards, off the
-//! request path, when it is indexed. Nor is one that shares too few of its rare words with every
-//! stored question of its namespace ([`Semantic::gate_near`], the first stage:
+//! request path, when it is indexed. Nor is one the first stage finds far from every stored
+//! question of its namespace (its student vector, or its rare words: [`Semantic::gate_near`],
 //! [`embedder::gate`]), decided on the request's own thread in microseconds.
 
 use std::collections::VecDeque;
@@ -246,8 +246,9 @@ impl Semantic {
     ) -> Option<Looked> {
         let lookups = self.queued.lookups.load(Ordering::Relaxed);
         // The worker takes lookups before inserts, and on the CPU an insert being embedded
-        // gives way within a layer unless it is the newest: at most one is ahead of this one
-        // (on a GPU the one under way and the newest).
+        // gives way within a layer unless it is the newest or one this lookup may match;
+        // counted as one insert ahead, though a batch may take up to `ALONG` older answers
+        // the lookups may match with the newest (the wait is then underestimated).
         let ahead = lookups + usize::from(self.queued.inserts.load(Ordering::Relaxed) > 0);
         if !self.ready() || lookups >= self.max_queue || self.wait_too_long(ahead, lookups, model) {
             return None;
@@ -259,7 +260,10 @@ impl Semantic {
             text: text.to_owned(),
             threshold,
             near: match near {
-                Near::Only(ids) => Some(ids),
+                Near::Only(mut ids) => {
+                    ids.sort_unstable();
+                    Some(ids)
+                }
                 Near::Nothing | Near::Unknown => None,
             },
             reply,
@@ -601,8 +605,10 @@ impl Worker {
                 && self.queued.inserts.load(Ordering::Relaxed) > 0
         };
         loop {
-            // Nothing to do but a paused answer, whose lookup is on its way: wait for it.
-            if queue.is_empty() && (paused.is_none() || lookup_waits()) {
+            // Nothing to do, or a paused answer and a lookup on its way (counted, not yet on
+            // the channel): wait for a job.
+            let idle = queue.is_empty() && paused.is_none();
+            if idle || (queue.lookups.is_empty() && paused.is_some() && lookup_waits()) {
                 match rx.recv() {
                     Ok(job) => queue.push(job),
                     Err(_) => return,
@@ -628,11 +634,10 @@ impl Worker {
             // A paused answer goes on once no lookup waits, or at once, to the end, when a
             // waiting lookup may match it (the first stage says so): that lookup must see it.
             if let Some((pass, answers)) = paused.take() {
-                let wanted = queue.lookups.iter().any(|l| {
-                    l.near
-                        .as_ref()
-                        .is_some_and(|near| answers.iter().any(|a| near.contains(&a.1)))
-                });
+                let wanted = queue
+                    .lookups
+                    .iter()
+                    .any(|l| answers.iter().any(|a| l.may_match(a.1)));
                 if queue.lookups.is_empty() || wanted {
                     let never = || false;
                     let stop: &dyn Fn() -> bool = if wanted { &never } else { &lookup_waits };
@@ -723,22 +728,38 @@ impl Worker {
     }
 }
 
+/// Most older answers a lookup's batch takes along (besides the newest): those its first stage
+/// found near it, the newest first.
+const ALONG: usize = 4;
+
 /// A lookup taken off the channel.
 struct LookupJob {
     ns: u64,
     text: String,
     threshold: f32,
-    /// The stored questions it may match (`None`: the first stage could not say).
+    /// The stored questions it may match, ascending (`None`: the first stage could not say).
     near: Option<Vec<u64>>,
     reply: oneshot::Sender<Looked>,
+}
+
+impl LookupJob {
+    /// Whether it still waits and its first stage found stored question `id` near it.
+    fn may_match(&self, id: u64) -> bool {
+        !self.reply.is_closed()
+            && self
+                .near
+                .as_ref()
+                .is_some_and(|near| near.binary_search(&id).is_ok())
+    }
 }
 /// An insert to embed: namespace, entry id, question, answer key, when it was answered.
 type InsertJob = (u64, u64, String, u128, Instant);
 
 /// The worker's own queue: it takes every job waiting on the channel, then embeds the lookups
-/// first, so answers waiting to be indexed never make a request wait for more than one of them:
-/// on the CPU the newest (an older answer's pass pauses for a lookup at its next layer and goes
-/// on after it), on a GPU the one under way.
+/// first, so answers waiting to be indexed make a request wait for little more than its own
+/// batch (the newest answer and at most [`ALONG`] older ones it may match go in that batch; on
+/// the CPU an older answer's pass under way pauses for it at its next layer, unless the lookup
+/// may match it; on a GPU the answer under way is finished first).
 #[derive(Default)]
 struct WorkQueue {
     lookups: VecDeque<LookupJob>,
@@ -808,13 +829,9 @@ impl WorkQueue {
             return (lookups, self.inserts.pop_front().into_iter().collect());
         }
         let mut answers: Vec<InsertJob> = self.inserts.pop_back().into_iter().collect();
-        let wanted = |id: u64| {
-            lookups
-                .iter()
-                .any(|l| l.near.as_ref().is_some_and(|near| near.contains(&id)))
-        };
+        let wanted = |id: u64| lookups.iter().any(|l| l.may_match(id));
         let mut i = self.inserts.len();
-        while i > 0 && answers.len() < batch {
+        while i > 0 && answers.len() <= ALONG.min(batch - 1) {
             i -= 1;
             if wanted(self.inserts[i].1) {
                 answers.extend(self.inserts.remove(i));
@@ -917,17 +934,20 @@ mod tests {
     }
 
     fn lookup(text: &str) -> Job {
-        near_lookup(text, None)
+        near_lookup(text, None).0
     }
 
-    fn near_lookup(text: &str, near: Option<Vec<u64>>) -> Job {
-        Job::Lookup {
+    /// A lookup and the receiver of its answer (while it is kept, the lookup still waits).
+    fn near_lookup(text: &str, near: Option<Vec<u64>>) -> (Job, oneshot::Receiver<Looked>) {
+        let (reply, rx) = oneshot::channel();
+        let job = Job::Lookup {
             ns: 1,
             text: text.into(),
             threshold: 0.5,
             near,
-            reply: oneshot::channel().0,
-        }
+            reply,
+        };
+        (job, rx)
     }
 
     #[test]
@@ -971,25 +991,28 @@ mod tests {
     #[test]
     fn lookups_take_the_waiting_answers_the_first_stage_found_near_them() {
         let mut q = WorkQueue::default();
-        for job in [
-            insert(1),
-            insert(2),
-            insert(3),
-            insert(4),
-            near_lookup("a", Some(vec![2, 9])),
-            near_lookup("b", Some(vec![1])),
-        ] {
+        let mut waiting = Vec::new();
+        let mut ask = |q: &mut WorkQueue, text: &str, near: Vec<u64>| {
+            let (job, rx) = near_lookup(text, Some(near));
+            waiting.push(rx);
             q.push(job);
+        };
+        for id in 1..=4 {
+            q.push(insert(id));
         }
+        ask(&mut q, "a", vec![2, 9]);
+        ask(&mut q, "b", vec![1]);
+        // A lookup whose caller gave up takes nothing along.
+        q.push(near_lookup("gone", Some(vec![3])).0);
         // The newest (4), and 1 and 2, older, which the lookups may match; not 3.
         let (lookups, answers) = q.next_batch(8);
-        assert_eq!(lookups.len(), 2);
+        assert_eq!(lookups.len(), 3);
         let mut ids: Vec<u64> = answers.iter().map(|a| a.1).collect();
         ids.sort_unstable();
         assert_eq!(ids, [1, 2, 4]);
         assert_eq!(q.done_below(), 3);
         // Nothing waiting that it may match: the newest alone rides along.
-        q.push(near_lookup("c", Some(vec![1, 2])));
+        ask(&mut q, "c", vec![1, 2]);
         q.push(insert(5));
         let (lookups, answers) = q.next_batch(8);
         assert_eq!(lookups.len(), 1);
@@ -998,11 +1021,20 @@ mod tests {
         for id in 6..10 {
             q.push(insert(id));
         }
-        q.push(near_lookup("d", Some(vec![3, 6, 7, 8])));
+        ask(&mut q, "d", vec![3, 6, 7, 8]);
         let (_, answers) = q.next_batch(2);
         assert_eq!(answers.iter().map(|a| a.1).collect::<Vec<_>>(), [9, 8]);
         let (_, answers) = q.next_batch(2);
         assert_eq!(answers.iter().map(|a| a.1).collect::<Vec<_>>(), [3]);
+        // At most `ALONG` older ones with the newest, the newest first.
+        for id in 10..20 {
+            q.push(insert(id));
+        }
+        ask(&mut q, "e", (10..19).collect());
+        let (_, answers) = q.next_batch(16);
+        let ids: Vec<u64> = answers.iter().map(|a| a.1).collect();
+        assert_eq!(ids, [19, 18, 17, 16, 15]);
+        assert_eq!(ids.len(), 1 + ALONG);
     }
 
     #[test]

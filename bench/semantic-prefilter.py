@@ -308,11 +308,7 @@ def held_out(pairs_path, prefix, extra_prefix, scores_path, verifier_path, with_
     import numpy as np
 
     rows, teacher, static, extra_t, extra_s, src = student_data(pairs_path, prefix, extra_prefix)
-    scores = [json.loads(line) for line in open(scores_path)]
-    verifier = json.load(open(verifier_path))
-    p = np.array([r["p"] for r in scores])
-    cos = np.array([r["cos"] for r in scores])
-    dup = np.array([bool(r["duplicate"]) for r in rows])
+    verifier, p, cos, dup = pair_scores(rows, scores_path, verifier_path)
 
     def fit_without(source):
         m = src != source
@@ -321,6 +317,37 @@ def held_out(pairs_path, prefix, extra_prefix, scores_path, verifier_path, with_
 
     maps = {s: fit_without(s) for s in sorted(set(src))}
     return rows, teacher, static, src, verifier, p, cos, dup, maps
+
+
+def pair_scores(rows, scores_path, verifier_path):
+    """The shipped verifier, and each pair's probability, transformer cosine and label
+    (`pair_scores`' output for `rows`)."""
+    import numpy as np
+
+    scores = [json.loads(line) for line in open(scores_path)]
+    verifier = json.load(open(verifier_path))
+    p = np.array([r["p"] for r in scores])
+    cos = np.array([r["cos"] for r in scores])
+    dup = np.array([bool(r["duplicate"]) for r in rows])
+    return verifier, p, cos, dup
+
+
+def kept_tables(x, src, maps, p, cos, dup, thr, gates):
+    """Per source, the share of the verifier's true hits (at threshold `thr`) whose student
+    cosine reaches each gate, by the map fitted without that source (`x`: each pair's two
+    inputs to the map); then the Quora namespace's `go_on_table`."""
+    import numpy as np
+
+    print("| source | true hits (min precision 0.80) | " + " | ".join(f"kept at t = {t}" for t in gates) + " |")
+    print("|---|---|" + "---|" * len(gates))
+    for s, w in maps.items():
+        m = src == s
+        cs = (student_vectors(x[m, 0], w) * student_vectors(x[m, 1], w)).sum(-1)
+        hit = true_hits(p[m], cos[m], dup[m], thr)
+        print(f"| {s} | {hit.sum()} | " + " | ".join(f"{np.mean(cs[hit] >= t):.3f}" for t in gates) + " |")
+    qqp = np.flatnonzero(src == "qqp")[:QUERIES]
+    a = student_vectors(x[qqp, 0], maps["qqp"])
+    go_on_table(a @ a.T, gates)
 
 
 def go_on_table(sims, gates):
@@ -440,11 +467,7 @@ def student_pooled(pairs_path, prefix, extra_prefix, scores_path, verifier_path,
     rows, teacher, static, extra_t, extra_s, src = student_data(pairs_path, prefix, extra_prefix)
     x = pooled(f"{prefix}.ids.jsonl").reshape(len(rows), 2, -1)
     extra_x = pooled(f"{extra_prefix}.ids.jsonl")
-    scores = [json.loads(line) for line in open(scores_path)]
-    verifier = json.load(open(verifier_path))
-    p = np.array([r["p"] for r in scores])
-    cos = np.array([r["cos"] for r in scores])
-    dup = np.array([bool(r["duplicate"]) for r in rows])
+    verifier, p, cos, dup = pair_scores(rows, scores_path, verifier_path)
     thr = verifier_threshold(verifier, 0.80)
     gates = (0.4, 0.45, 0.5, 0.55, 0.6)
     maps = {}
@@ -452,17 +475,7 @@ def student_pooled(pairs_path, prefix, extra_prefix, scores_path, verifier_path,
         m = src != s
         maps[s] = student_fit(np.vstack([x[m].reshape(-1, x.shape[2]), extra_x]),
                               np.vstack([teacher[m].reshape(-1, 384), extra_t]))
-    print("| source | true hits (min precision 0.80) | " + " | ".join(f"kept at t = {t}" for t in gates) + " |")
-    print("|---|---|" + "---|" * len(gates))
-    for s, w in maps.items():
-        m = src == s
-        cs = (student_vectors(x[m, 0], w) * student_vectors(x[m, 1], w)).sum(-1)
-        hit = true_hits(p[m], cos[m], dup[m], thr)
-        print(f"| {s} | {hit.sum()} | " + " | ".join(f"{np.mean(cs[hit] >= t):.3f}" for t in gates) + " |")
-    qqp = np.flatnonzero(src == "qqp")[:QUERIES]
-    a = student_vectors(x[qqp, 0], maps["qqp"])
-    sims = a @ a.T
-    go_on_table(sims, gates)
+    kept_tables(x, src, maps, p, cos, dup, thr, gates)
 
 
 def metric_fit(static, teacher, pos, w0, steps=800, batch=1024, lr=3e-3, near=0.3, weight=8.0):
@@ -501,11 +514,7 @@ def student_metric(pairs_path, prefix, extra_prefix, scores_path, verifier_path)
     import numpy as np
 
     rows, teacher, static, extra_t, extra_s, src = student_data(pairs_path, prefix, extra_prefix)
-    scores = [json.loads(line) for line in open(scores_path)]
-    verifier = json.load(open(verifier_path))
-    p = np.array([r["p"] for r in scores])
-    cos = np.array([r["cos"] for r in scores])
-    dup = np.array([bool(r["duplicate"]) for r in rows])
+    verifier, p, cos, dup = pair_scores(rows, scores_path, verifier_path)
     gates = (0.35, 0.4, 0.45, 0.5, 0.55, 0.6)
     maps = {}
     for s in sorted(set(src)):
@@ -515,16 +524,7 @@ def student_metric(pairs_path, prefix, extra_prefix, scores_path, verifier_path)
         keep = np.flatnonzero(dup[m] & (cos[m] >= 0.6))
         maps[s] = metric_fit(st, te, np.stack([2 * keep, 2 * keep + 1], 1), student_fit(st, te))
     thr = verifier_threshold(verifier, 0.80)
-    print("| source | true hits (min precision 0.80) | " + " | ".join(f"kept at t = {t}" for t in gates) + " |")
-    print("|---|---|" + "---|" * len(gates))
-    for s, w in maps.items():
-        m = src == s
-        cs = (student_vectors(static[m, 0], w) * student_vectors(static[m, 1], w)).sum(-1)
-        hit = true_hits(p[m], cos[m], dup[m], thr)
-        print(f"| {s} | {hit.sum()} | " + " | ".join(f"{np.mean(cs[hit] >= t):.3f}" for t in gates) + " |")
-    qqp = np.flatnonzero(src == "qqp")[:QUERIES]
-    a = student_vectors(static[qqp, 0], maps["qqp"])
-    go_on_table(a @ a.T, gates)
+    kept_tables(static, src, maps, p, cos, dup, thr, gates)
 
 
 def fit(pairs_path, prefix, extra_prefix, out_path):

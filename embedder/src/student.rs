@@ -250,6 +250,7 @@ impl StudentGate {
             .zip(&n.ids)
             .filter(|(stored, _)| dot(&query, stored) >= self.threshold)
             .map(|(_, &id)| id)
+            .take(MAX_NEAR + 1)
             .collect();
         match near.len() {
             0 => Near::Nothing,

@@ -49,14 +49,7 @@ pub struct Looked {
 }
 
 enum Job {
-    Lookup {
-        ns: u64,
-        text: String,
-        threshold: f32,
-        /// The stored questions it may match, when the first stage could say.
-        near: Option<Vec<u64>>,
-        reply: oneshot::Sender<Looked>,
-    },
+    Lookup(LookupJob),
     Insert {
         ns: u64,
         /// The entry's id: increasing in the order inserts are sent.
@@ -255,7 +248,7 @@ impl Semantic {
         }
         let (reply, rx) = oneshot::channel();
         self.queued.lookups.fetch_add(1, Ordering::Relaxed);
-        let job = Job::Lookup {
+        let job = Job::Lookup(LookupJob {
             ns,
             text: text.to_owned(),
             threshold,
@@ -267,7 +260,7 @@ impl Semantic {
                 Near::Nothing | Near::Unknown => None,
             },
             reply,
-        };
+        });
         if self.tx.send(job).is_err() {
             self.queued.lookups.fetch_sub(1, Ordering::Relaxed);
             return None;
@@ -732,7 +725,7 @@ impl Worker {
 /// found near it, the newest first.
 const ALONG: usize = 4;
 
-/// A lookup taken off the channel.
+/// A lookup sent to the worker.
 struct LookupJob {
     ns: u64,
     text: String,
@@ -781,19 +774,7 @@ impl WorkQueue {
             self.newest = self.newest.max(*id);
         }
         match job {
-            Job::Lookup {
-                ns,
-                text,
-                threshold,
-                near,
-                reply,
-            } => self.lookups.push_back(LookupJob {
-                ns,
-                text,
-                threshold,
-                near,
-                reply,
-            }),
+            Job::Lookup(lookup) => self.lookups.push_back(lookup),
             Job::Insert {
                 ns,
                 id,
@@ -816,7 +797,8 @@ impl WorkQueue {
     }
 
     /// What to embed next: up to `batch` lookups with the newest waiting answer and the older
-    /// ones the first stage found they may match (at most `batch` answers), or, with no lookup
+    /// ones the first stage found they may match (at most [`ALONG`], and `batch` answers in
+    /// all), or, with no lookup
     /// waiting, the oldest answer alone. The newest is the one a paraphrase sent right after it
     /// would match (when the first stage decides lookups faster than their answers can be
     /// embedded, the oldest waiting answer is seldom that one), and it rides along whatever
@@ -940,13 +922,13 @@ mod tests {
     /// A lookup and the receiver of its answer (while it is kept, the lookup still waits).
     fn near_lookup(text: &str, near: Option<Vec<u64>>) -> (Job, oneshot::Receiver<Looked>) {
         let (reply, rx) = oneshot::channel();
-        let job = Job::Lookup {
+        let job = Job::Lookup(LookupJob {
             ns: 1,
             text: text.into(),
             threshold: 0.5,
             near,
             reply,
-        };
+        });
         (job, rx)
     }
 

@@ -638,36 +638,7 @@ async fn with_its_redis_frozen_the_guard_is_bounded_by_its_timeout_and_resumes_a
             .get("x-gateway-loop")
             .is_some_and(|f| f.to_str().unwrap().contains("session=after"));
         assert_eq!(flagged, i == 2, "request {i}");
-        let event = app.next_event().await;
-        answered_in_redis(&redis.url, &event.tenant_id, "after").await;
+        let _ = app.next_event().await;
     }
     app.stop().await;
-}
-
-/// Wait until the guard's settle of `session`'s newest turn has reached Redis (the state's
-/// `ra`). The settle goes out on a task of its own once the answer is sent; a next turn
-/// admitted on another lane in the few microseconds between that task taking the queue and
-/// writing its call reads the unanswered turn as a client's retry, not a repeat (a loaded CI
-/// machine once preempted the task there).
-async fn answered_in_redis(url: &str, tenant: &str, session: &str) {
-    let conn = gateway::redis_conn::RedisConn::new(
-        vec![url.to_owned()],
-        std::time::Duration::from_secs(2),
-    )
-    .unwrap();
-    let mut c = conn.get().await.unwrap();
-    let key = format!("{{g:{tenant}}}:s:{session}");
-    for _ in 0..500 {
-        let answered: Option<String> = redis::cmd("HGET")
-            .arg(&key)
-            .arg("ra")
-            .query_async(&mut c)
-            .await
-            .unwrap();
-        if answered.as_deref() == Some("1") {
-            return;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    panic!("{key}: the newest turn's settle never reached Redis");
 }

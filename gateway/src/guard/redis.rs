@@ -7,7 +7,11 @@
 //! sends every settle queued by then in one script per tenant; a turn of the tenant that this
 //! gateway sends first takes the queued settles along (the same script, applied before the
 //! turn is recorded). Under load nearly every settle rides on a turn: one round trip per
-//! request instead of two.
+//! request instead of two. A session's settles taken for a call count as on their way until
+//! that call is answered, and a turn of that session waits for them (up to the timeout): the
+//! flusher may take a settle and be preempted before writing its call while the session's next
+//! turn is admitted on another thread, which would otherwise read the answered turn as a
+//! client's retry.
 //!
 //! Keys, for tenant `t` and session `s`: `{g:t}:s:s` (a hash: counters, cooldown, block, the
 //! latest loop, what a turn is judged by), `{g:t}:w:s` (a list of encoded [`Turn`]s, the newest
@@ -39,8 +43,6 @@ pub struct RedisGuard {
     retries: Script,
     /// The queued settles, then `record` and `retries`, in one script.
     admit: Script,
-    /// Settles not yet sent.
-    queue: Arc<Mutex<Queue>>,
     /// How long a block lasts unless cleared, ms.
     block_ttl_ms: i64,
 }
@@ -54,6 +56,10 @@ struct Link {
     since: Instant,
     /// Calls fail at once until then (ms since `since`): Redis failed moments ago.
     down_until_ms: AtomicU64,
+    /// Settles not yet sent, and the sessions of those on their way.
+    queue: Mutex<Queue>,
+    /// Woken when settles taken for a call are done with (sent or failed).
+    sent: tokio::sync::Notify,
 }
 
 /// Settles waiting to be sent, by tenant (one tenant's keys share a slot, so they go in one
@@ -63,6 +69,15 @@ struct Queue {
     by_tenant: HashMap<String, VecDeque<Settled>>,
     /// The flusher is running (it clears this when it finds the queue empty).
     scheduled: bool,
+    /// Sessions with settles taken for a call not yet done with, and how many.
+    sending: HashMap<SessionKey, u32>,
+}
+
+/// Settles taken from the queue for a call: their sessions count as having settles on their
+/// way until this is dropped (the call answered, failed or abandoned).
+struct Taken<'a> {
+    settles: Vec<Settled>,
+    link: &'a Link,
 }
 
 /// One request settled (the arguments of [`GuardStore::settle`]).
@@ -155,6 +170,8 @@ impl RedisGuard {
                 )),
                 since: Instant::now(),
                 down_until_ms: AtomicU64::new(0),
+                queue: Mutex::default(),
+                sent: tokio::sync::Notify::new(),
             }),
             record: Script::new(&format!("{RECORD}\nreturn record(KEYS, ARGV)")),
             mark: Script::new(include_str!("lua/mark.lua")),
@@ -164,7 +181,6 @@ impl RedisGuard {
                 "{RECORD}\n{RETRIES}\n{SETTLE}\n{}",
                 include_str!("lua/admit.lua")
             )),
-            queue: Arc::default(),
             block_ttl_ms: millis(super::memory::DEFAULT_BLOCK_TTL),
         })
     }
@@ -176,15 +192,51 @@ impl RedisGuard {
         self
     }
 
-    /// Send `tenant_id`'s queued settles now (before reading a session, so that it is read
-    /// as this gateway settled it).
+    /// Send `tenant_id`'s queued settles now (before reading its sessions, so that they are
+    /// read as this gateway settled them).
     async fn flush_tenant(&self, tenant_id: &str) {
         loop {
-            let settles = lock(&self.queue).take(tenant_id);
-            if settles.is_empty() {
+            let taken = self.link.take(tenant_id);
+            if taken.settles.is_empty() {
                 return;
             }
-            self.link.send_settles(settles).await;
+            self.link.send_settles(&taken.settles).await;
+        }
+    }
+
+    /// Once no settle of `key`'s session is on its way (or the timeout passed), its tenant's
+    /// queued settles (up to [`SETTLES_PER_CALL`]), taken for a call that reads the session:
+    /// so the session is read with every turn this gateway answered marked answered.
+    async fn settled_for(&self, key: &SessionKey) -> Taken<'_> {
+        let deadline = tokio::time::Instant::now() + self.link.redis.timeout();
+        loop {
+            {
+                let mut q = lock(&self.link.queue);
+                if !q.is_sending(key) || tokio::time::Instant::now() >= deadline {
+                    return Taken {
+                        settles: q.take(key.tenant_id()),
+                        link: &self.link,
+                    };
+                }
+            }
+            let mut sent = std::pin::pin!(self.link.sent.notified());
+            // Registered, then checked again: a call done with before this still counts.
+            sent.as_mut().enable();
+            if lock(&self.link.queue).is_sending(key) {
+                // Past the deadline the check above lets it through.
+                let _ = tokio::time::timeout_at(deadline, sent).await;
+            }
+        }
+    }
+
+    /// Send `key`'s tenant's queued settles once none of its session's is on its way.
+    async fn flush_for(&self, key: &SessionKey) {
+        loop {
+            let taken = self.settled_for(key).await;
+            if taken.settles.is_empty() {
+                return;
+            }
+            self.link.send_settles(&taken.settles).await;
         }
     }
 
@@ -263,18 +315,30 @@ impl Link {
         .await
     }
 
-    /// Send every tenant's settles in `all` (each tenant's in calls of its own).
-    async fn send_all(&self, all: HashMap<String, VecDeque<Settled>>) {
-        for (_, settles) in all {
-            if !settles.is_empty() {
-                self.send_settles(settles.into()).await;
-            }
+    /// Up to [`SETTLES_PER_CALL`] of `tenant_id`'s queued settles, taken for a call.
+    fn take(&self, tenant_id: &str) -> Taken<'_> {
+        Taken {
+            settles: lock(&self.queue).take(tenant_id),
+            link: self,
+        }
+    }
+
+    /// Send every settle queued (each tenant's in calls of its own).
+    async fn send_all(&self) {
+        // Bound first: the lock must not be held across the sends.
+        let all = lock(&self.queue).take_all();
+        for settles in all {
+            let taken = Taken {
+                settles,
+                link: self,
+            };
+            self.send_settles(&taken.settles).await;
         }
     }
 
     /// Send one tenant's settles on their own, [`SETTLES_PER_CALL`] to a call. A failure is
     /// logged: the turns stay unanswered (the next identical request reads as a retry).
-    async fn send_settles(&self, settles: Vec<Settled>) {
+    async fn send_settles(&self, settles: &[Settled]) {
         for chunk in settles.chunks(SETTLES_PER_CALL) {
             let mut inv = self.settle.prepare_invoke();
             inv.arg(FLAGS_AT);
@@ -282,6 +346,15 @@ impl Link {
             if let Err(e) = self.invoke(inv).await {
                 tracing::debug!(error = %e, settles = chunk.len(), "guard store: settles not recorded");
             }
+        }
+    }
+}
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        if !self.settles.is_empty() {
+            lock(&self.link.queue).done(&self.settles);
+            self.link.sent.notify_waiters();
         }
     }
 }
@@ -307,13 +380,58 @@ impl Queue {
         !std::mem::replace(&mut self.scheduled, true)
     }
 
-    /// Up to [`SETTLES_PER_CALL`] of `tenant_id`'s settles, oldest first.
+    /// Up to [`SETTLES_PER_CALL`] of `tenant_id`'s settles, oldest first, counted as on
+    /// their way until [`Self::done`].
     fn take(&mut self, tenant_id: &str) -> Vec<Settled> {
-        match self.by_tenant.get_mut(tenant_id) {
+        let taken: Vec<Settled> = match self.by_tenant.get_mut(tenant_id) {
             Some(list) if list.len() > SETTLES_PER_CALL => list.drain(..SETTLES_PER_CALL).collect(),
             Some(list) => std::mem::take(list).into(),
             None => Vec::new(),
+        };
+        self.sending_of(&taken);
+        taken
+    }
+
+    /// Every tenant's settles (each tenant's a list of its own, oldest first), counted as on
+    /// their way until [`Self::done`].
+    fn take_all(&mut self) -> Vec<Vec<Settled>> {
+        let all: Vec<Vec<Settled>> = std::mem::take(&mut self.by_tenant)
+            .into_values()
+            .filter(|list| !list.is_empty())
+            .map(Vec::from)
+            .collect();
+        for settles in &all {
+            self.sending_of(settles);
         }
+        all
+    }
+
+    fn sending_of(&mut self, settles: &[Settled]) {
+        for s in settles {
+            match self.sending.get_mut(&s.key) {
+                Some(n) => *n += 1,
+                None => {
+                    self.sending.insert(s.key.clone(), 1);
+                }
+            }
+        }
+    }
+
+    /// `settles` (taken earlier) are no longer on their way.
+    fn done(&mut self, settles: &[Settled]) {
+        for s in settles {
+            if let Some(n) = self.sending.get_mut(&s.key) {
+                *n -= 1;
+                if *n == 0 {
+                    self.sending.remove(&s.key);
+                }
+            }
+        }
+    }
+
+    /// Whether a settle of `key`'s session is on its way.
+    fn is_sending(&self, key: &SessionKey) -> bool {
+        !self.sending.is_empty() && self.sending.contains_key(key)
     }
 }
 
@@ -329,19 +447,18 @@ fn lock(queue: &Mutex<Queue>) -> std::sync::MutexGuard<'_, Queue> {
 /// tenant sent meanwhile takes its own along). It starts once the task that queued the first
 /// settle lets go of its thread, so a settle reaches Redis about as soon as a call of its own
 /// would have.
-async fn flush_later(link: Arc<Link>, queue: Arc<Mutex<Queue>>) {
+async fn flush_later(link: Arc<Link>) {
     tokio::task::yield_now().await;
     loop {
-        let all = {
-            let mut q = lock(&queue);
+        {
+            let mut q = lock(&link.queue);
             if q.by_tenant.values().all(VecDeque::is_empty) {
                 // Cleared under the lock: a settle queued after this schedules the next flush.
                 q.scheduled = false;
                 return;
             }
-            std::mem::take(&mut q.by_tenant)
-        };
-        link.send_all(all).await;
+        }
+        link.send_all().await;
     }
 }
 
@@ -441,7 +558,7 @@ impl GuardStore for RedisGuard {
         turn: &Turn,
         limits: Limits,
     ) -> Result<Seen, GuardError> {
-        self.flush_tenant(key.tenant_id()).await;
+        self.flush_for(key).await;
         let mut inv = self.record.prepare_invoke();
         record_args(&mut inv, key, turn, limits);
         seen_of(self.link.invoke(inv).await?, turn)
@@ -462,10 +579,12 @@ impl GuardStore for RedisGuard {
         let first_settle = 3 + retry_args(&mut inv, key.tenant_id(), known, slot, ttl_ms) + 1;
         // The tenant's queued settles ride along (applied before the turn is recorded); if the
         // call fails they are lost with it, as their own call would have been.
-        let settles = lock(&self.queue).take(key.tenant_id());
+        let taken = self.settled_for(key).await;
         inv.arg(first_settle);
-        settle_args(&mut inv, &settles);
-        admitted(&bytes(self.link.invoke(inv).await?)?, turn)
+        settle_args(&mut inv, &taken.settles);
+        let answer = self.link.invoke(inv).await;
+        drop(taken);
+        admitted(&bytes(answer?)?, turn)
     }
 
     async fn mark(&self, key: &SessionKey, mark: &Mark) -> Result<(), GuardError> {
@@ -501,15 +620,14 @@ impl GuardStore for RedisGuard {
             ok,
             cost_micros,
         };
-        if lock(&self.queue).push(settled) {
-            tokio::spawn(flush_later(Arc::clone(&self.link), Arc::clone(&self.queue)));
+        if lock(&self.link.queue).push(settled) {
+            tokio::spawn(flush_later(Arc::clone(&self.link)));
         }
         Ok(())
     }
 
     async fn flush(&self) {
-        let all = std::mem::take(&mut lock(&self.queue).by_tenant);
-        self.link.send_all(all).await;
+        self.link.send_all().await;
     }
 
     async fn list(&self, tenant_id: &str, limit: usize) -> Result<Vec<SessionInfo>, GuardError> {
@@ -544,7 +662,7 @@ impl GuardStore for RedisGuard {
     }
 
     async fn get(&self, key: &SessionKey) -> Result<Option<SessionInfo>, GuardError> {
-        self.flush_tenant(key.tenant_id()).await;
+        self.flush_for(key).await;
         self.read(key).await
     }
 
@@ -745,7 +863,7 @@ fn counts_of(answer: Value) -> Result<RetryCounts, GuardError> {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, reason = "tests")]
+#[allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 mod tests {
     use super::*;
 
@@ -851,6 +969,90 @@ mod tests {
         }
         assert_eq!(rest, MAX_QUEUED - SETTLES_PER_CALL);
         assert_eq!(q.take("b").len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_turn_waits_for_its_sessions_settles_on_their_way_and_no_longer_than_the_timeout() {
+        // Nothing here reaches Redis (it connects on the first call).
+        let guard = RedisGuard::new(
+            vec!["redis://127.0.0.1:1".to_owned()],
+            Duration::from_millis(300),
+        )
+        .unwrap();
+        let (s, other) = (SessionKey::new("a", "s"), SessionKey::new("a", "t"));
+        let settled = |key: &SessionKey, request: u64| Settled {
+            key: key.clone(),
+            request,
+            ok: true,
+            cost_micros: 1,
+        };
+        lock(&guard.link.queue).push(settled(&s, 1));
+        // A flusher takes s's settle and has not written its call yet.
+        let on_its_way = guard.link.take("a");
+        assert_eq!(on_its_way.settles.len(), 1);
+        lock(&guard.link.queue).push(settled(&other, 2));
+
+        // Another session's turn goes at once, taking the tenant's queued settles along.
+        let taken = guard.settled_for(&other).await;
+        assert_eq!(
+            taken.settles.iter().map(|t| t.request).collect::<Vec<_>>(),
+            [2]
+        );
+        drop(taken);
+
+        // s's next turn waits until the settle's call is done with, then goes.
+        let mut next = std::pin::pin!(guard.settled_for(&s));
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), &mut next)
+                .await
+                .is_err(),
+            "the turn went before its session's settle reached Redis"
+        );
+        drop(on_its_way);
+        let taken = tokio::time::timeout(Duration::from_millis(200), next)
+            .await
+            .expect("the turn still waits after the settle's call is done");
+        assert!(taken.settles.is_empty());
+        drop(taken);
+        assert!(lock(&guard.link.queue).sending.is_empty());
+
+        // A call that never answers holds the turn for the timeout, no longer.
+        lock(&guard.link.queue).push(settled(&s, 3));
+        let stuck = guard.link.take("a");
+        let started = tokio::time::Instant::now();
+        drop(guard.settled_for(&s).await);
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_millis(290) && waited < Duration::from_secs(2),
+            "{waited:?}"
+        );
+        drop(stuck);
+        assert!(lock(&guard.link.queue).sending.is_empty());
+    }
+
+    #[test]
+    fn settles_taken_count_as_on_their_way_until_done_with() {
+        let mut q = Queue::default();
+        let settled = |tenant: &str, session: &str| Settled {
+            key: SessionKey::new(tenant, session),
+            request: 1,
+            ok: true,
+            cost_micros: 1,
+        };
+        for (tenant, session) in [("a", "s"), ("a", "s"), ("a", "t"), ("b", "s")] {
+            q.push(settled(tenant, session));
+        }
+        let a = q.take("a");
+        assert!(q.is_sending(&SessionKey::new("a", "s")));
+        assert!(!q.is_sending(&SessionKey::new("b", "s")));
+        let rest = q.take_all();
+        assert_eq!(rest.len(), 1);
+        assert!(q.is_sending(&SessionKey::new("b", "s")));
+        q.done(&a[..1]);
+        assert!(q.is_sending(&SessionKey::new("a", "s")), "one of two done");
+        q.done(&a[1..]);
+        q.done(&rest[0]);
+        assert!(q.sending.is_empty());
     }
 
     #[test]

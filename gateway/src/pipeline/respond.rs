@@ -484,7 +484,9 @@ pub(super) fn streamed(
             event.error_kind = Some(format!("stream_{kind}"));
             event.status = StatusCode::BAD_GATEWAY.as_u16();
         }
-        drop(tx);
+        // The client's stream ends (`tx` dropped) only once the call is settled: a client that
+        // sends its next request as soon as this one ends finds this turn answered in the
+        // guard's session (a repeat, not a retry) and its cost in the budgets.
         let usage = match rewriter.usage {
             Some(u) => (u, UsageSource::Upstream),
             None => (
@@ -511,6 +513,7 @@ pub(super) fn streamed(
         drop(log);
         drop(lease);
         settle(&state, event, reservation);
+        drop(tx);
     });
 
     let mut response = Response::new(Body::from_stream(ReceiverStream::new(rx)));

@@ -102,6 +102,10 @@ pub mod names {
     pub const CACHE_SEMANTIC_READY: &str = "gateway_cache_semantic_ready";
     /// Semantic lookup latency (queue, embedding, search, verification).
     pub const CACHE_SEMANTIC_SECONDS: &str = "gateway_cache_semantic_seconds";
+    /// Fresh answers' questions handed to the semantic index, by result: `indexed`, `dropped`
+    /// (`cache.semantic.max_queue` answers were already waiting) or `failed` (their embedding
+    /// failed).
+    pub const CACHE_SEMANTIC_ANSWERS: &str = "gateway_cache_semantic_answers_total";
 
     /// Every name above.
     pub const ALL: &[&str] = &[
@@ -141,6 +145,7 @@ pub mod names {
         CACHE_BYTES,
         CACHE_SEMANTIC_READY,
         CACHE_SEMANTIC_SECONDS,
+        CACHE_SEMANTIC_ANSWERS,
     ];
 }
 
@@ -220,6 +225,8 @@ pub struct Metrics {
     pub cache_semantic_ready: IntGauge,
     /// See [`names::CACHE_SEMANTIC_SECONDS`].
     pub cache_semantic_seconds: Histogram,
+    /// See [`names::CACHE_SEMANTIC_ANSWERS`].
+    pub cache_semantic_answers: IntCounterVec,
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -411,6 +418,18 @@ impl Metrics {
         registry.register(Box::new(cache_bytes.clone()))?;
         registry.register(Box::new(cache_semantic_ready.clone()))?;
         registry.register(Box::new(cache_semantic_seconds.clone()))?;
+        let cache_semantic_answers = IntCounterVec::new(
+            Opts::new(
+                names::CACHE_SEMANTIC_ANSWERS,
+                "Fresh answers' questions handed to the semantic index: indexed, dropped (its \
+                 queue was full) or failed.",
+            ),
+            &["result"],
+        )?;
+        for result in ["indexed", "dropped", "failed"] {
+            cache_semantic_answers.with_label_values(&[result]);
+        }
+        registry.register(Box::new(cache_semantic_answers.clone()))?;
         registry.register(Box::new(budget_decisions.clone()))?;
         registry.register(Box::new(budget_store_errors.clone()))?;
         registry.register(Box::new(budget_store_seconds.clone()))?;
@@ -535,6 +554,7 @@ impl Metrics {
             cache_bytes,
             cache_semantic_ready,
             cache_semantic_seconds,
+            cache_semantic_answers,
         })
     }
 

@@ -604,6 +604,15 @@ async fn first_stage_decides_unrelated_questions(stage: impl FnOnce(&mut Config)
         m.contains("gateway_cache_semantic_seconds_count 1"),
         "one embedded lookup: {m}"
     );
+    // The first answer was indexed before the paraphrase hit it; none was dropped.
+    assert!(
+        !m.contains("gateway_cache_semantic_answers_total{result=\"indexed\"} 0"),
+        "{m}"
+    );
+    assert!(
+        m.contains("gateway_cache_semantic_answers_total{result=\"dropped\"} 0"),
+        "{m}"
+    );
     app.stop().await;
 }
 
@@ -704,6 +713,15 @@ async fn a_saturated_semantic_layer_is_skipped_not_waited_for() {
         m.contains("gateway_cache_lookups_total{layer=\"semantic\",result=\"skipped\"} 1"),
         "{m}"
     );
+    // Neither fresh answer could queue for the index: both counted as dropped.
+    for (result, n) in [("dropped", 2), ("indexed", 0)] {
+        assert!(
+            m.contains(&format!(
+                "gateway_cache_semantic_answers_total{{result=\"{result}\"}} {n}\n"
+            )),
+            "{result}: {m}"
+        );
+    }
     app.stop().await;
 }
 

@@ -35,6 +35,7 @@ use tokio::sync::oneshot;
 
 use crate::config::{EmbedDevice, SemanticConfig};
 use crate::metrics::Metrics;
+use prometheus::IntCounter;
 
 /// What a lookup found: the question's vectors (to index the fresh answer later) and the best
 /// verified match, if any.
@@ -144,6 +145,8 @@ pub struct Semantic {
     next_id: Mutex<u64>,
     max_queue: usize,
     timeout: Duration,
+    /// Answers not indexed because the queue was full (or the worker gone).
+    dropped: IntCounter,
 }
 
 /// Index entries outlive nothing: an answer's lifetime is the exact layer's, which the index
@@ -179,6 +182,9 @@ impl Semantic {
         let per_text_us = Arc::new(AtomicU64::new(0));
         let verifier = Arc::new(OnceLock::new());
         let gate = Arc::new(OnceLock::new());
+        let dropped = metrics
+            .cache_semantic_answers
+            .with_label_values(&["dropped"]);
         let worker = Worker {
             gpu,
             config: config.clone(),
@@ -206,6 +212,7 @@ impl Semantic {
             next_id: Mutex::new(1),
             max_queue: config.max_queue,
             timeout: Duration::from_millis(config.lookup_timeout_ms),
+            dropped,
         }))
     }
 
@@ -328,12 +335,14 @@ impl Semantic {
         let inserts = &self.queued.inserts;
         if inserts.fetch_add(1, Ordering::Relaxed) >= self.max_queue {
             inserts.fetch_sub(1, Ordering::Relaxed);
+            self.dropped.inc();
             return;
         }
         let gate = self.gate.get();
         let tokens = gate.and_then(|g| tokens.or_else(|| g.tokens(&text)));
         let Ok(mut next_id) = self.next_id.lock() else {
             inserts.fetch_sub(1, Ordering::Relaxed);
+            self.dropped.inc();
             return;
         };
         let id = *next_id;
@@ -354,6 +363,7 @@ impl Semantic {
         drop(next_id);
         if sent.is_err() {
             inserts.fetch_sub(1, Ordering::Relaxed);
+            self.dropped.inc();
         }
     }
 }
@@ -569,11 +579,17 @@ impl Worker {
         }
         let epoch = Instant::now();
         let now_ms = |at: Instant| i64::try_from(at.duration_since(epoch).as_millis()).unwrap_or(0);
+        let results = &self.metrics.cache_semantic_answers;
+        let (indexed, failed) = (
+            results.with_label_values(&["indexed"]),
+            results.with_label_values(&["failed"]),
+        );
         // Answers' questions indexed with their vectors.
         let index_answers =
             |index: &mut SemanticIndex, answers: Vec<InsertJob>, vectors: Vec<TextVectors>| {
                 for ((ns, id, text, key, at), vectors) in answers.into_iter().zip(vectors) {
                     index.insert(ns, id, text, vectors, key, now_ms(at));
+                    indexed.inc();
                 }
             };
         if let Some(gate) = &gate {
@@ -614,6 +630,7 @@ impl Worker {
             for (ns, id, text, vectors, key, at) in queue.embedded.drain(..) {
                 self.queued.inserts.fetch_sub(1, Ordering::Relaxed);
                 index.insert(ns, id, text, vectors, key, now_ms(at));
+                indexed.inc();
             }
             if let Some(gate) = &gate {
                 // Entries the index no longer holds (evicted, or never embedded) leave the gate
@@ -639,6 +656,7 @@ impl Worker {
                         Ok(Progress::Paused(pass)) => paused = Some((*pass, answers)),
                         Err(e) => {
                             tracing::warn!(error = %e, "semantic cache: embedding failed; answers not indexed");
+                            failed.inc_by(answers.len() as u64);
                         }
                     }
                     continue;
@@ -688,6 +706,7 @@ impl Worker {
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "semantic cache: embedding failed; treated as misses");
+                    failed.inc_by(unembedded.len() as u64);
                     continue;
                 }
             };

@@ -245,11 +245,8 @@ impl Semantic {
         near: Near,
     ) -> Option<Looked> {
         let lookups = self.queued.lookups.load(Ordering::Relaxed);
-        // The worker takes lookups before inserts, and on the CPU an insert being embedded
-        // gives way within a layer unless it is the newest or one this lookup may match;
-        // counted as one insert ahead, though a batch may take up to `ALONG` older answers
-        // the lookups may match with the newest (the wait is then underestimated).
-        let ahead = lookups + usize::from(self.queued.inserts.load(Ordering::Relaxed) > 0);
+        let inserts = self.queued.inserts.load(Ordering::Relaxed);
+        let ahead = texts_ahead(lookups, inserts, &near);
         if !self.ready() || lookups >= self.max_queue || self.wait_too_long(ahead, lookups, model) {
             return None;
         }
@@ -380,6 +377,19 @@ struct Queued {
 fn wait_budget(timeout: Duration, answer: Option<Duration>) -> Duration {
     let half = timeout / 2;
     answer.map_or(half, |t| t.min(half))
+}
+
+/// The texts a lookup's answer waits for besides its own, with `lookups` lookups and `inserts`
+/// answers queued and what its first stage found (`near`). The worker takes lookups before
+/// answers, and on the CPU an answer being embedded gives way within a layer to a lookup unless
+/// it is the newest or one the lookup may match; the lookup's batch takes the newest answer
+/// and up to [`ALONG`] older ones it may match (at most as many as its first stage named).
+fn texts_ahead(lookups: usize, inserts: usize, near: &Near) -> usize {
+    let along = match near {
+        Near::Only(ids) => ids.len().min(ALONG),
+        Near::Nothing | Near::Unknown => 0,
+    };
+    lookups + inserts.min(1 + along)
 }
 
 /// The wait of a job behind `queued` others at `per_text_us` each (itself included).
@@ -909,6 +919,20 @@ mod tests {
         assert_eq!(times.get(7), Some(Duration::from_micros(400)));
         // Another model in another slot is not affected.
         assert_eq!(times.get(9), None);
+    }
+
+    #[test]
+    fn a_lookup_counts_the_answers_its_batch_takes_along() {
+        let near = |n: u64| Near::Only((0..n).collect());
+        // Nothing queued; lookups ahead count one each.
+        assert_eq!(texts_ahead(0, 0, &near(9)), 0);
+        assert_eq!(texts_ahead(3, 0, &Near::Unknown), 3);
+        // The newest answer rides with any lookup; older ones only when found near it.
+        assert_eq!(texts_ahead(0, 10, &Near::Unknown), 1);
+        assert_eq!(texts_ahead(0, 10, &near(2)), 3);
+        assert_eq!(texts_ahead(1, 10, &near(100)), 2 + ALONG);
+        // Never more answers than are queued.
+        assert_eq!(texts_ahead(0, 2, &near(100)), 2);
     }
 
     #[test]

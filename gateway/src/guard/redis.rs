@@ -7,11 +7,12 @@
 //! sends every settle queued by then in one script per tenant; a turn of the tenant that this
 //! gateway sends first takes the queued settles along (the same script, applied before the
 //! turn is recorded). Under load nearly every settle rides on a turn: one round trip per
-//! request instead of two. A session's settles taken for a call count as on their way until
-//! that call is answered, and a turn of that session waits for them (up to the timeout): the
-//! flusher may take a settle and be preempted before writing its call while the session's next
-//! turn is admitted on another thread, which would otherwise read the answered turn as a
-//! client's retry.
+//! request instead of two. A settle taken for a call counts as on its way until that call is
+//! answered, and a turn of its session identical to the request it settles waits for it (up to
+//! the timeout): the flusher may take a settle and be preempted before writing its call while
+//! the session's next turn is admitted on another thread, which would otherwise read the
+//! answered turn as unanswered and the identical next one as a client's retry. Only an
+//! identical request can be told apart that way, so no other turn waits.
 //!
 //! Keys, for tenant `t` and session `s`: `{g:t}:s:s` (a hash: counters, cooldown, block, the
 //! latest loop, what a turn is judged by), `{g:t}:w:s` (a list of encoded [`Turn`]s, the newest
@@ -69,8 +70,10 @@ struct Queue {
     by_tenant: HashMap<String, VecDeque<Settled>>,
     /// The flusher is running (it clears this when it finds the queue empty).
     scheduled: bool,
-    /// Sessions with settles taken for a call not yet done with, and how many.
-    sending: HashMap<SessionKey, u32>,
+    /// Settles taken for a call not yet done with, by [`Self::slot`] of their session and
+    /// request, and how many.
+    sending: HashMap<u64, u32>,
+    hasher: std::hash::RandomState,
 }
 
 /// Settles taken from the queue for a call: their sessions count as having settles on their
@@ -204,15 +207,16 @@ impl RedisGuard {
         }
     }
 
-    /// Once no settle of `key`'s session is on its way (or the timeout passed), its tenant's
-    /// queued settles (up to [`SETTLES_PER_CALL`]), taken for a call that reads the session:
-    /// so the session is read with every turn this gateway answered marked answered.
-    async fn settled_for(&self, key: &SessionKey) -> Taken<'_> {
+    /// Once no settle of request `request` in `key`'s session is on its way (or the timeout
+    /// passed), its tenant's queued settles (up to [`SETTLES_PER_CALL`]), taken for a call that
+    /// records the request as the session's turn: so that an identical earlier turn this
+    /// gateway answered is read as answered.
+    async fn settled_for(&self, key: &SessionKey, request: u64) -> Taken<'_> {
         let deadline = tokio::time::Instant::now() + self.link.redis.timeout();
         loop {
             {
                 let mut q = lock(&self.link.queue);
-                if !q.is_sending(key) || tokio::time::Instant::now() >= deadline {
+                if !q.is_sending(key, request) || tokio::time::Instant::now() >= deadline {
                     return Taken {
                         settles: q.take(key.tenant_id()),
                         link: &self.link,
@@ -222,17 +226,18 @@ impl RedisGuard {
             let mut sent = std::pin::pin!(self.link.sent.notified());
             // Registered, then checked again: a call done with before this still counts.
             sent.as_mut().enable();
-            if lock(&self.link.queue).is_sending(key) {
+            if lock(&self.link.queue).is_sending(key, request) {
                 // Past the deadline the check above lets it through.
                 let _ = tokio::time::timeout_at(deadline, sent).await;
             }
         }
     }
 
-    /// Send `key`'s tenant's queued settles once none of its session's is on its way.
-    async fn flush_for(&self, key: &SessionKey) {
+    /// Send `key`'s tenant's queued settles once no settle of `request` in its session is on
+    /// its way.
+    async fn flush_for(&self, key: &SessionKey, request: u64) {
         loop {
-            let taken = self.settled_for(key).await;
+            let taken = self.settled_for(key, request).await;
             if taken.settles.is_empty() {
                 return;
             }
@@ -406,32 +411,36 @@ impl Queue {
         all
     }
 
+    /// Where a settle of `request` in `key`'s session is counted (two that share one only make
+    /// a turn wait when it need not, for at most the timeout).
+    fn slot(&self, key: &SessionKey, request: u64) -> u64 {
+        use std::hash::BuildHasher as _;
+        self.hasher.hash_one((key, request))
+    }
+
     fn sending_of(&mut self, settles: &[Settled]) {
         for s in settles {
-            match self.sending.get_mut(&s.key) {
-                Some(n) => *n += 1,
-                None => {
-                    self.sending.insert(s.key.clone(), 1);
-                }
-            }
+            let slot = self.slot(&s.key, s.request);
+            *self.sending.entry(slot).or_insert(0) += 1;
         }
     }
 
     /// `settles` (taken earlier) are no longer on their way.
     fn done(&mut self, settles: &[Settled]) {
         for s in settles {
-            if let Some(n) = self.sending.get_mut(&s.key) {
+            let slot = self.slot(&s.key, s.request);
+            if let Some(n) = self.sending.get_mut(&slot) {
                 *n -= 1;
                 if *n == 0 {
-                    self.sending.remove(&s.key);
+                    self.sending.remove(&slot);
                 }
             }
         }
     }
 
-    /// Whether a settle of `key`'s session is on its way.
-    fn is_sending(&self, key: &SessionKey) -> bool {
-        !self.sending.is_empty() && self.sending.contains_key(key)
+    /// Whether a settle of `request` in `key`'s session is on its way.
+    fn is_sending(&self, key: &SessionKey, request: u64) -> bool {
+        !self.sending.is_empty() && self.sending.contains_key(&self.slot(key, request))
     }
 }
 
@@ -558,7 +567,7 @@ impl GuardStore for RedisGuard {
         turn: &Turn,
         limits: Limits,
     ) -> Result<Seen, GuardError> {
-        self.flush_for(key).await;
+        self.flush_for(key, turn.request).await;
         let mut inv = self.record.prepare_invoke();
         record_args(&mut inv, key, turn, limits);
         seen_of(self.link.invoke(inv).await?, turn)
@@ -579,7 +588,7 @@ impl GuardStore for RedisGuard {
         let first_settle = 3 + retry_args(&mut inv, key.tenant_id(), known, slot, ttl_ms) + 1;
         // The tenant's queued settles ride along (applied before the turn is recorded); if the
         // call fails they are lost with it, as their own call would have been.
-        let taken = self.settled_for(key).await;
+        let taken = self.settled_for(key, turn.request).await;
         inv.arg(first_settle);
         settle_args(&mut inv, &taken.settles);
         let answer = self.link.invoke(inv).await;
@@ -662,7 +671,7 @@ impl GuardStore for RedisGuard {
     }
 
     async fn get(&self, key: &SessionKey) -> Result<Option<SessionInfo>, GuardError> {
-        self.flush_for(key).await;
+        self.flush_tenant(key.tenant_id()).await;
         self.read(key).await
     }
 
@@ -987,21 +996,24 @@ mod tests {
             cost_micros: 1,
         };
         lock(&guard.link.queue).push(settled(&s, 1));
-        // A flusher takes s's settle and has not written its call yet.
+        // A flusher takes s's settle of request 1 and has not written its call yet.
         let on_its_way = guard.link.take("a");
         assert_eq!(on_its_way.settles.len(), 1);
         lock(&guard.link.queue).push(settled(&other, 2));
 
-        // Another session's turn goes at once, taking the tenant's queued settles along.
-        let taken = guard.settled_for(&other).await;
+        // Another session's turn goes at once, taking the tenant's queued settles along; so
+        // does a turn of s that is not the request on its way (it cannot be taken for a retry
+        // of it).
+        let taken = guard.settled_for(&other, 1).await;
         assert_eq!(
             taken.settles.iter().map(|t| t.request).collect::<Vec<_>>(),
             [2]
         );
         drop(taken);
+        drop(guard.settled_for(&s, 5).await);
 
-        // s's next turn waits until the settle's call is done with, then goes.
-        let mut next = std::pin::pin!(guard.settled_for(&s));
+        // s's identical next turn waits until the settle's call is done with, then goes.
+        let mut next = std::pin::pin!(guard.settled_for(&s, 1));
         assert!(
             tokio::time::timeout(Duration::from_millis(50), &mut next)
                 .await
@@ -1020,7 +1032,7 @@ mod tests {
         lock(&guard.link.queue).push(settled(&s, 3));
         let stuck = guard.link.take("a");
         let started = tokio::time::Instant::now();
-        drop(guard.settled_for(&s).await);
+        drop(guard.settled_for(&s, 3).await);
         let waited = started.elapsed();
         assert!(
             waited >= Duration::from_millis(290) && waited < Duration::from_secs(2),
@@ -1043,13 +1055,20 @@ mod tests {
             q.push(settled(tenant, session));
         }
         let a = q.take("a");
-        assert!(q.is_sending(&SessionKey::new("a", "s")));
-        assert!(!q.is_sending(&SessionKey::new("b", "s")));
+        assert!(q.is_sending(&SessionKey::new("a", "s"), 1));
+        assert!(
+            !q.is_sending(&SessionKey::new("a", "s"), 2),
+            "another request"
+        );
+        assert!(!q.is_sending(&SessionKey::new("b", "s"), 1));
         let rest = q.take_all();
         assert_eq!(rest.len(), 1);
-        assert!(q.is_sending(&SessionKey::new("b", "s")));
+        assert!(q.is_sending(&SessionKey::new("b", "s"), 1));
         q.done(&a[..1]);
-        assert!(q.is_sending(&SessionKey::new("a", "s")), "one of two done");
+        assert!(
+            q.is_sending(&SessionKey::new("a", "s"), 1),
+            "one of two done"
+        );
         q.done(&a[1..]);
         q.done(&rest[0]);
         assert!(q.sending.is_empty());

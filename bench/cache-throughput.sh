@@ -16,6 +16,9 @@
 # lines to its [cache.semantic] section (e.g. "threads = 2", or 'device = "cuda"' with a
 # `--features cuda` build). MODEL=DIR takes the model from DIR instead of fetching it (the GPU
 # bundle's fp16 copy); MODES lists the gateway runs (default "off exact semantic").
+# MEMORY=1 prints each gateway's resident size after its load with what the exact cache counts
+# (`gateway_cache_bytes`, `gateway_cache_entries`): what `cache.max_bytes` bounds against the
+# memory it holds (issue 19, item 4).
 #
 #   UPSTREAM=min GATE=0.15 SUFFIX=0 REPEAT=0 CONNS=1 DURATION=10s BIN=DIR bench/cache-throughput.sh
 #
@@ -133,7 +136,16 @@ ${4:-}"
     { grep semantic "$WORK/$1.log" || true; } | tail -3
     [ "$ready" = 1 ] || { echo "$1: the semantic layer was not ready after 120 s" >&2; exit 1; }
   fi
+  local gw_pid=${PIDS[${#PIDS[@]}-1]}
   load "$1" "$2" "$(cat "$WORK/$1.key")"
+  if [ "${MEMORY:-0}" = 1 ]; then
+    local m
+    m=$(http_get "http://127.0.0.1:$2/metrics")
+    printf 'memory %s: VmRSS %s kB, gateway_cache_bytes %s, gateway_cache_entries %s\n' "$1" \
+      "$(awk '/^VmRSS/ {print $2}' "/proc/$gw_pid/status")" \
+      "$(echo "$m" | awk '$1 == "gateway_cache_bytes" {print $2}')" \
+      "$(echo "$m" | awk '$1 == "gateway_cache_entries" {print $2}')"
+  fi
   local rps p50 p99
   rps=$(awk '/^Requests\/sec/ {print $2}' "$WORK/$1.wrk")
   p50=$(awk '$1 == "50%" {print $2}' "$WORK/$1.wrk")

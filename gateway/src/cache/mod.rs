@@ -91,18 +91,20 @@ impl Entry {
     }
 }
 
-/// A stored answer's share of the heap beyond its body and names: the map's node and key, the
-/// entry's own allocations and the allocator's rounding of them. Measured with a counting
-/// allocator over 50,000 answers of 100 to 8,000 bytes (the heap held grew by the body plus
-/// ~433 bytes each; the resident size by ~5% more), and checked by `tests/tests/cache_memory.rs`.
-const ENTRY_OVERHEAD: usize = 448;
+/// A stored answer's share of memory beyond its body and names: the map's node and key and the
+/// entry's own allocations (~433 bytes requested per answer, measured with a counting allocator
+/// over 50,000 answers of 100 to 8,000 bytes), plus the allocator's rounding, ~8% of it all
+/// (the body's share counted as a sixteenth of it). The gateway's resident size under load grew
+/// within ~3% of this count (`MEMORY=1 bench/cache-throughput.sh`, docs/benchmarks.md);
+/// `tests/tests/cache_memory.rs` checks it against the heap the real layer holds.
+const ENTRY_OVERHEAD: usize = 480;
 
 impl Entry {
     /// The bytes `cache.max_bytes` counts for this answer: what it holds in memory, not just
     /// its body (an answer of a few hundred bytes holds about twice that).
     pub fn weight(&self) -> u32 {
         let body = self.body.len();
-        let held = body + body / 32 + self.served_model.len() + self.tier.len() + ENTRY_OVERHEAD;
+        let held = body + body / 16 + self.served_model.len() + self.tier.len() + ENTRY_OVERHEAD;
         u32::try_from(held).unwrap_or(u32::MAX)
     }
 }

@@ -77,20 +77,6 @@ pub struct Entry {
     pub ttl: Duration,
 }
 
-impl Entry {
-    /// The entry with its body in an allocation of its own. The body as read is a view into
-    /// the connection's read buffer (kilobytes for an answer of a few hundred bytes), which a
-    /// cached entry would keep alive for its whole life while `cache.max_bytes` counts only
-    /// the body's length (measured: 1.0 GB resident for 52 MB counted); copied, the cache's
-    /// weight is the memory it holds.
-    fn owned(self) -> Self {
-        Self {
-            body: Bytes::copy_from_slice(&self.body),
-            ..self
-        }
-    }
-}
-
 /// A stored answer's share of memory beyond its body and names: the map's node and key and the
 /// entry's own allocations (~433 bytes requested per answer, measured with a counting allocator
 /// over 50,000 answers of 100 to 8,000 bytes), plus the allocator's rounding, ~8% of it all
@@ -100,6 +86,18 @@ impl Entry {
 const ENTRY_OVERHEAD: usize = 480;
 
 impl Entry {
+    /// The entry with its body in an allocation of its own. The body as read is a view into
+    /// the connection's read buffer (kilobytes for an answer of a few hundred bytes), which a
+    /// cached entry would keep alive for its whole life while its [`Entry::weight`] counts the
+    /// body's length, not the buffer's (measured: 1.0 GB resident for 52 MB counted); copied,
+    /// the cache's weight is the memory it holds.
+    fn owned(self) -> Self {
+        Self {
+            body: Bytes::copy_from_slice(&self.body),
+            ..self
+        }
+    }
+
     /// The bytes `cache.max_bytes` counts for this answer: what it holds in memory, not just
     /// its body (an answer of a few hundred bytes holds about twice that).
     pub fn weight(&self) -> u32 {

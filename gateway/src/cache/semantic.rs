@@ -31,11 +31,11 @@ use embedder::semantic::{Search, SemanticIndex, Verdict, SHIPPED_VERIFIER};
 use embedder::static_embed::StaticEmbedder;
 use embedder::student::{Projection, StudentGate};
 use embedder::verifier::Verifier;
+use prometheus::IntCounter;
 use tokio::sync::oneshot;
 
 use crate::config::{EmbedDevice, SemanticConfig};
 use crate::metrics::Metrics;
-use prometheus::IntCounter;
 
 /// What a lookup found: the question's vectors (to index the fresh answer later) and the best
 /// verified match, if any.

@@ -486,7 +486,8 @@ pub(super) fn streamed(
         }
         // The client's stream ends (`tx` dropped) only once the call is settled: a client that
         // sends its next request as soon as this one ends finds this turn answered in the
-        // guard's session (a repeat, not a retry) and its cost in the budgets.
+        // guard's session (a repeat, not a retry) and, with in-process budgets, its cost
+        // committed (a Redis commit may still be on its way).
         let usage = match rewriter.usage {
             Some(u) => (u, UsageSource::Upstream),
             None => (

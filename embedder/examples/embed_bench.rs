@@ -4,6 +4,8 @@
 //!
 //!   cargo run --release -p embedder --example embed_bench [-- MODEL_DIR]
 //!
+//! `PRECISION=f32` or `int8` keeps the transformer's matrices that way (default `f16`).
+//!
 //! Needs the model (`scripts/fetch-model.sh`) and the static table (`gateway embed distill`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "benchmark")]
@@ -15,6 +17,7 @@ use std::time::Instant;
 
 use common::unit;
 use embedder::bert::{BertEmbedder, DIM};
+use embedder::forward::Precision;
 use embedder::index::{CpuIndex, VectorIndex};
 use embedder::static_embed::StaticEmbedder;
 
@@ -57,7 +60,10 @@ fn main() {
     let dir = std::env::args()
         .nth(1)
         .map_or_else(|| PathBuf::from("models/all-MiniLM-L6-v2"), PathBuf::from);
-    let bert = BertEmbedder::load(&dir).expect("model: run scripts/fetch-model.sh");
+    let precision: Precision = std::env::var("PRECISION").map_or(Precision::default(), |p| {
+        p.parse().expect("PRECISION: f16, f32 or int8")
+    });
+    let bert = BertEmbedder::load_with(&dir, precision).expect("model: run scripts/fetch-model.sh");
     // Without the table (before `gateway embed distill`) the transformer's rows are still
     // measured.
     let table = StaticEmbedder::load(&dir.join("static.bin"), &dir.join("tokenizer.json")).ok();

@@ -34,10 +34,9 @@ fn main() {
     let dir = args
         .get(2)
         .map_or_else(|| PathBuf::from("models/all-MiniLM-L6-v2"), PathBuf::from);
-    let precision = match std::env::var("PRECISION").as_deref() {
-        Ok("f32") => Precision::F32,
-        _ => Precision::F16,
-    };
+    let precision: Precision = std::env::var("PRECISION").map_or(Precision::default(), |p| {
+        p.parse().expect("PRECISION: f16, f32 or int8")
+    });
     let bert = BertEmbedder::load_with(&dir, precision).expect("model");
     let table =
         StaticEmbedder::load(&dir.join("static.bin"), &dir.join("tokenizer.json")).expect("table");

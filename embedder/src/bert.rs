@@ -136,17 +136,23 @@ impl BertEmbedder {
         let tokenizer = model::load_tokenizer(&dir.join("tokenizer.json"))?;
         let weights_path = dir.join("model.safetensors");
         let model = match precision {
-            Precision::F16 => {
+            Precision::F16 | Precision::Int8 => {
                 let weights = Weights::<Vec<f32>, Vec<half::f16>>::read(&weights_path, &config)?;
                 if weights.matrices().flatten().all(|v| v.is_finite()) {
-                    CpuBert::new(config, weights)
+                    if precision == Precision::Int8 {
+                        CpuBert::quantised(config, weights)
+                    } else {
+                        CpuBert::new(config, weights)
+                    }
                 } else {
                     // A weight beyond f16's range (±65,504): the checkpoint's own floats.
                     drop(weights);
-                    CpuBert::new(
-                        config.clone(),
-                        Weights::<Vec<f32>>::read(&weights_path, &config)?,
-                    )
+                    let weights = Weights::<Vec<f32>>::read(&weights_path, &config)?;
+                    if precision == Precision::Int8 {
+                        CpuBert::quantised(config, weights)
+                    } else {
+                        CpuBert::new(config, weights)
+                    }
                 }
             }
             Precision::F32 => {

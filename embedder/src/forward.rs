@@ -17,6 +17,7 @@ use rayon::prelude::*;
 
 use crate::bert::TextVectors;
 use crate::index::normalise;
+use crate::matmul::int8::{self, Int8Panels};
 use crate::matmul::panels::{self, Panels};
 use crate::matmul::{self, Rows, Weight};
 use crate::model::{ModelConfig, Weights};
@@ -79,6 +80,38 @@ pub enum Precision {
     F16,
     /// The checkpoint's own floats.
     F32,
+    /// The layers' matrices quantised to 8-bit integers ([`matmul::int8`]); the word
+    /// embeddings `f16`. About twice as fast as `F16` for a short text where the CPU has
+    /// AVX-512 VNNI ([`Precision::fastest`]); a question's vector within a cosine of ~6e-4 of
+    /// an f32 pass's (2.7e-3 for a text of two tokens); the verifier's decisions changed for
+    /// ~0.5–0.8% of dev pairs at the precision targets 0.8 and 0.9, precision unchanged.
+    Int8,
+}
+
+impl Precision {
+    /// The fastest precision on this CPU: [`Precision::Int8`] where it has AVX-512 VNNI, else
+    /// [`Precision::F16`].
+    pub fn fastest() -> Self {
+        if int8::accelerated() {
+            Self::Int8
+        } else {
+            Self::F16
+        }
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+
+    /// `f16`, `f32` or `int8`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "f16" => Ok(Self::F16),
+            "f32" => Ok(Self::F32),
+            "int8" => Ok(Self::Int8),
+            other => Err(format!("unknown precision {other:?} (f16, f32 or int8)")),
+        }
+    }
 }
 
 /// A matrix as read (`[rows, width]`): the word embeddings, and each layer's matrices until
@@ -104,11 +137,14 @@ impl From<Vec<f32>> for Matrix {
 }
 
 impl Matrix {
-    /// This matrix, `outs` rows, packed into panels for [`Packed::product`].
-    fn packed(self, outs: usize) -> Packed {
-        match self {
-            Self::F16(w) => Packed::F16(Panels::pack(&w, outs, w.len() / outs)),
-            Self::F32(w) => Packed::F32(Panels::pack(&w, outs, w.len() / outs)),
+    /// This matrix, `outs` rows, packed into panels for [`Packed::product`] (quantised to
+    /// `i8` with `int8`).
+    fn packed(self, outs: usize, int8: bool) -> Packed {
+        match (self, int8) {
+            (Self::F16(w), false) => Packed::F16(Panels::pack(&w, outs, w.len() / outs)),
+            (Self::F32(w), false) => Packed::F32(Panels::pack(&w, outs, w.len() / outs)),
+            (Self::F16(w), true) => Packed::Int8(Int8Panels::quantise(&w, outs, w.len() / outs)),
+            (Self::F32(w), true) => Packed::Int8(Int8Panels::quantise(&w, outs, w.len() / outs)),
         }
     }
 
@@ -134,6 +170,8 @@ pub enum Packed {
     F16(Panels<f16>),
     /// See [`Precision::F32`].
     F32(Panels<f32>),
+    /// See [`Precision::Int8`].
+    Int8(Int8Panels),
 }
 
 impl Packed {
@@ -142,6 +180,7 @@ impl Packed {
         match self {
             Self::F16(w) => panels::product(x, w, Some(bias), y, bias.len()),
             Self::F32(w) => panels::product(x, w, Some(bias), y, bias.len()),
+            Self::Int8(w) => int8::product(x, w, Some(bias), y, bias.len()),
         }
     }
 }
@@ -158,10 +197,23 @@ impl CpuBert {
     /// or `f32`, as read: [`Weights::read`]); the layers' matrices are packed into panels here,
     /// one at a time.
     pub fn new<M: Into<Matrix>>(config: ModelConfig, weights: Weights<Vec<f32>, M>) -> Self {
+        Self::packing(config, weights, false)
+    }
+
+    /// [`CpuBert::new`] with the layers' matrices quantised to `i8` ([`Precision::Int8`]).
+    pub fn quantised<M: Into<Matrix>>(config: ModelConfig, weights: Weights<Vec<f32>, M>) -> Self {
+        Self::packing(config, weights, true)
+    }
+
+    fn packing<M: Into<Matrix>>(
+        config: ModelConfig,
+        weights: Weights<Vec<f32>, M>,
+        int8: bool,
+    ) -> Self {
         // Each matrix has one bias per output row.
         let weights = weights
             .map_matrices(Into::into)
-            .map_layers(|m, bias| m.packed(bias.len()));
+            .map_layers(|m, bias| m.packed(bias.len(), int8));
         Self { config, weights }
     }
 

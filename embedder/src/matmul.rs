@@ -18,6 +18,7 @@
 //! `f32`, more than a 32 MB L3), so half the bytes is most of what a short text's pass costs;
 //! each `f16` is widened to `f32` as it is read (F16C) and every sum is in `f32`.
 
+pub mod int8;
 pub mod panels;
 
 use std::ops::Range;
@@ -455,6 +456,30 @@ mod tests {
                 (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
             })
             .collect()
+    }
+
+    /// `run(x, w, outs, y, alone)` for products split by rows and by panels (`w`: `outs` rows
+    /// of `x.cols` weights, dense; `y`: `outs` floats a row): with `alone` it computes the
+    /// product on the calling thread (and may check it), otherwise as on the pool it is
+    /// called in; on pools of two to four threads the outputs are exactly the calling
+    /// thread's.
+    pub(super) fn every_split(run: impl Fn(Rows<'_>, &[f32], usize, &mut [f32], bool) + Sync) {
+        for (rows, outs, depth) in [(5usize, 408usize, 600usize), (7, 1160, 384), (64, 72, 400)] {
+            let xd = floats(rows * depth, 4);
+            let wd = floats(outs * depth, 5);
+            let x = Rows::dense(&xd, rows, depth);
+            let mut alone = vec![f32::NAN; rows * outs];
+            run(x, &wd, outs, &mut alone, true);
+            for threads in [2, 3, 4] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let mut y = vec![f32::NAN; rows * outs];
+                pool.install(|| run(x, &wd, outs, &mut y, false));
+                assert_eq!(y, alone, "{rows}×{outs}×{depth} on {threads} threads");
+            }
+        }
     }
 
     /// The product in f64, one output at a time.

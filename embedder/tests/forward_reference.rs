@@ -77,6 +77,11 @@ fn candle_vectors(texts: &[&str]) -> Vec<TextVectors> {
 /// How far below 1 a sentence's and a token's cosine with f16 matrices may fall.
 const F16_SENTENCE: f32 = 1e-5;
 const F16_TOKEN: f32 = 1e-5;
+/// The same with int8 matrices: measured 2.7e-3 and 1.4e-3, on the texts of two and three
+/// tokens (`[CLS]` and `[SEP]`, whose few very large activations meet every weight's rounding,
+/// are most of their mean); the other five texts are within 6e-4.
+const INT8_SENTENCE: f32 = 5e-3;
+const INT8_TOKEN: f32 = 3e-3;
 
 #[test]
 fn sentence_and_token_vectors_match_candles_bert_over_a_padded_batch() {
@@ -122,25 +127,32 @@ fn sentence_and_token_vectors_match_candles_bert_over_a_padded_batch() {
         "f32: worst sentence cosine {}, largest difference {}",
         worst.0, worst.1
     );
-    // With f16 matrices (the default), every vector stays far inside what a threshold tells.
-    let half = common::load();
-    let mut worst = (1.0f32, 1.0f32);
-    for (got, (want_sentence, want_tokens)) in
-        half.embed_with_tokens(&texts).unwrap().iter().zip(&want)
-    {
-        worst.0 = worst.0.min(cosine(&got.0, want_sentence));
-        for (a, b) in got.1.iter().zip(want_tokens) {
-            worst.1 = worst.1.min(cosine(a, b));
+    // With f16 matrices (the default), every vector stays far inside what a threshold tells;
+    // with int8 ones (the semantic layer's where the CPU has AVX-512 VNNI), within what
+    // docs/cache.md measures against the verifier's decisions.
+    for (precision, sentence, token) in [
+        (Precision::F16, F16_SENTENCE, F16_TOKEN),
+        (Precision::Int8, INT8_SENTENCE, INT8_TOKEN),
+    ] {
+        let model = common::load_with(precision);
+        let mut worst = (1.0f32, 1.0f32);
+        for (got, (want_sentence, want_tokens)) in
+            model.embed_with_tokens(&texts).unwrap().iter().zip(&want)
+        {
+            worst.0 = worst.0.min(cosine(&got.0, want_sentence));
+            for (a, b) in got.1.iter().zip(want_tokens) {
+                worst.1 = worst.1.min(cosine(a, b));
+            }
         }
+        eprintln!(
+            "{precision:?}: worst sentence cosine {}, worst token cosine {}",
+            worst.0, worst.1
+        );
+        assert!(
+            worst.0 >= 1.0 - sentence && worst.1 >= 1.0 - token,
+            "{precision:?}: {worst:?}"
+        );
     }
-    eprintln!(
-        "f16: worst sentence cosine {}, worst token cosine {}",
-        worst.0, worst.1
-    );
-    assert!(
-        worst.0 >= 1.0 - F16_SENTENCE && worst.1 >= 1.0 - F16_TOKEN,
-        "f16: {worst:?}"
-    );
     // Rows of ids with a mask (how the static table is distilled) are the same vectors.
     let tok = model.tokenizer();
     let ids: Vec<u32> = tok

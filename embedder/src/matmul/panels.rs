@@ -70,6 +70,8 @@ impl<W: Weight> Panels<W> {
         self.data[j / WIDTH * self.depth * WIDTH + k * WIDTH + j % WIDTH]
     }
 
+    /// Panels (the tests' view of the layout).
+    #[cfg(test)]
     fn panels(&self) -> usize {
         self.outs.div_ceil(WIDTH)
     }
@@ -87,48 +89,105 @@ pub fn product<W: Weight>(
     y: &mut [f32],
     y_stride: usize,
 ) {
-    x.check();
-    assert_eq!(x.cols, w.depth, "x and w differ in depth");
-    assert!(y_stride >= w.outs, "output rows overlap");
-    if let Some(b) = bias {
-        assert_eq!(b.len(), w.outs, "one bias per output");
+    split(
+        Shape::checked(x, w.outs, w.depth, bias, PARALLEL_WORK),
+        y,
+        y_stride,
+        |rows, panels, part, part_stride, first| {
+            let sub = Rows {
+                data: &x.data[rows.start * x.stride..],
+                rows: rows.len(),
+                ..x
+            };
+            serial_into(sub, w, bias, panels, part, part_stride, first);
+        },
+    );
+}
+
+/// A product's size: rows of activations, outputs (rows of the weights) and depth; and the
+/// fewest multiply-adds worth splitting over threads (below it the calling thread runs it all).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Shape {
+    pub(super) rows: usize,
+    pub(super) outs: usize,
+    pub(super) depth: usize,
+    pub(super) parallel: usize,
+}
+
+impl Shape {
+    /// The shape of `x` against `outs` rows of `depth` weights, splitting from `parallel`
+    /// multiply-adds on.
+    ///
+    /// Panics if `x`'s rows are not `depth` long or run past its data, or `bias` is not one
+    /// float per output.
+    pub(super) fn checked(
+        x: Rows<'_>,
+        outs: usize,
+        depth: usize,
+        bias: Option<&[f32]>,
+        parallel: usize,
+    ) -> Self {
+        x.check();
+        assert_eq!(x.cols, depth, "x and w differ in depth");
+        if let Some(b) = bias {
+            assert_eq!(b.len(), outs, "one bias per output");
+        }
+        Self {
+            rows: x.rows,
+            outs,
+            depth,
+            parallel,
+        }
     }
-    if x.rows == 0 || w.outs == 0 {
+}
+
+/// Runs a product of `shape` over rayon's current pool when large enough to pay for it, else
+/// on the calling thread: `serial(rows, panels, part, part_stride, first)` computes rows `rows`
+/// by panels `panels` into `part` (row `i - rows.start`'s output `j` at
+/// `part[(i - rows.start) · part_stride + j - first]`). Shared by every packed layout.
+///
+/// Panics if `y` is too short for `shape.rows` rows `y_stride` apart or rows would overlap.
+pub(super) fn split<F>(shape: Shape, y: &mut [f32], y_stride: usize, serial: F)
+where
+    F: Fn(Range<usize>, Range<usize>, &mut [f32], usize, usize) + Sync,
+{
+    let Shape {
+        rows,
+        outs,
+        depth,
+        parallel,
+    } = shape;
+    assert!(y_stride >= outs, "output rows overlap");
+    if rows == 0 || outs == 0 {
         return;
     }
-    let y_len = span(x.rows, y_stride, w.outs);
+    let y_len = span(rows, y_stride, outs);
     assert!(y.len() >= y_len, "output too short");
     let y = &mut y[..y_len];
     let threads = rayon::current_num_threads();
-    let work = x.rows * w.outs * w.depth;
-    let all = 0..w.panels();
-    if threads <= 1 || work < PARALLEL_WORK {
-        serial(x, w, bias, all, y, y_stride);
-    } else if x.rows >= 8 * threads {
+    let panels = outs.div_ceil(WIDTH);
+    if threads <= 1 || rows * outs * depth < parallel {
+        serial(0..rows, 0..panels, y, y_stride, 0);
+    } else if rows >= 8 * threads {
         // Many rows: each thread takes whole output rows (and reads every weight).
-        let per = x.rows.div_ceil(threads);
+        let per = rows.div_ceil(threads);
         y.par_chunks_mut(per * y_stride)
             .enumerate()
             .for_each(|(i, part)| {
                 let first = i * per;
-                let sub = Rows {
-                    data: &x.data[first * x.stride..],
-                    rows: per.min(x.rows - first),
-                    ..x
-                };
-                serial(sub, w, bias, all.clone(), part, y_stride);
+                serial(first..(first + per).min(rows), 0..panels, part, y_stride, 0);
             });
     } else {
         // Few rows: each thread takes whole panels (and reads only their weights) into a
         // buffer of its own, copied into place after.
-        let per = w.panels().div_ceil(threads).next_multiple_of(2);
-        let parts: Vec<(Range<usize>, Vec<f32>)> = (0..w.panels().div_ceil(per))
+        let per = panels.div_ceil(threads).next_multiple_of(2);
+        let parts: Vec<(Range<usize>, Vec<f32>)> = (0..panels.div_ceil(per))
             .into_par_iter()
             .map(|i| {
-                let panels = i * per..((i + 1) * per).min(w.panels());
-                let outs = panels.start * WIDTH..(panels.end * WIDTH).min(w.outs);
-                let mut part = vec![0.0; x.rows * outs.len()];
-                serial_into(x, w, bias, panels, &mut part, outs.len(), outs.start);
+                let share = i * per..((i + 1) * per).min(panels);
+                let outs = share.start * WIDTH..(share.end * WIDTH).min(outs);
+                let mut part = vec![0.0; rows * outs.len()];
+                serial(0..rows, share, &mut part, outs.len(), outs.start);
                 (outs, part)
             })
             .collect();
@@ -140,7 +199,9 @@ pub fn product<W: Weight>(
     }
 }
 
-/// The product for `panels` on this thread, written at their own columns of `y`.
+/// The product for `panels` on this thread, written at their own columns of `y` (the tests'
+/// reference for every split).
+#[cfg(test)]
 fn serial<W: Weight>(
     x: Rows<'_>,
     w: &Panels<W>,
@@ -193,18 +254,18 @@ fn serial_into<W: Weight>(
 
 /// Where a block's sums go: row `i`'s output `j` at `y[i · y_stride + j - first]`, plus
 /// `bias[j]`; outputs from `outs` on (a panel's padding) are dropped.
-struct Out<'a> {
-    y: &'a mut [f32],
-    y_stride: usize,
-    first: usize,
-    bias: Option<&'a [f32]>,
-    outs: usize,
+pub(super) struct Out<'a> {
+    pub(super) y: &'a mut [f32],
+    pub(super) y_stride: usize,
+    pub(super) first: usize,
+    pub(super) bias: Option<&'a [f32]>,
+    pub(super) outs: usize,
 }
 
 impl Out<'_> {
     /// Row `i`'s sums for the panel starting at output `j0`.
     #[inline(always)]
-    fn put(&mut self, i: usize, j0: usize, sums: &[f32; WIDTH]) {
+    pub(super) fn put(&mut self, i: usize, j0: usize, sums: &[f32; WIDTH]) {
         let n = WIDTH.min(self.outs - j0);
         let at = i * self.y_stride + j0 - self.first;
         let dst = &mut self.y[at..at + n];
@@ -542,31 +603,18 @@ mod tests {
 
     #[test]
     fn every_split_over_threads_gives_the_serial_product() {
-        // Rows enough to split by rows, and few rows against many panels (split by panels,
-        // each thread writing its share of outputs from a buffer; the last share ends in a
-        // partial panel), over pools of several sizes, without a bias and with outputs
-        // packed row after row (`y_stride == outs`, as the forward pass calls it).
-        for (rows, outs, depth) in [(5usize, 408usize, 600usize), (7, 1160, 384), (64, 72, 400)] {
-            let xd = floats(rows * depth, 4);
-            let wd = floats(outs * depth, 5);
-            let x = Rows::dense(&xd, rows, depth);
-            let packed = Panels::pack(&wd, outs, depth);
-            let mut alone = vec![0.0; rows * outs];
-            serial(x, &packed, None, 0..packed.panels(), &mut alone, outs);
-            let want = reference(x, Rows::dense(&wd, outs, depth), None);
-            for (got, want) in alone.iter().zip(&want) {
-                assert!((f64::from(*got) - want).abs() <= 1e-5 * depth as f64);
+        crate::matmul::tests::every_split(|x, w, outs, y, alone| {
+            let packed = Panels::pack(w, outs, x.cols);
+            if alone {
+                serial(x, &packed, None, 0..packed.panels(), y, outs);
+                let want = reference(x, Rows::dense(w, outs, x.cols), None);
+                for (got, want) in y.iter().zip(&want) {
+                    assert!((f64::from(*got) - want).abs() <= 1e-5 * x.cols as f64);
+                }
+            } else {
+                product(x, &packed, None, y, outs);
             }
-            for threads in [2, 3, 4] {
-                let pool = rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .build()
-                    .unwrap();
-                let mut y = vec![f32::NAN; rows * outs];
-                pool.install(|| product(x, &packed, None, &mut y, outs));
-                assert_eq!(y, alone, "{rows}×{outs}×{depth} on {threads} threads");
-            }
-        }
+        });
     }
 
     #[test]

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use embedder::bert::{BertEmbedder, Embed, TextVectors};
-use embedder::forward::{Paused, Progress};
+use embedder::forward::{Paused, Precision, Progress};
 use embedder::gate::{FirstStage, Near, TokenGate};
 use embedder::index::{CpuIndex, VectorIndex};
 use embedder::semantic::{Search, SemanticIndex, Verdict, SHIPPED_VERIFIER};
@@ -34,7 +34,7 @@ use embedder::verifier::Verifier;
 use prometheus::IntCounter;
 use tokio::sync::oneshot;
 
-use crate::config::{EmbedDevice, SemanticConfig};
+use crate::config::{CpuPrecision, EmbedDevice, SemanticConfig};
 use crate::metrics::Metrics;
 
 /// What a lookup found: the question's vectors (to index the fresh answer later) and the best
@@ -433,30 +433,41 @@ fn gpu_ordinal() -> Result<usize, String> {
 
 /// The embedder and index on `gpu`, or on the CPU.
 #[cfg(feature = "cuda")]
-fn backend(dir: &Path, gpu: Option<usize>, capacity: usize) -> Result<Backend, String> {
+fn backend(config: &SemanticConfig, gpu: Option<usize>) -> Result<Backend, String> {
     use embedder::cuda::{GpuEmbedder, GpuIndex};
     match gpu {
         Some(ordinal) => Ok((
-            Box::new(GpuEmbedder::load(dir, ordinal).map_err(|e| e.to_string())?),
+            Box::new(GpuEmbedder::load(&config.model_dir, ordinal).map_err(|e| e.to_string())?),
             Box::new(
-                GpuIndex::new(embedder::bert::DIM, capacity, INDEX_TTL_MS, ordinal)
+                GpuIndex::new(embedder::bert::DIM, config.capacity, INDEX_TTL_MS, ordinal)
                     .map_err(|e| e.to_string())?,
             ),
         )),
-        None => cpu_backend(dir, capacity),
+        None => cpu_backend(config),
     }
 }
 
 /// The embedder and index on the CPU (this build has no GPU path).
 #[cfg(not(feature = "cuda"))]
-fn backend(dir: &Path, _gpu: Option<usize>, capacity: usize) -> Result<Backend, String> {
-    cpu_backend(dir, capacity)
+fn backend(config: &SemanticConfig, _gpu: Option<usize>) -> Result<Backend, String> {
+    cpu_backend(config)
 }
 
-fn cpu_backend(dir: &Path, capacity: usize) -> Result<Backend, String> {
+fn cpu_backend(config: &SemanticConfig) -> Result<Backend, String> {
+    let precision = match config.precision {
+        CpuPrecision::Auto => Precision::fastest(),
+        CpuPrecision::F16 => Precision::F16,
+        CpuPrecision::Int8 => Precision::Int8,
+    };
+    tracing::info!(?precision, "the semantic layer's model runs on the CPU");
+    let model = BertEmbedder::load_with(&config.model_dir, precision).map_err(|e| e.to_string())?;
     Ok((
-        Box::new(BertEmbedder::load(dir).map_err(|e| e.to_string())?),
-        Box::new(CpuIndex::new(embedder::bert::DIM, capacity, INDEX_TTL_MS)),
+        Box::new(model),
+        Box::new(CpuIndex::new(
+            embedder::bert::DIM,
+            config.capacity,
+            INDEX_TTL_MS,
+        )),
     ))
 }
 
@@ -531,7 +542,7 @@ impl Worker {
     fn load(&self) -> Result<Loaded, String> {
         let dir = &self.config.model_dir;
         let table = Arc::new(static_table(dir)?);
-        let (model, index) = backend(dir, self.gpu, self.config.capacity)?;
+        let (model, index) = backend(&self.config, self.gpu)?;
         let json = match &self.config.verifier {
             Some(path) => std::fs::read_to_string(path)
                 .map_err(|e| format!("reading verifier {}: {e}", path.display()))?,

@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 
 pub use admin::{AdminConfig, MIN_ADMIN_TOKEN_LEN};
 pub use budgets::{BudgetConfig, BudgetStoreKind};
-pub use cache::{CacheConfig, EmbedDevice, SemanticConfig};
+pub use cache::{CacheConfig, CpuPrecision, EmbedDevice, SemanticConfig};
 pub use guard::{GuardConfig, GuardStoreKind, RetryAction};
 pub use ledger::LedgerConfig;
 pub use prices::PriceConfig;

@@ -7,9 +7,9 @@
 //!   cargo run --release -p embedder --example pair_scores -- PAIRS [MODEL_DIR] > SCORES.jsonl
 //!
 //! With `STATIC_ONLY=1`: only the two texts' static sentence vectors (`static_a`, `static_b`),
-//! in seconds (no transformer), to join with the scores line by line. With `PRECISION=f32`: the
-//! transformer's matrices kept as the checkpoint's `f32` instead of the default `f16` (to
-//! compare the verifier's decisions both ways); the thresholds for precision 0.8, 0.9 and 0.95
+//! in seconds (no transformer), to join with the scores line by line. With `PRECISION=f32` or
+//! `int8`: the transformer's matrices kept as the checkpoint's `f32`, or quantised to 8-bit
+//! integers, instead of the default `f16` (to compare the verifier's decisions each way); the thresholds for precision 0.8, 0.9 and 0.95
 //! are printed on stderr.
 
 #![allow(

@@ -17,7 +17,7 @@
 //! The weights have a scale per output and group of [`GROUP`] depths too: with one per output
 //! a short text's vector was 8e-3 off (its `[CLS]` and `[SEP]` rows' large activations meet
 //! the weights of their depths, rounded to steps set by the row's largest weight), 2.7e-3 with
-//! groups; the verifier's decision changed for 0.8% of dev pairs instead of 1%.
+//! groups; the verifier's decision changed for 0.4–0.7% of dev pairs instead of 0.8–0.9%.
 //!
 //! The layout is [`super::panels`]'s, four depths at a time: a panel holds [`WIDTH`] outputs'
 //! weights as `[depth / 4][WIDTH][4]`, which is what `vpdpbusd` reads. Where AVX-512 VNNI is

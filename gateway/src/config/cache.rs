@@ -79,7 +79,7 @@ pub struct SemanticConfig {
     /// the CPU has AVX-512 VNNI, else `f16`), `f16` or `int8`. On Zen 4 `int8` runs a 16-token
     /// question's pass in about half the time; its vectors are within a cosine of ~6e-4 of the
     /// checkpoint's for a question (1e-6 with `f16`), which changes the verifier's decision
-    /// for ~0.5–0.8% of dev pairs at the same precision (docs/cache.md).
+    /// for 0.4–0.7% of dev pairs, the precision within 0.25 points (docs/cache.md).
     pub precision: CpuPrecision,
     /// Directory of all-MiniLM-L6-v2 (`scripts/fetch-model.sh`). Without it the semantic layer
     /// is off (logged at start); the exact layer still works.

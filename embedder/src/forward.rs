@@ -584,6 +584,22 @@ mod tests {
     use super::*;
 
     #[test]
+    fn precisions_parse_by_name_and_the_fastest_follows_the_cpu() {
+        for (name, precision) in [
+            ("f16", Precision::F16),
+            ("f32", Precision::F32),
+            ("int8", Precision::Int8),
+        ] {
+            assert_eq!(name.parse::<Precision>(), Ok(precision));
+        }
+        let refused = "fp8".parse::<Precision>();
+        assert!(refused.is_err_and(|e| e.contains("f16, f32 or int8")));
+        let fastest = Precision::fastest();
+        assert_eq!(fastest == Precision::Int8, int8::accelerated());
+        assert!(matches!(fastest, Precision::Int8 | Precision::F16));
+    }
+
+    #[test]
     fn erf_matches_libm_to_a_few_units_in_the_last_place() {
         let mut worst = 0.0f64;
         for i in -1_000_000..=1_000_000 {

@@ -547,7 +547,7 @@ mod tests {
     }
 
     #[test]
-    fn unknown_tiers_targets_and_tokenizers_are_refused_naming_the_field() {
+    fn unknown_tiers_targets_tokenizers_and_precisions_are_refused_naming_the_field() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("g.toml");
         for (toml, field) in [
@@ -560,11 +560,24 @@ mod tests {
                 "[tiers.small]\ntokenizer = \"llama\"\n",
                 "tiers.small.tokenizer",
             ),
+            (
+                "[cache.semantic]\nprecision = \"fp8\"\n",
+                "cache.semantic.precision",
+            ),
         ] {
             std::fs::write(&path, toml).unwrap();
             let e = Config::load(Some(&path)).unwrap_err().to_string();
             assert!(e.contains(field), "{toml}: {e}");
         }
+        let c: CacheConfig = Figment::new()
+            .merge(Toml::string("[semantic]\nprecision = \"f16\"\n"))
+            .extract()
+            .unwrap();
+        assert_eq!(c.semantic.precision, CpuPrecision::F16);
+        assert_eq!(
+            Config::default().cache.semantic.precision,
+            CpuPrecision::Auto
+        );
     }
 
     #[test]

@@ -145,10 +145,14 @@ impl BertEmbedder {
                         CpuBert::new(config, weights)
                     }
                 } else {
-                    // A weight beyond f16's range (±65,504): the checkpoint's own floats.
+                    // A weight beyond f16's range (±65,504): the checkpoint's own floats
+                    // (quantised from them when they are all numbers; one that is not cannot
+                    // be, and gives the vectors an f32 pass gives).
                     drop(weights);
                     let weights = Weights::<Vec<f32>>::read(&weights_path, &config)?;
-                    if precision == Precision::Int8 {
+                    if precision == Precision::Int8
+                        && weights.matrices().flatten().all(|v| v.is_finite())
+                    {
                         CpuBert::quantised(config, weights)
                     } else {
                         CpuBert::new(config, weights)

@@ -95,9 +95,10 @@ pub struct SemanticConfig {
     pub min_cosine: f32,
     /// The first stage: a question whose rarity-weighted token overlap (weighted Jaccard of the
     /// token sets) with every stored question of its namespace is below this is a miss without
-    /// running the transformer (microseconds instead of ~15 ms on a CPU). 0 (the default) turns
-    /// it off: at 0.15 it keeps 99.8% of the verifier's hits on Quora questions but only about
-    /// two thirds on reworded chat instructions, which share few words (docs/cache.md).
+    /// running the transformer (microseconds instead of milliseconds on a CPU). 0 (the
+    /// default) turns it off: at 0.15 it keeps 99.8% of the verifier's hits on Quora questions
+    /// but only about two thirds on reworded chat instructions, which share few words
+    /// (docs/cache.md).
     pub gate_overlap: f32,
     /// The learned first stage: a question whose student vector (the static table's sentence
     /// vector mapped to predict the transformer's) has a cosine below this with every stored

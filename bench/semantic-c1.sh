@@ -9,7 +9,11 @@
 #
 # STAGE: lines for [cache.semantic] (default the learned first stage at 0.45; e.g.
 # 'gate_overlap = 0.15', or 'nice = 0'). QUESTIONS: a JSONL file of {"a": question} (default the
-# `a` side of ../shared/data/qqp-dev.jsonl). Needs python3, the model (scripts/fetch-model.sh).
+# `a` side of ../shared/data/qqp-dev.jsonl). GAP_MS: the client waits this long after each
+# answer (default 0): with the minimal upstream answering at once, answers to index pile up
+# behind the lookups the first stage decides, and a lookup's pass takes the newest of them
+# along; a gap of a few passes lets each answer be indexed first, as a real model server's
+# answer time does. Needs python3, the model (scripts/fetch-model.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${STAGE:-gate_student = 0.45}
@@ -20,9 +24,10 @@ P_GW=${P_GW:-19402}
 . bench/common.sh
 
 start_semantic c1 "$P_UP" "$P_GW" "$STAGE"
-KEY=$(cat "$WORK/c1.key") python3 - "$P_GW" "$QUESTIONS" "$N" <<'PY'
+KEY=$(cat "$WORK/c1.key") python3 - "$P_GW" "$QUESTIONS" "$N" "${GAP_MS:-0}" <<'PY'
 import http.client, json, os, re, sys, time
 port, path, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+gap = float(sys.argv[4]) / 1000
 seen, questions = set(), []
 for line in open(path):
     q = json.loads(line)["a"].replace("\n", " ").strip()
@@ -54,6 +59,7 @@ for q in questions:
     now = counters().get("gated", 0)
     groups["gated" if now > before else "the rest"].append(ms)
     before = now
+    time.sleep(gap)
 print(f"| requests | count | p10 ms | p50 ms | p90 ms | max ms |\n|---|---|---|---|---|---|")
 for name, v in groups.items():
     v.sort()

@@ -41,6 +41,10 @@ pub enum EmbedError {
 pub trait Embed: Send {
     /// Which implementation: `"cpu"` or `"cuda"`.
     fn device(&self) -> &'static str;
+    /// How its matrices are kept: `"f32"` unless the implementation says otherwise.
+    fn precision(&self) -> &'static str {
+        "f32"
+    }
     /// Each text's L2-normalised sentence vector and its L2-normalised contextual token vectors
     /// (real tokens only, without `[CLS]`/`[SEP]`), as [`BertEmbedder::embed_with_tokens`].
     fn embed_with_tokens(&self, texts: &[&str]) -> Result<Vec<TextVectors>, EmbedError>;
@@ -68,6 +72,10 @@ pub trait Embed: Send {
 impl Embed for BertEmbedder {
     fn device(&self) -> &'static str {
         "cpu"
+    }
+
+    fn precision(&self) -> &'static str {
+        self.model.precision().name()
     }
 
     fn embed_with_tokens(&self, texts: &[&str]) -> Result<Vec<TextVectors>, EmbedError> {

@@ -90,6 +90,15 @@ pub enum Precision {
 }
 
 impl Precision {
+    /// Its name: `"f16"`, `"f32"` or `"int8"` (what [`str::parse`] reads).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F16 => "f16",
+            Self::F32 => "f32",
+            Self::Int8 => "int8",
+        }
+    }
+
     /// The fastest precision on this CPU: [`Precision::Int8`] where it has AVX-512 VNNI, else
     /// [`Precision::F16`].
     pub fn fastest() -> Self {
@@ -216,6 +225,15 @@ impl CpuBert {
             .map_matrices(Into::into)
             .map_layers(|m, bias| m.packed(bias.len(), int8));
         Self { config, weights }
+    }
+
+    /// How the layers' matrices are kept (`F32` for a model without layers).
+    pub fn precision(&self) -> Precision {
+        match self.weights.layers.first().map(|l| &l.qkv_w) {
+            Some(Packed::F16(_)) => Precision::F16,
+            Some(Packed::Int8(_)) => Precision::Int8,
+            Some(Packed::F32(_)) | None => Precision::F32,
+        }
     }
 
     /// Rows of the word embeddings.
@@ -591,6 +609,7 @@ mod tests {
             ("int8", Precision::Int8),
         ] {
             assert_eq!(name.parse::<Precision>(), Ok(precision));
+            assert_eq!(precision.name(), name);
         }
         let refused = "fp8".parse::<Precision>();
         assert!(refused.is_err_and(|e| e.contains("f16, f32 or int8")));

@@ -106,6 +106,9 @@ pub mod names {
     /// (`cache.semantic.max_queue` answers were already waiting) or `failed` (their embedding
     /// failed).
     pub const CACHE_SEMANTIC_ANSWERS: &str = "gateway_cache_semantic_answers_total";
+    /// 1, labelled with where the loaded semantic layer's model runs (`device`: `cpu`, `cuda`)
+    /// and how it keeps its matrices (`precision`: `f16`, `f32`, `int8`).
+    pub const CACHE_SEMANTIC_MODEL: &str = "gateway_cache_semantic_model_info";
 
     /// Every name above.
     pub const ALL: &[&str] = &[
@@ -146,6 +149,7 @@ pub mod names {
         CACHE_SEMANTIC_READY,
         CACHE_SEMANTIC_SECONDS,
         CACHE_SEMANTIC_ANSWERS,
+        CACHE_SEMANTIC_MODEL,
     ];
 }
 
@@ -227,6 +231,8 @@ pub struct Metrics {
     pub cache_semantic_seconds: Histogram,
     /// See [`names::CACHE_SEMANTIC_ANSWERS`].
     pub cache_semantic_answers: IntCounterVec,
+    /// See [`names::CACHE_SEMANTIC_MODEL`].
+    pub cache_semantic_model: IntGaugeVec,
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -430,6 +436,14 @@ impl Metrics {
             cache_semantic_answers.with_label_values(&[result]);
         }
         registry.register(Box::new(cache_semantic_answers.clone()))?;
+        let cache_semantic_model = IntGaugeVec::new(
+            Opts::new(
+                names::CACHE_SEMANTIC_MODEL,
+                "1 for the loaded semantic layer's model: its device and matrix precision.",
+            ),
+            &["device", "precision"],
+        )?;
+        registry.register(Box::new(cache_semantic_model.clone()))?;
         registry.register(Box::new(budget_decisions.clone()))?;
         registry.register(Box::new(budget_store_errors.clone()))?;
         registry.register(Box::new(budget_store_seconds.clone()))?;
@@ -555,6 +569,7 @@ impl Metrics {
             cache_semantic_ready,
             cache_semantic_seconds,
             cache_semantic_answers,
+            cache_semantic_model,
         })
     }
 

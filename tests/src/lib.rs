@@ -155,6 +155,12 @@ impl TestStore {
     }
 }
 
+/// The repository's embedding model (`scripts/fetch-model.sh`; the static table beside it is
+/// distilled by `scripts/test.sh`).
+pub fn model_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/all-MiniLM-L6-v2")
+}
+
 /// One replica entry for a config.
 pub fn replica(name: &str, base_url: &str, model: &str) -> ReplicaConfig {
     ReplicaConfig {

@@ -8,9 +8,9 @@
 use std::time::Duration;
 
 use async_openai::types::chat::CreateChatCompletionRequestArgs;
-use e2e::{config, replica, Sim, StoreKind, TestApp};
+use e2e::{config, model_dir, replica, Sim, StoreKind, TestApp};
 use futures_util::StreamExt;
-use gateway::config::Config;
+use gateway::config::{Config, CpuPrecision};
 use gateway::usage::CacheStatus;
 use serde_json::{json, Value};
 
@@ -304,10 +304,6 @@ async fn tenant_policies_from_gatewayctl_switch_modes_and_time_to_live() {
     app.stop().await;
 }
 
-fn model_dir() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/all-MiniLM-L6-v2")
-}
-
 /// One simulator behind both tiers, the semantic layer on the repository's model, loaded at start.
 fn semantic_config(sim: &Sim) -> Config {
     let mut c = config(
@@ -330,7 +326,18 @@ async fn semantic_app(tweak: impl FnOnce(&mut Config)) -> (TestApp, Sim) {
 }
 
 #[tokio::test]
-async fn paraphrases_hit_the_semantic_layer_and_near_misses_do_not() {
+async fn paraphrases_hit_the_semantic_layer_and_near_misses_do_not_with_int8_matrices() {
+    paraphrases_hit_and_near_misses_do_not(CpuPrecision::Int8).await;
+}
+
+/// The same with `f16` matrices (where the CPU has AVX-512 VNNI, `auto` is `int8`; elsewhere
+/// `int8` runs the portable integer loop, `f16` the packed kernels).
+#[tokio::test]
+async fn paraphrases_hit_the_semantic_layer_and_near_misses_do_not_with_f16_matrices() {
+    paraphrases_hit_and_near_misses_do_not(CpuPrecision::F16).await;
+}
+
+async fn paraphrases_hit_and_near_misses_do_not(precision: CpuPrecision) {
     let sim = Sim::zero("sim-small").await;
     let large = Sim::zero("sim-large").await;
     let mut c = config(
@@ -339,6 +346,7 @@ async fn paraphrases_hit_the_semantic_layer_and_near_misses_do_not() {
     );
     c.cache.semantic.model_dir = model_dir();
     c.cache.semantic.preload = true;
+    c.cache.semantic.precision = precision;
     assert!(
         c.cache
             .semantic
@@ -413,6 +421,13 @@ async fn paraphrases_hit_the_semantic_layer_and_near_misses_do_not() {
         m.contains("gateway_cache_lookups_total{layer=\"semantic\",result=\"hit\"} 2"),
         "{m}"
     );
+    let name = match precision {
+        CpuPrecision::Int8 => "int8",
+        CpuPrecision::F16 | CpuPrecision::Auto => "f16",
+    };
+    let model =
+        format!("gateway_cache_semantic_model_info{{device=\"cpu\",precision=\"{name}\"}} 1");
+    assert!(m.contains(&model), "{model} in {m}");
     app.stop().await;
 }
 

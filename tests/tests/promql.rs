@@ -179,13 +179,17 @@ fn label_values(query: &str) -> (String, String) {
 async fn every_operations_panel_query_parses_and_returns_data_in_prometheus() {
     let small = vec![Sim::zero("sim-small").await, Sim::zero("sim-small").await];
     let large = Sim::zero("sim-large").await;
-    let cfg = config(
+    let mut cfg = config(
         vec![
             replica("small-1", &small[0].url, "sim-small"),
             replica("small-2", &small[1].url, "sim-small"),
         ],
         vec![replica("large-1", &large.url, "sim-large")],
     );
+    // The semantic layer loaded, for its panels (lookup latency, the model's device and
+    // precision).
+    cfg.cache.semantic.model_dir = e2e::model_dir();
+    cfg.cache.semantic.preload = true;
     let app = TestApp::spawn(cfg, e2e::StoreKind::Sqlite).await;
     let r = app
         .admin(

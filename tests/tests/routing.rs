@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
-use e2e::{chat_body, Sim, StoreKind, TestApp, TestStore};
+use e2e::{chat_body, model_dir, Sim, StoreKind, TestApp, TestStore};
 use gateway::config::{Config, Unavailable};
 use gateway::state::{AppState, Deps};
 use reqwest::Method;
@@ -484,10 +484,6 @@ async fn a_routed_answer_records_what_it_would_have_cost_on_large() {
         "an explicit name is not routed"
     );
     app.stop().await;
-}
-
-fn model_dir() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/all-MiniLM-L6-v2")
 }
 
 #[tokio::test]

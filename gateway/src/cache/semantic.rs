@@ -617,10 +617,15 @@ impl Worker {
             let _ = self.gate.set(Arc::clone(gate));
         }
         let _ = self.verifier.set(verifier);
+        self.metrics
+            .cache_semantic_model
+            .with_label_values(&[bert.device(), bert.precision()])
+            .set(1);
         self.metrics.cache_semantic_ready.set(1);
         tracing::info!(
             seconds = started.elapsed().as_secs_f64(),
             device = bert.device(),
+            precision = bert.precision(),
             "semantic cache ready"
         );
         let mut queue = WorkQueue::default();

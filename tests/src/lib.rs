@@ -380,6 +380,17 @@ impl TestApp {
             .expect("request sent")
     }
 
+    /// Wait (up to 5 minutes: the static table is distilled on first use when scripts/test.sh
+    /// did not) until the semantic layer has loaded its model, table and verifier.
+    pub async fn semantic_ready(&self) {
+        eventually(
+            "the semantic layer loads",
+            Duration::from_secs(300),
+            || async { self.state.cache.semantic_ready().then_some(()) },
+        )
+        .await;
+    }
+
     /// The `/metrics` exposition text.
     pub async fn metrics(&self) -> String {
         self.http

@@ -26,17 +26,6 @@ fn deterministic(text: &str) -> Value {
 }
 
 /// A gateway in front of one zero-latency simulator per tier, exact cache only (no model).
-/// Wait (up to 5 minutes: the static table is distilled on first use when scripts/test.sh did
-/// not) until the semantic layer has loaded its model, table and verifier.
-async fn semantic_ready(app: &TestApp) {
-    e2e::eventually(
-        "the semantic layer loads",
-        Duration::from_secs(300),
-        || async { app.state.cache.semantic_ready().then_some(()) },
-    )
-    .await;
-}
-
 async fn exact_app(kind: StoreKind) -> (TestApp, Sim) {
     let sim = Sim::zero("sim-small").await;
     let large = Sim::zero("sim-large").await;
@@ -321,7 +310,7 @@ async fn semantic_app(tweak: impl FnOnce(&mut Config)) -> (TestApp, Sim) {
     let mut c = semantic_config(&sim);
     tweak(&mut c);
     let app = TestApp::spawn(c, StoreKind::Sqlite).await;
-    semantic_ready(&app).await;
+    app.semantic_ready().await;
     (app, sim)
 }
 
@@ -358,7 +347,7 @@ async fn paraphrases_hit_and_near_misses_do_not(precision: CpuPrecision) {
     // Generous: the static table is distilled on first use when scripts/test.sh did not.
     c.cache.semantic.lookup_timeout_ms = 5_000;
     let mut app = TestApp::spawn(c, StoreKind::Sqlite).await;
-    semantic_ready(&app).await;
+    app.semantic_ready().await;
     let set_precision = async |p: &str| {
         let (ok, out) = app
             .ctl(&["cache", "set", "--tenant", "acme", "--min-precision", p])
@@ -707,7 +696,7 @@ async fn a_saturated_semantic_layer_is_skipped_not_waited_for() {
     // namespace is empty, so it is not even looked up; the paraphrase is shed).
     c.cache.semantic.max_queue = 0;
     let app = TestApp::spawn(c, StoreKind::Sqlite).await;
-    semantic_ready(&app).await;
+    app.semantic_ready().await;
     for text in [
         "How do I learn to cook Italian food at home?",
         "How can I learn to cook Italian food at home?",
@@ -845,7 +834,7 @@ async fn the_semantic_layer_loads_only_once_a_policy_asks_for_it() {
         .await;
     assert!(ok, "{out}");
     assert!(app.state.cache.semantic_started());
-    semantic_ready(&app).await;
+    app.semantic_ready().await;
     app.stop().await;
 }
 
@@ -874,7 +863,7 @@ async fn with_the_semantic_default_the_model_loads_on_the_first_request_that_nee
     assert_eq!(r.status(), 200);
     assert_eq!(cache_header(&r), "miss");
     assert!(app.state.cache.semantic_started());
-    semantic_ready(&app).await;
+    app.semantic_ready().await;
     // Then a new question is indexed, and its paraphrase is answered from it.
     let r = app
         .chat(deterministic(

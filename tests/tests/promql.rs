@@ -199,6 +199,7 @@ async fn every_operations_panel_query_parses_and_returns_data_in_prometheus() {
         )
         .await;
     assert_eq!(r.status(), 201);
+    app.semantic_ready().await;
     let target = app.base.trim_start_matches("http://").to_owned();
     let mut prom = Prometheus::start(&target).await;
 

@@ -857,7 +857,13 @@ async fn streaming_does_not_wait_for_the_whole_response() {
 
 #[tokio::test]
 async fn metrics_expose_every_defined_name_after_traffic() {
-    let s = setup().await;
+    // The semantic layer loaded too, so the metrics it sets when it loads have series.
+    let s = setup_with(StoreKind::Sqlite, zero_small(), |c| {
+        c.cache.semantic.model_dir = e2e::model_dir();
+        c.cache.semantic.preload = true;
+    })
+    .await;
+    s.app.semantic_ready().await;
     // A budget, so budget decisions are counted too.
     let r = s
         .app

@@ -616,12 +616,13 @@ impl Worker {
         if let Some(gate) = &gate {
             let _ = self.gate.set(Arc::clone(gate));
         }
-        let _ = self.verifier.set(verifier);
+        // The metrics first: whoever sees the layer ready sees them set.
         self.metrics
             .cache_semantic_model
             .with_label_values(&[bert.device(), bert.precision()])
             .set(1);
         self.metrics.cache_semantic_ready.set(1);
+        let _ = self.verifier.set(verifier);
         tracing::info!(
             seconds = started.elapsed().as_secs_f64(),
             device = bert.device(),

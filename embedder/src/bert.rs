@@ -145,31 +145,23 @@ impl BertEmbedder {
         let weights_path = dir.join("model.safetensors");
         let model = match precision {
             Precision::F16 | Precision::Int8 => {
+                let int8 = precision == Precision::Int8;
                 let weights = Weights::<Vec<f32>, Vec<half::f16>>::read(&weights_path, &config)?;
                 if weights.matrices().flatten().all(|v| v.is_finite()) {
-                    if precision == Precision::Int8 {
-                        CpuBert::quantised(config, weights)
-                    } else {
-                        CpuBert::new(config, weights)
-                    }
+                    CpuBert::new(config, weights, int8)
                 } else {
                     // A weight beyond f16's range (±65,504): the checkpoint's own floats
                     // (quantised from them when they are all numbers; one that is not cannot
                     // be, and gives the vectors an f32 pass gives).
                     drop(weights);
                     let weights = Weights::<Vec<f32>>::read(&weights_path, &config)?;
-                    if precision == Precision::Int8
-                        && weights.matrices().flatten().all(|v| v.is_finite())
-                    {
-                        CpuBert::quantised(config, weights)
-                    } else {
-                        CpuBert::new(config, weights)
-                    }
+                    let int8 = int8 && weights.matrices().flatten().all(|v| v.is_finite());
+                    CpuBert::new(config, weights, int8)
                 }
             }
             Precision::F32 => {
                 let weights = Weights::<Vec<f32>>::read(&weights_path, &config)?;
-                CpuBert::new(config, weights)
+                CpuBert::new(config, weights, false)
             }
         };
         Ok(Self {

@@ -205,17 +205,8 @@ pub struct CpuBert {
 impl CpuBert {
     /// The forward pass for a model described by `config` with `weights` (its matrices `f16`
     /// or `f32`, as read: [`Weights::read`]); the layers' matrices are packed into panels here,
-    /// one at a time.
-    pub fn new<M: Into<Matrix>>(config: ModelConfig, weights: Weights<Vec<f32>, M>) -> Self {
-        Self::packing(config, weights, false)
-    }
-
-    /// [`CpuBert::new`] with the layers' matrices quantised to `i8` ([`Precision::Int8`]).
-    pub fn quantised<M: Into<Matrix>>(config: ModelConfig, weights: Weights<Vec<f32>, M>) -> Self {
-        Self::packing(config, weights, true)
-    }
-
-    fn packing<M: Into<Matrix>>(
+    /// one at a time, and with `int8` quantised to `i8` ([`Precision::Int8`]).
+    pub fn new<M: Into<Matrix>>(
         config: ModelConfig,
         weights: Weights<Vec<f32>, M>,
         int8: bool,

@@ -21,31 +21,60 @@
 //!
 //! The layout is [`super::panels`]'s, four depths at a time: a panel holds [`WIDTH`] outputs'
 //! weights as `[depth / 4][WIDTH][4]`, which is what `vpdpbusd` reads. Where AVX-512 VNNI is
-//! missing a portable loop computes the same integers and the same floats.
+//! missing, an AVX2 kernel reads the same layout (each weight widened to `i16`, two products
+//! per lane with `vpmaddwd`: on Zen 3 a 16 × 1536 × 384 product 196 → 161–165 µs against the
+//! `f16` kernel, `examples/lowp_kernels.rs`), and without AVX2 a portable loop. All three
+//! compute the same integers and the same floats: a vector does not depend on which CPU made
+//! it.
 
 use std::ops::Range;
 
 use super::panels::{split, Out, Shape, WIDTH};
 use super::{Rows, Weight};
 
-/// Whether this CPU runs the product with AVX-512 VNNI (elsewhere a plain integer loop,
-/// slower than the `f16` kernel).
+/// Whether this CPU runs the product with AVX-512 VNNI: a short text's pass about twice as
+/// fast as with the `f16` kernel. The AVX2 kernel is only ~15% faster than it (Zen 3: a
+/// 16-token pass 3.6–3.7 → 3.1 ms), too little to trade the `f16` pass's agreement for by
+/// default; the portable loop is ten times slower.
 pub fn accelerated() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        x86::vnni()
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+    Kernel::detected() == Kernel::Vnni
+}
+
+/// Which code runs the product (and quantises the activations).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kernel {
+    /// AVX-512 VNNI: `vpdpbusd` sums four `u8 × i8` products per lane.
+    Vnni,
+    /// AVX2: each weight widened to `i16`, `vpmaddwd` sums two `i16` products per lane (the
+    /// activations are widened once per call). `vpmaddubsw`, which reads `u8 × i8` directly,
+    /// saturates its pairs' sums at `i16` and would not give the same integers.
+    Avx2,
+    /// Plain integer loops.
+    Portable,
+}
+
+impl Kernel {
+    /// The fastest this CPU runs (checked once).
+    fn detected() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if x86::vnni() {
+                return Self::Vnni;
+            }
+            if x86::avx2() {
+                return Self::Avx2;
+            }
+        }
+        Self::Portable
     }
 }
 
-/// The fewest multiply-adds worth splitting over threads: a product here is ~4× faster than
-/// the `f16` kernel's, so waking a second thread pays only for larger ones (a 16-token text's
-/// pass took 1.7–1.9 ms on one thread against 2.2–2.6 ms split at the `f16` kernel's
-/// threshold; Zen 4, two vCPUs).
-const PARALLEL_WORK: usize = 1 << 24;
+/// The fewest multiply-adds worth splitting over threads with [`Kernel::Vnni`]: a product
+/// there is ~4× faster than the `f16` kernel's, so waking a second thread pays only for larger
+/// ones (a 16-token text's pass took 1.7–1.9 ms on one thread against 2.2–2.6 ms split at the
+/// `f16` kernel's threshold; Zen 4, two vCPUs). The AVX2 kernel, about as fast as the `f16`
+/// one, splits where it does.
+const VNNI_PARALLEL_WORK: usize = 1 << 24;
 
 /// Depths summed per instruction: `vpdpbusd` sums four products per lane.
 const QUAD: usize = 4;
@@ -137,13 +166,16 @@ impl Int8Panels {
 /// for zero, padded with it), `x[i][k] ≈ scale[i][g] · (data[i][k] − 128)`.
 struct Quantised {
     data: Vec<u8>,
+    /// `data` widened to `i16`, for [`Kernel::Avx2`] (empty for the others).
+    wide: Vec<i16>,
     /// `[row][group]`.
     scale: Vec<f32>,
     groups: usize,
 }
 
 impl Quantised {
-    fn new(x: Rows<'_>) -> Self {
+    /// `x` quantised for `kernel`.
+    fn new(x: Rows<'_>, kernel: Kernel) -> Self {
         let groups = x.cols.div_ceil(GROUP);
         let mut data = vec![128u8; x.rows * groups * GROUP];
         let mut scale = vec![0.0f32; x.rows * groups];
@@ -159,15 +191,23 @@ impl Quantised {
                 .zip(scales)
             {
                 #[cfg(target_arch = "x86_64")]
-                if group.len() == GROUP && x86::vnni() {
-                    *s = x86::quantise(group, out);
+                if group.len() == GROUP && kernel != Kernel::Portable {
+                    *s = match kernel {
+                        Kernel::Vnni => x86::quantise(group, out),
+                        _ => x86::quantise256(group, out),
+                    };
                     continue;
                 }
                 *s = quantise(group, out);
             }
         }
+        let wide = match kernel {
+            Kernel::Avx2 => data.iter().map(|&b| i16::from(b)).collect(),
+            _ => Vec::new(),
+        };
         Self {
             data,
+            wide,
             scale,
             groups,
         }
@@ -213,8 +253,13 @@ fn quantise(group: &[f32], out: &mut [u8]) -> f32 {
 /// Panics if `x`'s rows are not `w`'s depth, `x`'s rows run past its data, `bias` is not one
 /// float per row of `w`, or `y` is too short.
 pub fn product(x: Rows<'_>, w: &Int8Panels, bias: Option<&[f32]>, y: &mut [f32], y_stride: usize) {
-    let shape = Shape::checked(x, w.outs, w.depth, bias, PARALLEL_WORK);
-    let q = Quantised::new(x);
+    let kernel = Kernel::detected();
+    let parallel = match kernel {
+        Kernel::Vnni => VNNI_PARALLEL_WORK,
+        _ => super::PARALLEL_WORK,
+    };
+    let shape = Shape::checked(x, w.outs, w.depth, bias, parallel);
+    let q = Quantised::new(x, kernel);
     split(
         shape,
         y,
@@ -227,14 +272,21 @@ pub fn product(x: Rows<'_>, w: &Int8Panels, bias: Option<&[f32]>, y: &mut [f32],
                 bias,
                 outs: w.outs,
             };
-            serial(&q, rows, w, panels, out);
+            serial(kernel, &q, rows, w, panels, out);
         },
     );
 }
 
-/// Rows `rows` of `q` against `panels` of `w` on this thread (row `rows.start` is `out`'s
-/// first).
-fn serial(q: &Quantised, rows: Range<usize>, w: &Int8Panels, panels: Range<usize>, out: Out<'_>) {
+/// Rows `rows` of `q` (quantised for `kernel`) against `panels` of `w` on this thread with
+/// `kernel` (row `rows.start` is `out`'s first).
+fn serial(
+    kernel: Kernel,
+    q: &Quantised,
+    rows: Range<usize>,
+    w: &Int8Panels,
+    panels: Range<usize>,
+    out: Out<'_>,
+) {
     let outs = panels.start * WIDTH..(panels.end * WIDTH).min(w.outs);
     if outs.is_empty() || rows.is_empty() {
         return;
@@ -245,15 +297,19 @@ fn serial(q: &Quantised, rows: Range<usize>, w: &Int8Panels, panels: Range<usize
     assert!(panels.end * w.groups() * WIDTH <= w.start.len().min(w.scale.len()));
     assert!(out.first <= outs.start && outs.end - out.first <= out.y_stride);
     assert!(super::span(rows.len(), out.y_stride, outs.end - out.first) <= out.y.len());
-    #[cfg(target_arch = "x86_64")]
-    if x86::vnni() {
-        x86::product(q, rows, w, panels, out);
-        return;
+    match kernel {
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Vnni => x86::product(q, rows, w, panels, out),
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 => {
+            assert!(rows.end * q.stride() <= q.wide.len());
+            x86::product256(q, rows, w, panels, out);
+        }
+        _ => portable(q, rows, w, panels, out),
     }
-    portable(q, rows, w, panels, out);
 }
 
-/// The product in plain integer loops: where AVX-512 VNNI is missing, and the tests' second
+/// The product in plain integer loops: where neither kernel can run, and the tests' second
 /// path (the same integers and the same floats, rounded in the same order).
 fn portable(
     q: &Quantised,
@@ -296,10 +352,21 @@ fn portable(
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod x86 {
-    //! The kernel: a block of `R` activation rows by `P` panels, `R · P` integer accumulators
+    //! The kernels: a block of `R` activation rows by `P` panels, `R · P` integer accumulators
     //! (one group's sums) and as many float ones, each step four activations (one row's,
-    //! broadcast) against each panel's sixteen outputs' four weights.
+    //! broadcast) against each panel's sixteen outputs' four weights (AVX-512 VNNI); or by
+    //! one panel, eight outputs at a time (AVX2).
 
+    use std::arch::x86_64::{
+        __m256, __m256i, _mm256_add_epi32, _mm256_andnot_ps, _mm256_castps256_ps128,
+        _mm256_cvtepi32_ps, _mm256_cvtepi8_epi16, _mm256_cvtps_epi32, _mm256_extractf128_ps,
+        _mm256_fmadd_ps, _mm256_hadd_epi32, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_madd_epi16,
+        _mm256_max_epi32, _mm256_max_ps, _mm256_min_epi32, _mm256_mul_ps, _mm256_packs_epi32,
+        _mm256_packus_epi16, _mm256_permute4x64_epi64, _mm256_permutevar8x32_epi32,
+        _mm256_set1_epi32, _mm256_set1_epi64x, _mm256_set1_ps, _mm256_setr_epi32,
+        _mm256_setzero_ps, _mm256_setzero_si256, _mm256_storeu_ps, _mm256_storeu_si256,
+        _mm_cvtss_f32, _mm_loadu_si128, _mm_max_ps, _mm_max_ss, _mm_movehl_ps, _mm_shuffle_ps,
+    };
     use std::arch::x86_64::{
         _mm512_abs_ps, _mm512_add_epi32, _mm512_cvtepi32_epi8, _mm512_cvtepi32_ps,
         _mm512_cvtps_epi32, _mm512_dpbusd_epi32, _mm512_fmadd_ps, _mm512_loadu_ps,
@@ -357,6 +424,195 @@ mod x86 {
         }
     }
 
+    /// Whether the AVX2 kernel can run: AVX2 and FMA.
+    pub(super) fn avx2() -> bool {
+        crate::matmul::avx2::available()
+    }
+
+    /// [`super::quantise`] for a whole group with AVX2 (the same bytes, but for activations
+    /// that are not numbers); only call where [`avx2`] said so.
+    pub(super) fn quantise256(group: &[f32], out: &mut [u8]) -> f32 {
+        assert!(avx2() && group.len() == GROUP && out.len() == GROUP);
+        // SAFETY: AVX2 is present and both slices hold a group (asserted above).
+        unsafe { quantise_group256(group, out) }
+    }
+
+    /// # Safety
+    /// AVX2 present; `group` and `out` hold [`GROUP`] elements.
+    #[target_feature(enable = "avx2")]
+    unsafe fn quantise_group256(group: &[f32], out: &mut [u8]) -> f32 {
+        // SAFETY (the whole body): the caller's contract.
+        unsafe {
+            let x = group.as_ptr();
+            let v: [__m256; 8] = std::array::from_fn(|n| _mm256_loadu_ps(x.add(n * 8)));
+            let sign = _mm256_set1_ps(-0.0);
+            let m = v.iter().fold(_mm256_setzero_ps(), |m, v| {
+                _mm256_max_ps(m, _mm256_andnot_ps(sign, *v))
+            });
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let m = _mm_max_ss(m, _mm_shuffle_ps::<1>(m, m));
+            let (times, scale) = super::steps(_mm_cvtss_f32(m));
+            let times = _mm256_set1_ps(times);
+            let (lo, hi, zero) = (
+                _mm256_set1_epi32(-127),
+                _mm256_set1_epi32(127),
+                _mm256_set1_epi32(128),
+            );
+            let q: [__m256i; 8] = std::array::from_fn(|n| {
+                // Rounded to nearest, ties to even (the default rounding mode).
+                let q = _mm256_cvtps_epi32(_mm256_mul_ps(v[n], times));
+                _mm256_add_epi32(_mm256_min_epi32(_mm256_max_epi32(q, lo), hi), zero)
+            });
+            // Packing works within 128-bit halves: four vectors' bytes come out as their
+            // low quarters, then their high ones; the permutation puts each vector's together.
+            let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+            for (n, q) in q.chunks_exact(4).enumerate() {
+                let bytes = _mm256_packus_epi16(
+                    _mm256_packs_epi32(q[0], q[1]),
+                    _mm256_packs_epi32(q[2], q[3]),
+                );
+                let bytes = _mm256_permutevar8x32_epi32(bytes, order);
+                _mm256_storeu_si256(out.as_mut_ptr().add(n * 32).cast(), bytes);
+            }
+            scale
+        }
+    }
+
+    /// Six rows by one panel per block, with AVX2; only call where [`avx2`] said so,
+    /// [`super::serial`]'s bounds hold and `q` has its widened activations. (The loops are
+    /// `product`'s, written out again: driven through a shared closure instead, the blocks of
+    /// six rows ran 20% slower, 194 against 161–165 µs for a 16 × 1536 × 384 product on Zen 3,
+    /// and with five rows a 32-token pass lost what int8 gained.)
+    pub(super) fn product256(
+        q: &Quantised,
+        rows: Range<usize>,
+        w: &Int8Panels,
+        panels: Range<usize>,
+        mut out: Out<'_>,
+    ) {
+        assert!(avx2() && q.wide.len() == q.data.len());
+        for p in panels {
+            let mut i = rows.start;
+            while i < rows.end {
+                let r = (rows.end - i).min(6);
+                // SAFETY: AVX2 is present (asserted above); the block reads rows `i..i + r`
+                // of `q`'s widened activations and their scales, panel `p` of `w` and its
+                // start values (all within their data: `serial`, and `wide` is `data`'s
+                // length).
+                unsafe {
+                    macro_rules! rows {
+                        ($($n:literal)*) => {
+                            match r {
+                                $($n => block256::<$n>(q, w, p, i, rows.start, &mut out),)*
+                                _ => unreachable!(),
+                            }
+                        };
+                    }
+                    rows!(1 2 3 4 5 6);
+                }
+                i += r;
+            }
+        }
+    }
+
+    /// Where a block's operands start: row `i`'s activations in `x` (`q.data` or `q.wide`)
+    /// and their scales, panel `p`'s weights, their scales and start values.
+    struct At<T> {
+        x: *const T,
+        scales: *const f32,
+        w: *const i8,
+        wscales: *const f32,
+        starts: *const i32,
+    }
+
+    impl<T> At<T> {
+        /// # Safety
+        /// Row `i` and panel `p` exist, and `x` holds `q`'s rows.
+        unsafe fn new(x: &[T], q: &Quantised, w: &Int8Panels, p: usize, i: usize) -> Self {
+            let groups = w.groups();
+            // SAFETY: the caller's contract.
+            unsafe {
+                Self {
+                    x: x.as_ptr().add(i * q.stride()),
+                    scales: q.scale.as_ptr().add(i * groups),
+                    w: w.data.as_ptr().add(p * w.panel_len()),
+                    wscales: w.scale.as_ptr().add(p * groups * WIDTH),
+                    starts: w.start.as_ptr().add(p * groups * WIDTH),
+                }
+            }
+        }
+    }
+
+    /// Rows `i..i + R` of `q` against panel `p` of `w`, written to `out` (whose first row is
+    /// `first`): each half of the panel's outputs in turn, eight at a time. Four weights of
+    /// four outputs (sixteen bytes) widen into one vector, whose lanes `vpmaddwd` sums in
+    /// pairs against a row's four activations: each output's sum is in two lanes until the
+    /// group's end, where `vphaddd` adds them.
+    ///
+    /// # Safety
+    /// AVX2 present; those rows and that panel exist.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn block256<const R: usize>(
+        q: &Quantised,
+        w: &Int8Panels,
+        p: usize,
+        i: usize,
+        first: usize,
+        out: &mut Out<'_>,
+    ) {
+        // SAFETY (the whole body): the caller's contract.
+        unsafe {
+            let (groups, stride) = (w.groups(), q.stride());
+            let At {
+                x: xp,
+                scales,
+                w: wp,
+                wscales: wsp,
+                starts: sp,
+            } = At::new(&q.wide, q, w, p, i);
+            let mut sums = [[0.0f32; WIDTH]; R];
+            for half in 0..2 {
+                let mut s = [_mm256_setzero_ps(); R];
+                for g in 0..groups {
+                    let mut ints = [[_mm256_setzero_si256(); 2]; R];
+                    for k4 in g * GROUP / QUAD..(g + 1) * GROUP / QUAD {
+                        let at = wp.add(k4 * WIDTH * QUAD + half * WIDTH / 2 * QUAD);
+                        let w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(at.cast()));
+                        let w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(at.add(16).cast()));
+                        for (r, a) in ints.iter_mut().enumerate() {
+                            let four = xp
+                                .add(r * stride + k4 * QUAD)
+                                .cast::<i64>()
+                                .read_unaligned();
+                            let b = _mm256_set1_epi64x(four);
+                            a[0] = _mm256_add_epi32(a[0], _mm256_madd_epi16(b, w0));
+                            a[1] = _mm256_add_epi32(a[1], _mm256_madd_epi16(b, w1));
+                        }
+                    }
+                    let at = g * WIDTH + half * WIDTH / 2;
+                    let start = _mm256_loadu_si256(sp.add(at).cast());
+                    let wscale = _mm256_loadu_ps(wsp.add(at));
+                    for (r, (s, a)) in s.iter_mut().zip(&ints).enumerate() {
+                        // Pairs of outputs in the order 0 1 4 5 2 3 6 7: swap the middle two.
+                        let pairs = _mm256_hadd_epi32(a[0], a[1]);
+                        let pairs = _mm256_permute4x64_epi64::<0b11_01_10_00>(pairs);
+                        let ints = _mm256_add_epi32(pairs, start);
+                        let both =
+                            _mm256_mul_ps(_mm256_set1_ps(*scales.add(r * groups + g)), wscale);
+                        *s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), both, *s);
+                    }
+                }
+                for (sum, s) in sums.iter_mut().zip(&s) {
+                    _mm256_storeu_ps(sum.as_mut_ptr().add(half * WIDTH / 2), *s);
+                }
+            }
+            for (r, sum) in sums.iter().enumerate() {
+                out.put(i + r - first, p * WIDTH, sum);
+            }
+        }
+    }
+
     /// Six rows by two panels per block; only call where [`vnni`] said so and
     /// [`super::serial`]'s bounds hold.
     pub(super) fn product(
@@ -411,11 +667,13 @@ mod x86 {
         // SAFETY (the whole body): the caller's contract.
         unsafe {
             let (len, groups, stride) = (w.panel_len(), w.groups(), q.stride());
-            let xp = q.data.as_ptr().add(i * stride);
-            let wp = w.data.as_ptr().add(p * len);
-            let sp = w.start.as_ptr().add(p * groups * WIDTH);
-            let wsp = w.scale.as_ptr().add(p * groups * WIDTH);
-            let scales = q.scale.as_ptr().add(i * groups);
+            let At {
+                x: xp,
+                scales,
+                w: wp,
+                wscales: wsp,
+                starts: sp,
+            } = At::new(&q.data, q, w, p, i);
             let mut sums = [[_mm512_setzero_ps(); P]; R];
             for g in 0..groups {
                 let mut starts = [_mm512_setzero_si512(); P];
@@ -519,17 +777,14 @@ mod tests {
             let y_stride = outs + 1;
             let mut y = vec![f32::NAN; rows * y_stride];
             product(x, &w, Some(&bias), &mut y, y_stride);
-            let q = Quantised::new(x);
-            let mut plain = vec![f32::NAN; rows * outs];
-            let all = 0..outs.div_ceil(WIDTH);
-            let out = Out {
-                y: &mut plain,
-                y_stride: outs,
-                first: 0,
-                bias: Some(&bias),
-                outs,
-            };
-            portable(&q, 0..rows, &w, all, out);
+            let plain = serial_with(Kernel::Portable, x, &w, &bias);
+            for kernel in kernels() {
+                assert_eq!(
+                    serial_with(kernel, x, &w, &bias),
+                    plain,
+                    "{kernel:?} and the portable loop differ at {rows}×{outs}×{depth}"
+                );
+            }
             // Each operand is within half a step of its value; the sum of `depth` products,
             // each off by at most |x|·step_w/2 + |w|·step_x/2 (and the product of the halves).
             let (step_x, step_w) = (3.0 / 127.0, 1.0 / 127.0);
@@ -551,8 +806,39 @@ mod tests {
         }
     }
 
+    /// The kernels besides the portable loop that this CPU runs.
+    fn kernels() -> Vec<Kernel> {
+        let mut all = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if x86::vnni() {
+                all.push(Kernel::Vnni);
+            }
+            if x86::avx2() {
+                all.push(Kernel::Avx2);
+            }
+        }
+        all
+    }
+
+    /// The product of `x` and `w` by `kernel` on this thread (`x` quantised for it), plus
+    /// `bias`, as a dense `rows × outs` matrix.
+    fn serial_with(kernel: Kernel, x: Rows<'_>, w: &Int8Panels, bias: &[f32]) -> Vec<f32> {
+        let q = Quantised::new(x, kernel);
+        let mut y = vec![f32::NAN; x.rows * w.outs];
+        let out = Out {
+            y: &mut y,
+            y_stride: w.outs,
+            first: 0,
+            bias: Some(bias),
+            outs: w.outs,
+        };
+        serial(kernel, &q, 0..x.rows, w, 0..w.outs.div_ceil(WIDTH), out);
+        y
+    }
+
     #[test]
-    fn both_quantisers_give_the_same_bytes_ties_to_even() {
+    fn every_quantiser_gives_the_same_bytes_ties_to_even() {
         let mut groups: Vec<Vec<f32>> = (0..50u16)
             .map(|seed| {
                 let times = f32::from(seed) + 0.5;
@@ -574,10 +860,14 @@ mod tests {
                 assert_eq!(plain[..6], [255, 130, 124, 128, 128, 130]);
             }
             #[cfg(target_arch = "x86_64")]
-            if x86::vnni() {
+            for kernel in kernels() {
                 let mut fast = [0u8; GROUP];
-                assert_eq!(x86::quantise(group, &mut fast), scale);
-                assert_eq!(fast, plain);
+                let quantise = match kernel {
+                    Kernel::Vnni => x86::quantise,
+                    _ => x86::quantise256,
+                };
+                assert_eq!(quantise(group, &mut fast), scale, "{kernel:?}");
+                assert_eq!(fast, plain, "{kernel:?}");
             }
         }
     }
@@ -587,7 +877,8 @@ mod tests {
         crate::matmul::tests::every_split(|x, w, outs, y, alone| {
             let packed = Int8Panels::quantise(w, outs, x.cols);
             if alone {
-                let q = Quantised::new(x);
+                let kernel = Kernel::detected();
+                let q = Quantised::new(x, kernel);
                 let out = Out {
                     y,
                     y_stride: outs,
@@ -595,7 +886,7 @@ mod tests {
                     bias: None,
                     outs,
                 };
-                serial(&q, 0..x.rows, &packed, 0..outs.div_ceil(WIDTH), out);
+                serial(kernel, &q, 0..x.rows, &packed, 0..outs.div_ceil(WIDTH), out);
             } else {
                 product(x, &packed, None, y, outs);
             }

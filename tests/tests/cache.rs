@@ -320,7 +320,7 @@ async fn paraphrases_hit_the_semantic_layer_and_near_misses_do_not_with_int8_mat
 }
 
 /// The same with `f16` matrices (where the CPU has AVX-512 VNNI, `auto` is `int8`; elsewhere
-/// `int8` runs the portable integer loop, `f16` the packed kernels).
+/// `int8` runs the AVX2 kernel, or without AVX2 the portable loop, `f16` the packed kernels).
 #[tokio::test]
 async fn paraphrases_hit_the_semantic_layer_and_near_misses_do_not_with_f16_matrices() {
     paraphrases_hit_and_near_misses_do_not(CpuPrecision::F16).await;

@@ -763,7 +763,7 @@ mod tests {
     /// The product's error against the f64 product of the unquantised operands, relative to
     /// the sizes of the sums: within what 8-bit steps on both sides allow.
     #[test]
-    fn every_shape_is_within_quantisation_error_of_the_product_in_f64_on_both_paths() {
+    fn every_shape_is_within_quantisation_error_of_the_product_in_f64_on_every_path() {
         for (rows, outs, depth, pad) in [
             (1, 1, 1, 0),
             (2, 16, 8, 0),

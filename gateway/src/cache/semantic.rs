@@ -459,23 +459,19 @@ fn cpu_backend(config: &SemanticConfig) -> Result<Backend, String> {
         CpuPrecision::F16 => Precision::F16,
         CpuPrecision::Int8 => Precision::Int8,
     };
-    if precision == Precision::Int8 {
-        let kernel = embedder::matmul::int8::kernel_name();
-        if kernel == "portable" {
-            tracing::warn!(
-                kernel,
-                "cache.semantic.precision = \"int8\" on a CPU without AVX2: the portable \
-                 integer loop is about ten times slower than \"f16\""
-            );
-        }
-        tracing::info!(
-            ?precision,
-            kernel,
-            "the semantic layer's model runs on the CPU"
+    // Which integer kernel runs the product (none for floats).
+    let kernel = (precision == Precision::Int8).then(embedder::matmul::int8::kernel_name);
+    if kernel == Some("portable") {
+        tracing::warn!(
+            "cache.semantic.precision = \"int8\" on a CPU without AVX2: the portable integer \
+             loop is about ten times slower than \"f16\""
         );
-    } else {
-        tracing::info!(?precision, "the semantic layer's model runs on the CPU");
     }
+    tracing::info!(
+        ?precision,
+        kernel,
+        "the semantic layer's model runs on the CPU"
+    );
     let model = BertEmbedder::load_with(&config.model_dir, precision).map_err(|e| e.to_string())?;
     Ok((
         Box::new(model),

@@ -5,6 +5,8 @@
 //!   cargo run --release -p embedder --example embed_bench [-- MODEL_DIR]
 //!
 //! `PRECISION=f32` or `int8` keeps the transformer's matrices that way (default `f16`).
+//! `ONLY=16` (a token count) embeds a text of that many tokens for ten seconds and prints its
+//! p50 and p99, nothing else (for `perf record`).
 //!
 //! Needs the model (`scripts/fetch-model.sh`) and the static table (`gateway embed distill`).
 
@@ -69,6 +71,20 @@ fn main() {
     let table = StaticEmbedder::load(&dir.join("static.bin"), &dir.join("tokenizer.json")).ok();
     if table.is_none() {
         println!("(no static table: run `gateway embed distill`; its rows and the verifier's are left out)");
+    }
+    if let Ok(tokens) = std::env::var("ONLY") {
+        let tokens: usize = tokens.parse().expect("ONLY: a token count");
+        let text = text_of(&bert, tokens);
+        let (start, mut times) = (Instant::now(), Vec::new());
+        while start.elapsed().as_secs() < 10 {
+            let t = Instant::now();
+            bert.embed(&[text.as_str()]).unwrap();
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let n = times.len();
+        let (p50, p99) = (percentile(times.clone(), 0.5), percentile(times, 0.99));
+        println!("{tokens} tokens, {n} passes: p50 {p50:.3} ms, p99 {p99:.3} ms");
+        return;
     }
     println!("| what | p50 ms | p99 ms |");
     println!("|---|---|---|");

@@ -5,7 +5,7 @@
 //!
 //! - `shipped f16`: the gateway's own kernel (`embedder::matmul::panels`, one thread);
 //! - `shipped int8`: the gateway's own 8-bit kernel (`embedder::matmul::int8`, one thread, the
-//!   activations quantised on each call; AVX-512 VNNI, AVX2 or a portable loop);
+//!   activations quantised on each call; AMX, AVX-512 VNNI, AVX2 or a portable loop);
 //! - `f16`: the same arithmetic (weights `f16` in panels, widened to `f32`, one fused
 //!   multiply-add per weight; activations `f32`) in the simple kernel the next two share;
 //! - `bf16`: weights and activations rounded to bfloat16, two products summed in `f32` per
@@ -206,7 +206,7 @@ fn main() {
         error(&ys.iter().map(|&v| f64::from(v)).collect::<Vec<_>>()),
     );
 
-    // The shipped int8 kernel (whichever this CPU runs: AVX-512 VNNI, AVX2 or the portable
+    // The shipped int8 kernel (whichever this CPU runs: AMX, AVX-512 VNNI, AVX2 or the portable
     // loop), on one thread, activations quantised on each call as in the model.
     let quantised = embedder::matmul::int8::Int8Panels::quantise(&w, N, K);
     let shipped8 = one.install(|| {

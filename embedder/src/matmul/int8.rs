@@ -23,27 +23,34 @@
 //! weights as `[depth / 4][WIDTH][4]`, which is what `vpdpbusd` reads. Where AVX-512 VNNI is
 //! missing, an AVX2 kernel reads the same layout (each weight widened to `i16`, two products
 //! per lane with `vpmaddwd`: on Zen 3 a 16 × 1536 × 384 product 196 → 161–165 µs against the
-//! `f16` kernel, `examples/lowp_kernels.rs`), and without AVX2 a portable loop. All three
-//! compute the same integers and the same floats: a vector does not depend on which CPU made
-//! it.
+//! `f16` kernel, `examples/lowp_kernels.rs`), and without AVX2 a portable loop. Where the CPU
+//! has AMX (Intel's tile unit, Sapphire Rapids on) and the kernel lets the process use it, one
+//! `tdpbusd` multiplies a block of 16 rows by a panel's 16 outputs over a whole group of depths
+//! (the panels are already the layout its second operand reads): the 16 × 1536 × 384 product
+//! 45–51 → 33–35 µs against the VNNI kernel, a pass of 32 to 256 tokens 10–15% faster and
+//! batches ~20% (a 16-token pass the same, ~2.0 ms: there the weights' trip from the
+//! third-level cache bounds both). All four compute the same integers and the same floats: a
+//! vector does not depend on which CPU made it.
 
 use std::ops::Range;
 
 use super::panels::{split, Out, Shape, WIDTH};
 use super::{Rows, Weight};
 
-/// Whether this CPU runs the product with AVX-512 VNNI: a short text's pass about twice as
-/// fast as with the `f16` kernel. The AVX2 kernel is only ~15% faster than it (Zen 3: a
+/// Whether this CPU runs the product with AVX-512 VNNI (or AMX): a short text's pass about
+/// twice as fast as with the `f16` kernel. The AVX2 kernel is only ~15% faster than it (Zen 3: a
 /// 16-token pass 3.6–3.7 → 3.1 ms), too little to trade the `f16` pass's agreement for by
 /// default; the portable loop is ten times slower.
 pub fn accelerated() -> bool {
-    Kernel::detected() == Kernel::Vnni
+    matches!(Kernel::detected(), Kernel::Amx | Kernel::Vnni)
 }
 
-/// Which kernel runs the product on this CPU: `"avx512-vnni"`, `"avx2"` or `"portable"` (the
-/// last ten times slower than the `f16` kernel: worth a warning where `int8` is asked for).
+/// Which kernel runs the product on this CPU: `"amx"`, `"avx512-vnni"`, `"avx2"` or
+/// `"portable"` (the last ten times slower than the `f16` kernel: worth a warning where `int8`
+/// is asked for).
 pub fn kernel_name() -> &'static str {
     match Kernel::detected() {
+        Kernel::Amx => "amx",
         Kernel::Vnni => "avx512-vnni",
         Kernel::Avx2 => "avx2",
         Kernel::Portable => "portable",
@@ -53,6 +60,9 @@ pub fn kernel_name() -> &'static str {
 /// Which code runs the product (and quantises the activations).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kernel {
+    /// AMX: `tdpbusd` sums a group's products for 16 rows by 16 outputs in one instruction
+    /// (AVX-512 quantises the activations and scales the sums).
+    Amx,
     /// AVX-512 VNNI: `vpdpbusd` sums four `u8 × i8` products per lane.
     Vnni,
     /// AVX2: each weight widened to `i16`, `vpmaddwd` sums two `i16` products per lane (the
@@ -68,6 +78,9 @@ impl Kernel {
     fn detected() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
+            if x86::amx() {
+                return Self::Amx;
+            }
             if x86::vnni() {
                 return Self::Vnni;
             }
@@ -79,12 +92,18 @@ impl Kernel {
     }
 }
 
-/// The fewest multiply-adds worth splitting over threads with [`Kernel::Vnni`]: a product
-/// there is ~4× faster than the `f16` kernel's, so waking a second thread pays only for larger
-/// ones (a 16-token text's pass took 1.7–1.9 ms on one thread against 2.2–2.6 ms split at the
-/// `f16` kernel's threshold; Zen 4, two vCPUs). The AVX2 kernel, about as fast as the `f16`
+/// The fewest multiply-adds worth splitting over threads with [`Kernel::Vnni`] or
+/// [`Kernel::Amx`]: a product there is ~4× faster than the `f16` kernel's, so waking a second
+/// thread pays only for larger ones (a 16-token text's pass took 1.7–1.9 ms on one thread
+/// against 2.2–2.6 ms split at the `f16` kernel's threshold; Zen 4, two vCPUs). With AMX, a
+/// 64-token pass took 6.0–6.3 ms split here against 7.1–7.8 ms on one thread at four times
+/// this threshold (Sapphire Rapids, two vCPUs). The AVX2 kernel, about as fast as the `f16`
 /// one, splits where it does.
 const VNNI_PARALLEL_WORK: usize = 1 << 24;
+
+/// Rows per tile: [`Kernel::Amx`] reads activations 16 rows at a time, so they are padded with
+/// up to 15 rows of zeros past the last.
+const TILE_ROWS: usize = 16;
 
 /// Depths summed per instruction: `vpdpbusd` sums four products per lane.
 const QUAD: usize = 4;
@@ -187,11 +206,16 @@ impl Quantised {
     /// `x` quantised for `kernel`.
     fn new(x: Rows<'_>, kernel: Kernel) -> Self {
         let groups = x.cols.div_ceil(GROUP);
-        let mut data = vec![128u8; x.rows * groups * GROUP];
-        let mut scale = vec![0.0f32; x.rows * groups];
+        let padded = match kernel {
+            Kernel::Amx => x.rows + TILE_ROWS - 1,
+            _ => x.rows,
+        };
+        let mut data = vec![128u8; padded * groups * GROUP];
+        let mut scale = vec![0.0f32; padded * groups];
         for (i, (out, scales)) in data
             .chunks_exact_mut(groups * GROUP)
             .zip(scale.chunks_exact_mut(groups))
+            .take(x.rows)
             .enumerate()
         {
             for ((group, out), s) in x
@@ -203,7 +227,7 @@ impl Quantised {
                 #[cfg(target_arch = "x86_64")]
                 if group.len() == GROUP && kernel != Kernel::Portable {
                     *s = match kernel {
-                        Kernel::Vnni => x86::quantise(group, out),
+                        Kernel::Amx | Kernel::Vnni => x86::quantise(group, out),
                         _ => x86::quantise256(group, out),
                     };
                     continue;
@@ -265,7 +289,7 @@ fn quantise(group: &[f32], out: &mut [u8]) -> f32 {
 pub fn product(x: Rows<'_>, w: &Int8Panels, bias: Option<&[f32]>, y: &mut [f32], y_stride: usize) {
     let kernel = Kernel::detected();
     let parallel = match kernel {
-        Kernel::Vnni => VNNI_PARALLEL_WORK,
+        Kernel::Amx | Kernel::Vnni => VNNI_PARALLEL_WORK,
         _ => super::PARALLEL_WORK,
     };
     let shape = Shape::checked(x, w.outs, w.depth, bias, parallel);
@@ -308,6 +332,12 @@ fn serial(
     assert!(out.first <= outs.start && outs.end - out.first <= out.y_stride);
     assert!(super::span(rows.len(), out.y_stride, outs.end - out.first) <= out.y.len());
     match kernel {
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Amx => {
+            assert!((rows.end + TILE_ROWS - 1) * q.stride() <= q.data.len());
+            assert!((rows.end + TILE_ROWS - 1) * q.groups <= q.scale.len());
+            x86::product_tiles(q, rows, w, panels, out);
+        }
         #[cfg(target_arch = "x86_64")]
         Kernel::Vnni => x86::product(q, rows, w, panels, out),
         #[cfg(target_arch = "x86_64")]
@@ -367,6 +397,8 @@ mod x86 {
     //! broadcast) against each panel's sixteen outputs' four weights (AVX-512 VNNI); or by
     //! one panel, eight outputs at a time (AVX2).
 
+    use std::arch::asm;
+    use std::arch::x86_64::{__cpuid_count, _mm512_load_si512, _mm_prefetch, _MM_HINT_T0};
     use std::arch::x86_64::{
         __m256, __m256i, _mm256_add_epi32, _mm256_andnot_ps, _mm256_castps256_ps128,
         _mm256_cvtepi32_ps, _mm256_cvtepi8_epi16, _mm256_cvtps_epi32, _mm256_extractf128_ps,
@@ -387,7 +419,189 @@ mod x86 {
     use std::ops::Range;
     use std::sync::OnceLock;
 
-    use super::{Int8Panels, Out, Quantised, GROUP, QUAD, WIDTH};
+    use super::{Int8Panels, Out, Quantised, GROUP, QUAD, TILE_ROWS, WIDTH};
+
+    /// Whether this CPU has AMX with 8-bit integers (and AVX-512 VNNI, for the rest of the
+    /// work) and the operating system lets this process use the tiles (asked once: on Linux a
+    /// process must ask for the tiles' 8 KiB of register state before its first tile
+    /// instruction; where it is refused, the VNNI kernel runs).
+    pub(super) fn amx() -> bool {
+        static AVAILABLE: OnceLock<bool> = OnceLock::new();
+        *AVAILABLE.get_or_init(|| {
+            // CPUID leaf 7: EDX bit 24 is AMX-TILE, bit 25 AMX-INT8 (leaf 7 exists where
+            // AVX-512 does).
+            const TILE_INT8: u32 = 3 << 24;
+            vnni() && __cpuid_count(7, 0).edx & TILE_INT8 == TILE_INT8 && tiles_permitted()
+        })
+    }
+
+    /// Asks Linux for the tiles' register state (`arch_prctl(ARCH_REQ_XCOMP_PERM,
+    /// XFEATURE_XTILEDATA)`, for the whole process and every thread it runs).
+    #[cfg(target_os = "linux")]
+    fn tiles_permitted() -> bool {
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: a system call that only changes which register state the process may use.
+        unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            ) == 0
+        }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn tiles_permitted() -> bool {
+        false
+    }
+
+    /// The tiles' shapes for [`tiles`] (`ldtilecfg`'s 64 bytes, palette 1), two sets of three
+    /// so that one step's tiles load while the last one's are still in use: `tmm0`/`tmm3` a
+    /// block's activations, 16 rows of a group's 64 bytes; `tmm1`/`tmm4` a panel's weights for
+    /// the group, 16 rows (four depths each) of 16 outputs' four bytes; `tmm2`/`tmm5` the sums,
+    /// 16 rows of 16 `i32`.
+    #[repr(C, align(64))]
+    struct TileConfig([u8; 64]);
+
+    impl TileConfig {
+        fn new() -> Self {
+            let mut config = [0u8; 64];
+            config[0] = 1;
+            for tile in 0..6 {
+                // Bytes per row (a `u16` from byte 16), rows (a byte each from byte 48).
+                config[16 + 2 * tile] = 64;
+                config[48 + tile] = 16;
+            }
+            Self(config)
+        }
+    }
+
+    /// A step's sums as `tilestored` writes them: 16 rows of 16 `i32`.
+    #[repr(C, align(64))]
+    struct Sums([i32; TILE_ROWS * WIDTH]);
+
+    /// How far ahead of a step its weights are fetched into the first-level cache: two steps'
+    /// panels (a pass's weights come from the third level: fetched as each step needs them,
+    /// the tile loads wait for them one after another).
+    const AHEAD: usize = 2 * GROUP * WIDTH;
+
+    /// Blocks of 16 rows by all of `panels`, with AMX; only call where [`amx`] said so,
+    /// [`super::serial`]'s bounds hold and `q` has [`TILE_ROWS`]` - 1` rows of padding past
+    /// `rows`.
+    pub(super) fn product_tiles(
+        q: &Quantised,
+        rows: Range<usize>,
+        w: &Int8Panels,
+        panels: Range<usize>,
+        mut out: Out<'_>,
+    ) {
+        assert!(amx() && GROUP == 64 && WIDTH * QUAD == 64);
+        let config = TileConfig::new();
+        // SAFETY: AMX is present and permitted (asserted above); the configuration is 64
+        // bytes, aligned.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(), options(nostack, readonly)) };
+        let mut i = rows.start;
+        while i < rows.end {
+            let r = (rows.end - i).min(TILE_ROWS);
+            // SAFETY: AMX and AVX-512 are present and the tiles configured; the block reads
+            // rows `i..i + 16` of `q` and their scales (padded: asserted by `serial`), `panels`
+            // of `w` and their start values and scales.
+            unsafe { tiles(q, w, panels.clone(), i, r, rows.start, &mut out) };
+            i += r;
+        }
+        // SAFETY: AMX is present; the tiles are not used past here.
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
+
+    /// Rows `i..i + 16` of `q` against `panels` of `w`, the first `r` of them written to `out`
+    /// (whose first row is `first`), as a run of steps, one per panel and group: `tdpbusd`
+    /// sums the group's products into a zeroed tile, which is stored; then AVX-512 adds the
+    /// start values and scales the sums as [`block`] does, one step behind, so that each
+    /// step's tile work runs while the last step's sums are scaled (the two use alternate
+    /// tiles and buffers).
+    ///
+    /// # Safety
+    /// AMX and AVX-512 present, the tiles configured by [`TileConfig`]; those rows (with
+    /// padding) and those panels exist.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tiles(
+        q: &Quantised,
+        w: &Int8Panels,
+        panels: Range<usize>,
+        i: usize,
+        r: usize,
+        first: usize,
+        out: &mut Out<'_>,
+    ) {
+        // SAFETY (the whole body): the caller's contract.
+        unsafe {
+            let (groups, stride, len) = (w.groups(), q.stride(), w.panel_len());
+            let xp = q.data.as_ptr().add(i * stride);
+            let scales = q.scale.as_ptr().add(i * groups);
+            let mut ints = [Sums([0; TILE_ROWS * WIDTH]), Sums([0; TILE_ROWS * WIDTH])];
+            let mut sums = [_mm512_setzero_ps(); TILE_ROWS];
+            let steps = panels.len() * groups;
+            for n in 0..=steps {
+                if n < steps {
+                    let (p, g) = (panels.start + n / groups, n % groups);
+                    let x = xp.add(g * GROUP);
+                    let wp = w.data.as_ptr().add(p * len + g * GROUP * WIDTH);
+                    // A prefetch never faults: past the weights' end it fetches nothing useful.
+                    let ahead = wp.wrapping_add(AHEAD);
+                    for line in 0..GROUP * WIDTH / 64 {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line * 64).cast());
+                    }
+                    let b = ints[n % 2].0.as_mut_ptr();
+                    if n % 2 == 0 {
+                        asm!(
+                            "tileloadd tmm0, [{x} + {stride}*1]",
+                            "tileloadd tmm1, [{w} + {line}*1]",
+                            "tilezero tmm2",
+                            "tdpbusd tmm2, tmm0, tmm1",
+                            "tilestored [{b} + {line}*1], tmm2",
+                            x = in(reg) x, stride = in(reg) stride, w = in(reg) wp,
+                            line = in(reg) WIDTH * QUAD, b = in(reg) b,
+                            options(nostack),
+                        );
+                    } else {
+                        asm!(
+                            "tileloadd tmm3, [{x} + {stride}*1]",
+                            "tileloadd tmm4, [{w} + {line}*1]",
+                            "tilezero tmm5",
+                            "tdpbusd tmm5, tmm3, tmm4",
+                            "tilestored [{b} + {line}*1], tmm5",
+                            x = in(reg) x, stride = in(reg) stride, w = in(reg) wp,
+                            line = in(reg) WIDTH * QUAD, b = in(reg) b,
+                            options(nostack),
+                        );
+                    }
+                }
+                if n == 0 {
+                    continue;
+                }
+                let m = n - 1;
+                let (p, g) = (panels.start + m / groups, m % groups);
+                let at = (p * groups + g) * WIDTH;
+                let start = _mm512_loadu_si512(w.start.as_ptr().add(at).cast());
+                let wscale = _mm512_loadu_ps(w.scale.as_ptr().add(at));
+                let b = ints[m % 2].0.as_ptr();
+                for (row, s) in sums.iter_mut().enumerate() {
+                    let v = _mm512_add_epi32(_mm512_load_si512(b.add(row * WIDTH).cast()), start);
+                    let both = _mm512_mul_ps(_mm512_set1_ps(*scales.add(row * groups + g)), wscale);
+                    *s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), both, *s);
+                }
+                if g + 1 == groups {
+                    let mut lanes = [0.0f32; WIDTH];
+                    for (row, s) in sums.iter_mut().enumerate().take(r) {
+                        _mm512_storeu_ps(lanes.as_mut_ptr(), *s);
+                        out.put(i + row - first, p * WIDTH, &lanes);
+                    }
+                    sums = [_mm512_setzero_ps(); TILE_ROWS];
+                }
+            }
+        }
+    }
 
     /// Whether this CPU has AVX-512 (F) and VNNI (checked once).
     pub(super) fn vnni() -> bool {
@@ -821,6 +1035,9 @@ mod tests {
         let mut all = Vec::new();
         #[cfg(target_arch = "x86_64")]
         {
+            if x86::amx() {
+                all.push(Kernel::Amx);
+            }
             if x86::vnni() {
                 all.push(Kernel::Vnni);
             }
@@ -850,12 +1067,13 @@ mod tests {
     #[test]
     fn the_kernel_named_is_the_fastest_this_cpu_has() {
         let want = match kernels().first() {
+            Some(Kernel::Amx) => "amx",
             Some(Kernel::Vnni) => "avx512-vnni",
             Some(Kernel::Avx2) => "avx2",
             _ => "portable",
         };
         assert_eq!(kernel_name(), want);
-        assert_eq!(accelerated(), want == "avx512-vnni");
+        assert_eq!(accelerated(), want == "amx" || want == "avx512-vnni");
     }
 
     #[test]
@@ -884,7 +1102,7 @@ mod tests {
             for kernel in kernels() {
                 let mut fast = [0u8; GROUP];
                 let quantise = match kernel {
-                    Kernel::Vnni => x86::quantise,
+                    Kernel::Amx | Kernel::Vnni => x86::quantise,
                     _ => x86::quantise256,
                 };
                 assert_eq!(quantise(group, &mut fast), scale, "{kernel:?}");

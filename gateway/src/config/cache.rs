@@ -63,8 +63,8 @@ pub enum CpuPrecision {
     Auto,
     /// Half-precision floats (vectors within a cosine of 1e-6 of the checkpoint's `f32`).
     F16,
-    /// 8-bit integers (AVX-512 VNNI, else AVX2 at ~15% faster than `f16`, else a plain
-    /// integer loop ten times slower).
+    /// 8-bit integers (AMX or AVX-512 VNNI, else AVX2 at ~15% faster than `f16`, else a
+    /// plain integer loop ten times slower).
     Int8,
 }
 

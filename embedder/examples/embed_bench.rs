@@ -19,7 +19,6 @@ use std::time::Instant;
 
 use common::unit;
 use embedder::bert::{BertEmbedder, DIM};
-use embedder::forward::Precision;
 use embedder::index::{CpuIndex, VectorIndex};
 use embedder::static_embed::StaticEmbedder;
 
@@ -62,9 +61,7 @@ fn main() {
     let dir = std::env::args()
         .nth(1)
         .map_or_else(|| PathBuf::from("models/all-MiniLM-L6-v2"), PathBuf::from);
-    let precision: Precision = std::env::var("PRECISION").map_or(Precision::default(), |p| {
-        p.parse().expect("PRECISION: f16, f32 or int8")
-    });
+    let precision = common::precision_from_env();
     let bert = BertEmbedder::load_with(&dir, precision).expect("model: run scripts/fetch-model.sh");
     // Without the table (before `gateway embed distill`) the transformer's rows are still
     // measured.

@@ -19,11 +19,12 @@
     reason = "research tool"
 )]
 
+mod common;
+
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 
 use embedder::bert::{cosine, BertEmbedder};
-use embedder::forward::Precision;
 use embedder::semantic::SHIPPED_VERIFIER;
 use embedder::static_embed::StaticEmbedder;
 use embedder::verifier::{Text, Verifier};
@@ -34,9 +35,7 @@ fn main() {
     let dir = args
         .get(2)
         .map_or_else(|| PathBuf::from("models/all-MiniLM-L6-v2"), PathBuf::from);
-    let precision: Precision = std::env::var("PRECISION").map_or(Precision::default(), |p| {
-        p.parse().expect("PRECISION: f16, f32 or int8")
-    });
+    let precision = common::precision_from_env();
     let bert = BertEmbedder::load_with(&dir, precision).expect("model");
     let table =
         StaticEmbedder::load(&dir.join("static.bin"), &dir.join("tokenizer.json")).expect("table");

@@ -1,4 +1,16 @@
-//! Shared by the embedder's examples (benchmarks).
+//! Shared by the embedder's examples (benchmarks). Each example uses some of it.
+
+#![allow(dead_code, reason = "each example uses some of these")]
+
+use embedder::forward::Precision;
+
+/// The transformer's precision named by `PRECISION` (`f16`, `f32` or `int8`; unset: the
+/// default).
+pub fn precision_from_env() -> Precision {
+    std::env::var("PRECISION").map_or(Precision::default(), |p| {
+        p.parse().expect("PRECISION: f16, f32 or int8")
+    })
+}
 
 /// A deterministic pseudo-random unit vector of `dim` dimensions (xorshift from `seed`).
 pub fn unit(seed: u64, dim: usize) -> Vec<f32> {

@@ -83,9 +83,9 @@ pub enum Precision {
     /// The layers' matrices quantised to 8-bit integers ([`matmul::int8`]); the word
     /// embeddings `f16`. About twice as fast as `F16` for a short text where the CPU has
     /// AVX-512 VNNI ([`Precision::fastest`]; with AMX 10–15% faster again from 32 tokens on),
-    /// ~15% faster with AVX2 alone, ten times slower
-    /// without either (the same vectors on every CPU); a question's vector within a cosine of ~6e-4 of
-    /// an f32 pass's (2.7e-3 for a text of three tokens); the verifier's decisions changed for
+    /// ~15% faster with AVX2 alone, ten times slower without either (the same vectors on every
+    /// CPU); a question's vector within a cosine of ~6e-4 of an f32 pass's (2.7e-3 for a text
+    /// of three tokens); the verifier's decisions changed for
     /// 0.4–0.7% of dev pairs at the precision targets 0.8 and 0.9, the precision within
     /// 0.25 points (docs/cache.md).
     Int8,

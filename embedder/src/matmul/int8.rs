@@ -536,19 +536,25 @@ mod x86 {
     ) {
         // SAFETY (the whole body): the caller's contract.
         unsafe {
-            let (groups, stride, len) = (w.groups(), q.stride(), w.panel_len());
-            let xp = q.data.as_ptr().add(i * stride);
-            let scales = q.scale.as_ptr().add(i * groups);
+            let (groups, stride) = (w.groups(), q.stride());
+            // A panel's groups follow each other, and so do the panels: step `n`'s weights,
+            // start values and scales are the `n`-th from `panels.start`'s.
+            let At {
+                x: xp,
+                scales,
+                w: wp,
+                wscales: wsp,
+                starts: sp,
+            } = At::new(&q.data, q, w, panels.start, i);
             let mut ints = [Sums([0; TILE_ROWS * WIDTH]), Sums([0; TILE_ROWS * WIDTH])];
             let mut sums = [_mm512_setzero_ps(); TILE_ROWS];
             let steps = panels.len() * groups;
             for n in 0..=steps {
                 if n < steps {
-                    let (p, g) = (panels.start + n / groups, n % groups);
-                    let x = xp.add(g * GROUP);
-                    let wp = w.data.as_ptr().add(p * len + g * GROUP * WIDTH);
+                    let x = xp.add(n % groups * GROUP);
+                    let wn = wp.add(n * GROUP * WIDTH);
                     // A prefetch never faults: past the weights' end it fetches nothing useful.
-                    let ahead = wp.wrapping_add(AHEAD);
+                    let ahead = wn.wrapping_add(AHEAD);
                     for line in 0..GROUP * WIDTH / 64 {
                         _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line * 64).cast());
                     }
@@ -560,7 +566,7 @@ mod x86 {
                             "tilezero tmm2",
                             "tdpbusd tmm2, tmm0, tmm1",
                             "tilestored [{b} + {line}*1], tmm2",
-                            x = in(reg) x, stride = in(reg) stride, w = in(reg) wp,
+                            x = in(reg) x, stride = in(reg) stride, w = in(reg) wn,
                             line = in(reg) WIDTH * QUAD, b = in(reg) b,
                             options(nostack),
                         );
@@ -571,7 +577,7 @@ mod x86 {
                             "tilezero tmm5",
                             "tdpbusd tmm5, tmm3, tmm4",
                             "tilestored [{b} + {line}*1], tmm5",
-                            x = in(reg) x, stride = in(reg) stride, w = in(reg) wp,
+                            x = in(reg) x, stride = in(reg) stride, w = in(reg) wn,
                             line = in(reg) WIDTH * QUAD, b = in(reg) b,
                             options(nostack),
                         );
@@ -581,10 +587,9 @@ mod x86 {
                     continue;
                 }
                 let m = n - 1;
-                let (p, g) = (panels.start + m / groups, m % groups);
-                let at = (p * groups + g) * WIDTH;
-                let start = _mm512_loadu_si512(w.start.as_ptr().add(at).cast());
-                let wscale = _mm512_loadu_ps(w.scale.as_ptr().add(at));
+                let g = m % groups;
+                let start = _mm512_loadu_si512(sp.add(m * WIDTH).cast());
+                let wscale = _mm512_loadu_ps(wsp.add(m * WIDTH));
                 let b = ints[m % 2].0.as_ptr();
                 for (row, s) in sums.iter_mut().enumerate() {
                     let v = _mm512_add_epi32(_mm512_load_si512(b.add(row * WIDTH).cast()), start);
@@ -592,6 +597,7 @@ mod x86 {
                     *s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), both, *s);
                 }
                 if g + 1 == groups {
+                    let p = panels.start + m / groups;
                     let mut lanes = [0.0f32; WIDTH];
                     for (row, s) in sums.iter_mut().enumerate().take(r) {
                         _mm512_storeu_ps(lanes.as_mut_ptr(), *s);
